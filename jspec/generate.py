@@ -1,0 +1,186 @@
+"""Autoregressive generation as one XLA program: jitted prefill, then a `lax.while_loop` decode.
+
+`generate_tokens` is pure and jit-compatible (users may wrap it in their own `jax.jit`);
+`generate` validates host-side inputs, pads prompts to a length bucket and calls a cached jitted
+`generate_tokens`, so every prompt of a bucket reuses one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+from jspec.sampling.processing import GREEDY, SamplingParams, sample
+
+Array = jax.Array
+PAD = -1  # output slots past a row's length
+MIN_BUCKET = 16
+CACHE_ALIGN = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GenerateOutput:
+  tokens: Array  # [B, N] int32, PAD after each row's length
+  lengths: Array  # [B] int32, generated tokens per row (stop token included)
+  target_calls: Array  # [] int32, forwards of the model (prefill counts one)
+  steps: Array  # [] int32, decode-loop iterations
+
+  def sequences(self) -> list[list[int]]:
+    """Generated ids per row, trimmed to each row's length (host-side)."""
+    tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  step: Array  # [] int32, tokens generated so far (lockstep over rows)
+  done: Array  # [B] bool
+  tokens: Array  # [B, N] int32 output buffer
+  lengths: Array  # [B] int32
+  last: Array  # [B] int32, the token to feed next
+  key: Array
+  cache: KVCache
+  target_calls: Array  # [] int32
+
+
+def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
+  if not stop_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
+
+
+def prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
+            cache: KVCache) -> tuple[Array, Array, KVCache]:
+  """Run padded prompts [B, P] through an empty cache; logits [B, V] at each row's last token."""
+  B, P = prompt.shape
+  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  logits, hidden, cache = forward(params, cfg, prompt, positions, cache.with_lengths(
+      jnp.zeros((B,), jnp.int32)), logits_indices=(prompt_lengths - 1)[:, None])
+  return logits[:, 0], hidden, cache.with_lengths(prompt_lengths)
+
+
+def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
+                    sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
+                    stop_ids: tuple[int, ...] = (), cache_dtype=None) -> GenerateOutput:
+  """Generate up to `max_new_tokens` per row; pure and jit-friendly.
+
+  Args:
+    prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
+    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype: static.
+  """
+  B, P = prompt.shape
+  cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype)
+  logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  key, sub = jax.random.split(key)
+  first = sample(sub, logits, sampling)  # [B]
+  tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+  state = DecodeState(
+      step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
+      lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
+      target_calls=jnp.int32(1))
+
+  def cond(s: DecodeState):
+    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+
+  def body(s: DecodeState) -> DecodeState:
+    logits, _, cache = forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache)
+    key, sub = jax.random.split(s.key)
+    nxt = sample(sub, logits[:, 0], sampling)  # [B]
+    nxt = jnp.where(s.done, PAD, nxt)
+    tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.step))
+    lengths = s.lengths + (~s.done).astype(jnp.int32)
+    done = s.done | is_stop(nxt, stop_ids) | (lengths >= max_new_tokens)
+    return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
+                       last=jnp.where(s.done, s.last, nxt), key=key, cache=cache.commit(1),
+                       target_calls=s.target_calls + 1)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
+                        target_calls=state.target_calls, steps=state.step - 1)
+
+
+_generate_jit = jax.jit(generate_tokens, static_argnums=(1,),
+                        static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype"))
+
+
+def prompt_bucket(length: int) -> int:
+  """Padded prompt length: the next power of two, at least MIN_BUCKET."""
+  return max(MIN_BUCKET, 1 << (max(length, 1) - 1).bit_length())
+
+
+def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
+               cache_size: int | None = None) -> tuple[int, int]:
+  """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit."""
+  limit = cache_size or cfg.max_position_embeddings
+  longest = max(prompt_lengths)
+  if longest + max_new_tokens > limit:
+    what = f"cache_size={cache_size}" if cache_size else (
+        f"the model's max_position_embeddings={cfg.max_position_embeddings}")
+    raise ValueError(
+        f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs "
+        f"{longest + max_new_tokens} cache slots, more than {what}. Fix: shorten the prompt, "
+        f"lower max_new_tokens" + (", or raise cache_size." if cache_size else "."))
+  bucket = prompt_bucket(longest)
+  if cache_size:
+    return bucket, cache_size
+  size = -(-(bucket + max_new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
+  return bucket, min(size, limit)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Validate token-id prompts and right-pad them to [B, bucket]; returns (tokens, lengths)."""
+  if len(prompts) == 0:
+    raise ValueError("no prompts given: pass a non-empty list of token-id lists")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  out = np.zeros((len(prompts), bucket), np.int32)
+  for b, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {b} is empty: every prompt needs at least one token "
+                       f"(e.g. the BOS token)")
+    arr = np.asarray(p)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"prompt {b} must be a flat sequence of integer token ids, "
+                       f"got dtype {arr.dtype} and shape {arr.shape}")
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    if bad.size:
+      raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {vocab_size}): "
+                       f"{bad[:5].tolist()}. Fix: tokenize with this model's tokenizer.")
+    out[b, : len(p)] = arr
+  return out, lengths
+
+
+def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
+             stop_ids: Sequence[int] = (), cache_size: int | None = None) -> GenerateOutput:
+  """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
+
+  Example:
+    out = generate(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=32,
+                   sampling=SamplingParams(temperature=0.7, top_p=0.9), key=0)
+    out.sequences()  # [[...], [...]]
+  """
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+  sampling.validate()
+  stop = tuple(int(s) for s in stop_ids)
+  if any(not 0 <= s < cfg.vocab_size for s in stop):
+    raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
+  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
+    prompts = [prompts]
+  bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size)
+  tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  sampling = jax.tree.map(jnp.asarray, sampling)
+  return _generate_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), key, sampling,
+                       max_new_tokens=int(max_new_tokens), cache_size=size, stop_ids=stop)

@@ -1,0 +1,285 @@
+"""Load Llama-family weights from a Hugging Face directory (safetensors) or a GGUF file.
+
+Both formats go through one table of regex key mappings that turns each tensor (in the torch
+[out, in] layout) into a slice of our stacked `Params`, with a shape check against `param_layout`.
+Pickle-based checkpoints (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused: loading them runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.config import Config, RopeScaling, config_from_hf
+from jspec.models.llama import LayerParams, Params, param_layout
+from jspec.sharding import is_spec
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+# Each HF tensor → (field of Params or "layers.<field>", reshape from the torch layout).
+# E: hidden, H: heads, K: kv heads, D: head dim. Linear weights arrive as [out, in].
+_Reshape = Callable[[np.ndarray, Config], np.ndarray]
+_ident: _Reshape = lambda w, c: w
+_q = lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, c.head_dim)
+_kv = lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim)
+_o = lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size)
+_qb = lambda w, c: w.reshape(c.num_heads, c.head_dim)
+_kvb = lambda w, c: w.reshape(c.num_kv_heads, c.head_dim)
+_t = lambda w, c: w.T
+
+HF_KEYS: list[tuple[str, str, _Reshape]] = [
+    (r"model\.embed_tokens\.weight", "embed", _ident),
+    (r"model\.norm\.weight", "final_norm", _ident),
+    (r"lm_head\.weight", "lm_head", _t),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.attn_norm", _ident),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.mlp_norm", _ident),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.wq", _q),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.wk", _kv),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.wv", _kv),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.wo", _o),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "layers.bq", _qb),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers.bk", _kvb),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers.bv", _kvb),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers.bo", _ident),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.q_norm", _ident),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.k_norm", _ident),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.w_gate", _t),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.w_up", _t),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.w_down", _t),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.bias", "layers.b_gate", _ident),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.bias", "layers.b_up", _ident),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "layers.b_down", _ident),
+]
+_HF_PATTERNS = [(re.compile(p + r"$"), f, r) for p, f, r in HF_KEYS]
+# Tensors that carry no parameters of ours.
+_HF_IGNORED = re.compile(r".*(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+# GGUF (llama.cpp) tensor names → HF names, so one table serves both formats.
+GGUF_TO_HF = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"blk\.(\d+)\.attn_q_norm\.weight", r"model.layers.\1.self_attn.q_norm.weight"),
+    (r"blk\.(\d+)\.attn_k_norm\.weight", r"model.layers.\1.self_attn.k_norm.weight"),
+    (r"blk\.(\d+)\.ffn_gate\.(weight|bias)", r"model.layers.\1.mlp.gate_proj.\2"),
+    (r"blk\.(\d+)\.ffn_up\.(weight|bias)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"blk\.(\d+)\.ffn_down\.(weight|bias)", r"model.layers.\1.mlp.down_proj.\2"),
+]
+_GGUF_PATTERNS = [(re.compile(p + r"$"), r) for p, r in GGUF_TO_HF]
+
+
+def _check_not_pickle(path: Path) -> None:
+  if path.suffix in PICKLE_SUFFIXES:
+    raise ValueError(
+        f"{path} is a pickle-based checkpoint; jspec never unpickles checkpoints because loading "
+        f"them can run arbitrary code. Fix: convert it to safetensors (e.g. transformers' "
+        f"`save_pretrained(dir, safe_serialization=True)`) or GGUF.")
+
+
+def assemble_params(cfg: Config, tensors: Iterator[tuple[str, np.ndarray]], dtype,
+                    source: str) -> Params:
+  """Build Params from (HF name, torch-layout array) pairs, checking every shape."""
+  layout = param_layout(cfg)
+  top: dict[str, np.ndarray] = {}
+  per_layer: dict[str, dict[int, np.ndarray]] = {}
+  for name, array in tensors:
+    for pattern, field, reshape in _HF_PATTERNS:
+      m = pattern.match(name)
+      if m:
+        value = np.asarray(reshape(np.asarray(array, np.float32), cfg))
+        if field.startswith("layers."):
+          per_layer.setdefault(field[7:], {})[int(m.group(1))] = value
+        else:
+          top[field] = value
+        break
+    else:
+      if not _HF_IGNORED.match(name):
+        raise ValueError(f"{source}: unexpected tensor {name!r}; the checkpoint does not look like "
+                         f"a {cfg.arch} decoder jspec understands")
+
+  def finish(field: str, spec, value: np.ndarray | None) -> jax.Array | None:
+    if spec is None:
+      if value is not None:
+        raise ValueError(f"{source}: tensor for {field!r} present but the config says it is absent")
+      return None
+    if value is None:
+      raise ValueError(f"{source}: missing tensor for {field!r} (expected shape {spec.shape})")
+    if value.shape != spec.shape:
+      raise ValueError(f"{source}: {field!r} has shape {value.shape}, config implies {spec.shape}")
+    return jnp.asarray(value, dtype)
+
+  layer_fields = {}
+  for field in LayerParams.__dataclass_fields__:
+    spec = getattr(layout.layers, field)
+    found = per_layer.pop(field, None)
+    stacked = None
+    if found is not None:
+      missing = sorted(set(range(cfg.num_layers)) - set(found))
+      if missing:
+        raise ValueError(f"{source}: {field!r} missing for layers {missing}")
+      stacked = np.stack([found[i] for i in range(cfg.num_layers)])
+    layer_fields[field] = finish(f"layers.{field}", spec, stacked)
+  lm_head = top.pop("lm_head", None)
+  if cfg.tie_embeddings:
+    lm_head = None  # some tied checkpoints still store a copy of the embedding
+  return Params(
+      embed=finish("embed", layout.embed, top.pop("embed", None)),
+      layers=LayerParams(**layer_fields),
+      final_norm=finish("final_norm", layout.final_norm, top.pop("final_norm", None)),
+      lm_head=finish("lm_head", layout.lm_head, lm_head),
+  )
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
+  """Config and params from an HF model directory with config.json and *.safetensors."""
+  from safetensors import safe_open
+
+  path = Path(path)
+  _check_not_pickle(path)
+  if not path.exists():
+    raise FileNotFoundError(f"model directory {path} does not exist")
+  if not path.is_dir():
+    raise ValueError(f"{path} is neither a directory with config.json nor a .gguf file")
+  config_file = path / "config.json"
+  if not config_file.is_file():
+    raise FileNotFoundError(f"{config_file} not found: an HF model directory needs config.json")
+  cfg = config_from_hf(json.loads(config_file.read_text()))
+  index = path / "model.safetensors.index.json"
+  if index.is_file():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  else:
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+  if not files:
+    pickles = [p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+      _check_not_pickle(path / pickles[0])
+    raise FileNotFoundError(f"no *.safetensors weights in {path}")
+
+  def tensors():
+    for name in files:
+      if not (path / name).is_file():
+        raise FileNotFoundError(f"{path / name} listed in the index is missing")
+      with safe_open(str(path / name), framework="numpy") as f:
+        for key in f.keys():
+          yield key, f.get_tensor(key)
+
+  return cfg, assemble_params(cfg, tensors(), dtype, str(path))
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+
+def gguf_fields(reader) -> dict[str, Any]:
+  """GGUF metadata as plain Python values."""
+  return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
+  arch = meta.get("general.architecture")
+  if arch not in ("llama", "qwen2", "qwen3"):
+    raise ValueError(f"unsupported GGUF architecture {arch!r}; jspec loads llama, qwen2 and qwen3")
+  get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+  hidden = int(get("embedding_length"))
+  heads = int(get("attention.head_count"))
+  kv_heads = get("attention.head_count_kv", heads)
+  vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+  scaling = RopeScaling()
+  kind = get("rope.scaling.type")
+  if kind == "linear":
+    scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
+  elif kind not in (None, "none"):
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+  return Config(
+      arch=arch,
+      vocab_size=int(vocab),
+      hidden_size=hidden,
+      intermediate_size=int(get("feed_forward_length")),
+      num_layers=int(get("block_count")),
+      num_heads=heads,
+      num_kv_heads=int(kv_heads),
+      head_dim=int(get("attention.key_length") or hidden // heads),
+      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+      rope_theta=float(get("rope.freq_base", 10000.0)),
+      rope_scaling=scaling,
+      max_position_embeddings=int(get("context_length", 4096)),
+      tie_embeddings="output.weight" not in tensor_names,
+      qkv_bias="blk.0.attn_q.bias" in tensor_names,
+      o_bias="blk.0.attn_output.bias" in tensor_names,
+      mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+      qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+  )
+
+
+def unpermute_llama_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undo llama.cpp's interleaving of q/k rows ([out, in]) for its non-NEOX RoPE."""
+  out = w.shape[0]
+  rest = w.shape[1:]
+  return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
+  """Config and params from a GGUF file of a llama/qwen2/qwen3 model, dequantized."""
+  import gguf
+
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"GGUF file {path} does not exist")
+  reader = gguf.GGUFReader(str(path))
+  meta = gguf_fields(reader)
+  names = {t.name for t in reader.tensors}
+  cfg = config_from_gguf(meta, names)
+  freq_factors = None
+
+  def tensors():
+    nonlocal freq_factors
+    for t in reader.tensors:
+      w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+      w = w.reshape([int(n) for n in reversed(t.shape)])  # ggml lists dims innermost first
+      if t.name == "rope_freqs.weight":
+        freq_factors = tuple(float(x) for x in w.reshape(-1))
+        continue
+      for pattern, repl in _GGUF_PATTERNS:
+        if pattern.match(t.name):
+          hf_name = pattern.sub(repl, t.name)
+          break
+      else:
+        raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
+      if cfg.arch == "llama" and t.name.endswith("attn_q.weight"):
+        w = unpermute_llama_qk(w, cfg.num_heads)
+      elif cfg.arch == "llama" and t.name.endswith("attn_k.weight"):
+        w = unpermute_llama_qk(w, cfg.num_kv_heads)
+      yield hf_name, w
+
+  params = assemble_params(cfg, tensors(), dtype, str(path))
+  if freq_factors is not None:
+    cfg = _with_freq_factors(cfg, freq_factors)
+  return cfg, params
+
+
+def _with_freq_factors(cfg: Config, factors: tuple[float, ...]) -> Config:
+  import dataclasses
+  return dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="factors", freq_factors=factors))
+
+
+def load_model(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
+  """Dispatch on the path: a .gguf file or an HF directory."""
+  path = Path(path)
+  _check_not_pickle(path)
+  if path.suffix == ".gguf":
+    return load_gguf(path, dtype)
+  return load_hf(path, dtype)

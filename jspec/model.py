@@ -1,0 +1,76 @@
+"""A loaded model: config, params and tokenizer together, with text in and text out."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jspec.generate import GenerateOutput, generate
+from jspec.io.checkpoint import load_model as load_weights
+from jspec.io.tokenizer import Tokenizer
+from jspec.models.config import Config
+from jspec.models.llama import Params
+from jspec.sampling.processing import GREEDY, SamplingParams
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT = "default"
+
+
+@dataclasses.dataclass
+class Model:
+  cfg: Config
+  params: Params
+  tokenizer: Tokenizer
+  source: str
+
+  def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
+    """Token ids for a prompt, wrapped in the chat template when `chat`."""
+    if chat:
+      messages = ([{"role": "system", "content": system}] if system else [])
+      messages.append({"role": "user", "content": text})
+      text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+      return self.tokenizer.encode(text, add_special_tokens=False)
+    return self.tokenizer.encode(text, add_special_tokens=True)
+
+  def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+                   sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
+                   stop: bool = True) -> GenerateOutput:
+    stop_ids = self.tokenizer.stop_token_ids if stop else ()
+    return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
+                    sampling=sampling, key=key, stop_ids=stop_ids)
+
+  def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
+    """Generate continuations of text prompts; returns the decoded new text per prompt."""
+    out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
+    return [self.tokenizer.decode(seq) for seq in out.sequences()]
+
+
+def resolve_path(name_or_path: str | Path) -> Path:
+  """"default" → the fetched default GGUF; anything else must be a local GGUF or HF directory."""
+  if str(name_or_path) == DEFAULT:
+    from jspec.io.fetch import default_model_path
+    return default_model_path()
+  path = Path(name_or_path).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(
+        f"model {str(name_or_path)!r} not found: pass 'default', a local .gguf file or a local "
+        f"Hugging Face directory (config.json + *.safetensors + tokenizer.json). jspec never "
+        f"downloads from a model hub.")
+  return path
+
+
+def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32") -> Model:
+  """Load weights and tokenizer from "default", a .gguf file or an HF directory."""
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+  path = resolve_path(name_or_path)
+  cfg, params = load_weights(path, DTYPES[dtype])
+  tokenizer = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_hf_dir(path)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                     f"vocabulary is {cfg.vocab_size}")
+  return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))

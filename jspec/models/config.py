@@ -1,0 +1,155 @@
+"""Model configuration: one frozen, hashable dataclass for every Llama-family decoder we run."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+# HF `model_type` / `architectures[0]` → our architecture name.
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling. kind: "none", "linear", "llama3" (Llama 3.1/3.2) or "factors"
+  (per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF's rope_freqs tensor)."""
+
+  kind: str = "none"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position: int = 8192
+  freq_factors: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static description of a decoder; passed to jitted functions as a static argument."""
+
+  arch: str
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  max_position_embeddings: int = 4096
+  tie_embeddings: bool = False
+  qkv_bias: bool = False  # Qwen2, some Llamas (attention_bias)
+  o_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+
+  def __post_init__(self):
+    if self.arch not in ARCHITECTURES:
+      raise ValueError(f"unsupported architecture {self.arch!r}; jspec runs {ARCHITECTURES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  def num_params(self) -> int:
+    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+    layer = attn + 3 * e * f + 2 * e + (2 * d if self.qk_norm else 0)
+    head = 0 if self.tie_embeddings else self.vocab_size * e
+    return self.vocab_size * e + self.num_layers * layer + e + head
+
+
+def _hf_arch(hf: dict[str, Any]) -> str:
+  model_type = hf.get("model_type")
+  if model_type in _HF_MODEL_TYPES:
+    return _HF_MODEL_TYPES[model_type]
+  for cls in hf.get("architectures") or ():
+    if cls in _HF_ARCH_CLASSES:
+      return _HF_ARCH_CLASSES[cls]
+  raise ValueError(
+      f"unsupported architecture: model_type={model_type!r}, architectures="
+      f"{hf.get('architectures')!r}. jspec runs Llama 2/3, Qwen2 and Qwen3 decoders "
+      f"({', '.join(_HF_ARCH_CLASSES)}).")
+
+
+def rope_scaling_from_hf(scaling: dict[str, Any] | None) -> RopeScaling:
+  if not scaling:
+    return RopeScaling()
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return RopeScaling()
+  if kind == "linear":
+    return RopeScaling(kind="linear", factor=float(scaling["factor"]))
+  if kind == "llama3":
+    return RopeScaling(
+        kind="llama3", factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position=int(scaling["original_max_position_embeddings"]))
+  raise ValueError(f"unsupported rope_scaling type {kind!r}; jspec supports default, linear, llama3")
+
+
+def config_from_hf(hf: dict[str, Any]) -> Config:
+  """Config from a Hugging Face `config.json` dictionary."""
+  arch = _hf_arch(hf)
+  if hf.get("use_sliding_window") and hf.get("sliding_window"):
+    raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+  num_heads = int(hf["num_attention_heads"])
+  hidden = int(hf["hidden_size"])
+  # Qwen2/3 checkpoints carry rope_theta at the top level; newer transformers nests it in
+  # rope_parameters together with the scaling.
+  rope = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+  bias = bool(hf.get("attention_bias", arch == "qwen2"))
+  return Config(
+      arch=arch,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=hidden,
+      intermediate_size=int(hf["intermediate_size"]),
+      num_layers=int(hf["num_hidden_layers"]),
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+      head_dim=int(hf.get("head_dim") or hidden // num_heads),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+      rope_scaling=rope_scaling_from_hf(scaling),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=bias,
+      o_bias=bias and arch == "llama",
+      mlp_bias=bool(hf.get("mlp_bias", False)),
+      qk_norm=arch == "qwen3",
+  )
+
+
+def rope_frequencies(cfg: Config) -> np.ndarray:
+  """Inverse frequencies [head_dim // 2] after the configured scaling (host-side constants)."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  s = cfg.rope_scaling
+  if s.kind == "linear":
+    inv = inv / s.factor
+  elif s.kind == "llama3":
+    # Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+  elif s.kind == "factors":
+    inv = inv / np.asarray(s.freq_factors, np.float64)
+  return inv.astype(np.float32)

@@ -1,0 +1,243 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward.
+
+Layers are stacked along a leading axis and run with `lax.scan`, so compile time does not grow with
+depth. The KV cache travels in the scan carry and is written in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import KVCache
+from jspec.models.config import Config, rope_frequencies
+from jspec.sharding import ArraySpec, is_spec
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+  """Weights of all decoder layers, stacked: every array has a leading [L] axis."""
+
+  attn_norm: Array  # [L, E]
+  wq: Array  # [L, E, H, D]
+  wk: Array  # [L, E, K, D]
+  wv: Array  # [L, E, K, D]
+  wo: Array  # [L, H, D, E]
+  mlp_norm: Array  # [L, E]
+  w_gate: Array  # [L, E, F]
+  w_up: Array  # [L, E, F]
+  w_down: Array  # [L, F, E]
+  bq: Optional[Array] = None  # [L, H, D]
+  bk: Optional[Array] = None  # [L, K, D]
+  bv: Optional[Array] = None  # [L, K, D]
+  bo: Optional[Array] = None  # [L, E]
+  q_norm: Optional[Array] = None  # [L, D]
+  k_norm: Optional[Array] = None  # [L, D]
+  b_gate: Optional[Array] = None  # [L, F]
+  b_up: Optional[Array] = None  # [L, F]
+  b_down: Optional[Array] = None  # [L, E]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+  embed: Array  # [V, E]
+  layers: LayerParams
+  final_norm: Array  # [E]
+  lm_head: Optional[Array] = None  # [E, V]; None when tied to `embed`
+
+
+def param_layout(cfg: Config) -> Params:
+  """Every parameter once: shape, logical axes, initializer. Init, sharding and loading use it."""
+  L, E, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  s = ArraySpec
+  opt = lambda cond, spec: spec if cond else None
+  layers = LayerParams(
+      attn_norm=s((L, E), ("layers", "embed"), "ones"),
+      wq=s((L, E, H, D), ("layers", "embed", "heads", "head_dim")),
+      wk=s((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+      wv=s((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim")),
+      wo=s((L, H, D, E), ("layers", "heads", "head_dim", "embed")),
+      mlp_norm=s((L, E), ("layers", "embed"), "ones"),
+      w_gate=s((L, E, F), ("layers", "embed", "mlp")),
+      w_up=s((L, E, F), ("layers", "embed", "mlp")),
+      w_down=s((L, F, E), ("layers", "mlp", "embed")),
+      bq=opt(cfg.qkv_bias, s((L, H, D), ("layers", "heads", "head_dim"), "zeros")),
+      bk=opt(cfg.qkv_bias, s((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")),
+      bv=opt(cfg.qkv_bias, s((L, K, D), ("layers", "kv_heads", "head_dim"), "zeros")),
+      bo=opt(cfg.o_bias, s((L, E), ("layers", "embed"), "zeros")),
+      q_norm=opt(cfg.qk_norm, s((L, D), ("layers", "head_dim"), "ones")),
+      k_norm=opt(cfg.qk_norm, s((L, D), ("layers", "head_dim"), "ones")),
+      b_gate=opt(cfg.mlp_bias, s((L, F), ("layers", "mlp"), "zeros")),
+      b_up=opt(cfg.mlp_bias, s((L, F), ("layers", "mlp"), "zeros")),
+      b_down=opt(cfg.mlp_bias, s((L, E), ("layers", "embed"), "zeros")),
+  )
+  return Params(
+      embed=s((V, E), ("vocab", "embed")),
+      layers=layers,
+      final_norm=s((E,), ("embed",), "ones"),
+      lm_head=None if cfg.tie_embeddings else s((E, V), ("embed", "vocab")),
+  )
+
+
+def init_params(cfg: Config, key: Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
+  """Random parameters (tests, drafter initialisation)."""
+  layout = param_layout(cfg)
+  specs, treedef = jax.tree.flatten(layout, is_leaf=is_spec)
+  keys = jax.random.split(key, len(specs))
+
+  def make(spec: ArraySpec, k: Array) -> Array:
+    if spec.init == "ones":
+      return jnp.ones(spec.shape, dtype)
+    if spec.init == "zeros":
+      return jnp.zeros(spec.shape, dtype)
+    return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+  return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_tables(cfg: Config, positions: Array) -> tuple[Array, Array]:
+  """cos, sin of shape [B, T, D/2] for integer positions [B, T]."""
+  inv_freq = jnp.asarray(rope_frequencies(cfg))  # [D/2]
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+  """Rotate-half RoPE (HF convention) on x [B, T, N, D]."""
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)  # [B, T, N, D/2] each
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attention_mask(lengths: Array, size: int, mask: Optional[Array], T: int) -> Array:
+  """Which cache slots each new token sees: [B, T, S] bool.
+
+  Slots below `lengths[b]` are the committed prefix (visible to all new tokens); slot
+  `lengths[b] + u` holds new token u, visible to new token t iff mask[b, t, u] (causal if None).
+  """
+  B = lengths.shape[0]
+  slot = jnp.arange(size)[None, None, :]  # [1, 1, S]
+  rel = slot - lengths[:, None, None]  # [B, 1, S]: index among the new tokens
+  if mask is None:
+    t = jnp.arange(T)[None, :, None]
+    in_block = (rel >= 0) & (rel <= t)
+  else:
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1), (B, T, size))
+    in_block = (rel >= 0) & (rel < T) & jnp.take_along_axis(mask, idx, axis=2)
+  return (rel < 0) | in_block
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+  """GQA attention. q [B, T, H, D]; k, v [B, S, K, D]; mask [B, T, S] → [B, T, H, D]."""
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  q = q.reshape(B, T, K, H // K, D)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (D ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(B, T, H, D)
+
+
+def _layer(cfg: Config, x: Array, lp: LayerParams, i: Array, k_cache: Array, v_cache: Array,
+           cos: Array, sin: Array, slots: Array, mask: Array):
+  """One decoder layer; writes this layer's new K/V into the stacked cache at `slots`."""
+  B = x.shape[0]
+  with jax.named_scope("attention"):
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, lp.wq)  # [B, T, H, D]
+    k = jnp.einsum("bte,ekd->btkd", h, lp.wk)  # [B, T, K, D]
+    v = jnp.einsum("bte,ekd->btkd", h, lp.wv)  # [B, T, K, D]
+    if lp.bq is not None:
+      q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lp.q_norm is not None:
+      q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+      k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    # Slots past the cache end are dropped; callers validate capacity before they get here.
+    k_cache = k_cache.at[i, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[i, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
+    out = _attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
+    attn = jnp.einsum("bthd,hde->bte", out, lp.wo)
+    if lp.bo is not None:
+      attn = attn + lp.bo
+    x = x + attn
+  with jax.named_scope("mlp"):
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("bte,ef->btf", h, lp.w_gate)
+    up = jnp.einsum("bte,ef->btf", h, lp.w_up)
+    if lp.b_gate is not None:
+      gate, up = gate + lp.b_gate, up + lp.b_up
+    down = jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp.w_down)
+    if lp.b_down is not None:
+      down = down + lp.b_down
+    x = x + down
+  return x, k_cache, v_cache
+
+
+def lm_head(params: Params, hidden: Array) -> Array:
+  """Logits (float32) from final-normed hidden states [..., E]."""
+  if params.lm_head is None:
+    return jnp.einsum("...e,ve->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+  return jnp.einsum("...e,ev->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+            mask: Optional[Array] = None, *, logits_indices: Optional[Array] = None):
+  """Run T new tokens per row through the decoder.
+
+  Args:
+    tokens: [B, T] int32 token ids.
+    positions: [B, T] int32 RoPE positions.
+    cache: the KV cache; the new entries are written at slots lengths[b] + t, not committed.
+    mask: [B, T, T] bool, which new tokens each new token sees (None: causal). Tree attention
+      passes the ancestor mask here.
+    logits_indices: optional [B, N] int32: compute logits only at these of the T positions.
+
+  Returns:
+    (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
+  """
+  B, T = tokens.shape
+  x = params.embed[tokens]  # [B, T, E]
+  cos, sin = rope_tables(cfg, positions)
+  slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+  full_mask = attention_mask(cache.lengths, cache.size, mask, T)  # [B, T, S]
+
+  def body(carry, layer_in):
+    x, k_cache, v_cache = carry
+    i, lp = layer_in
+    with jax.named_scope("decoder_layer"):
+      x, k_cache, v_cache = _layer(cfg, x, lp, i, k_cache, v_cache, cos, sin, slots, full_mask)
+    return (x, k_cache, v_cache), None
+
+  (x, k_all, v_all), _ = jax.lax.scan(
+      body, (x, cache.k, cache.v), (jnp.arange(cfg.num_layers), params.layers))
+  hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
+  picked = hidden
+  if logits_indices is not None:
+    picked = jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)  # [B, N, E]
+  logits = lm_head(params, picked)
+  return logits, hidden, dataclasses.replace(cache, k=k_all, v=v_all)
+
+
+def param_bytes(params: Params) -> int:
+  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))

@@ -1,0 +1,25 @@
+import pytest
+
+from jspec import data
+
+
+@pytest.mark.parametrize("name,count", [("mt-bench", 80), ("humaneval", 164)])
+def test_counts_and_items(name, count):
+  prompts = data.load_prompts(name, progress=False)
+  assert len(prompts) == count
+  assert all(isinstance(p, str) and p.strip() for p in (prompts[0], prompts[-1]))
+  assert data.load_prompts(name, n=5, progress=False) == prompts[:5]
+  assert data.is_chat(name)
+
+
+def test_file_order():
+  assert data.load_prompts("mt-bench", 1, progress=False)[0].startswith("Compose an engaging travel")
+  assert "has_close_elements" in data.load_prompts("humaneval", 1, progress=False)[0]
+
+
+def test_bad_name():
+  assert data.DATASETS == ("mt-bench", "humaneval")
+  with pytest.raises(ValueError, match="mt-bench, humaneval"):
+    data.load_prompts("gsm8k")
+  with pytest.raises(ValueError):
+    data.is_chat("gsm8k")

@@ -1,0 +1,135 @@
+"""The decoder matches transformers: full prefill, and prefill + cached decode == full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import ggufutil  # noqa: E402
+from jspec.io.checkpoint import load_gguf, load_hf  # noqa: E402
+from jspec.models.cache import KVCache  # noqa: E402
+from jspec.models.llama import forward  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": True}),
+}
+T = 40
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+  arch, overrides = VARIANTS[request.param]
+  d, config, sd = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), arch,
+                                              **overrides)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+  ids = np.random.default_rng(1).integers(0, config["vocab_size"], (2, T))
+  with torch.no_grad():
+    want = ref(torch.as_tensor(ids)).logits.numpy()
+  return arch, d, config, sd, ids, want
+
+
+def full_forward(cfg, params, ids, cache_size=64):
+  B, n = ids.shape
+  cache = KVCache.init(cfg, B, cache_size)
+  pos = jnp.broadcast_to(jnp.arange(n), (B, n))
+  logits, hidden, cache = forward(params, cfg, jnp.asarray(ids), pos, cache)
+  return np.asarray(logits), hidden, cache
+
+
+def test_prefill_matches_transformers(checkpoint):
+  _, d, _, _, ids, want = checkpoint
+  cfg, params = load_hf(d)
+  got, hidden, _ = full_forward(cfg, params, ids)
+  assert hidden.shape == (2, T, cfg.hidden_size)
+  assert np.abs(got - want).max() < 1e-4
+
+
+def test_cached_decode_matches_full_forward(checkpoint):
+  """Prefill 25 tokens, then feed the rest one by one (and a 3-token chunk) through the cache."""
+  _, d, _, _, ids, want = checkpoint
+  cfg, params = load_hf(d)
+  step = jax.jit(forward, static_argnums=1)
+  cache = KVCache.init(cfg, 2, 64)
+  P = 25
+  pos = jnp.broadcast_to(jnp.arange(P), (2, P))
+  logits, _, cache = step(params, cfg, jnp.asarray(ids[:, :P]), pos, cache)
+  got = [np.asarray(logits)]
+  cache = cache.commit(P)
+  t = P
+  while t < T:
+    n = 3 if t == P else 1  # one multi-token chunk exercises the in-block causal mask
+    pos = cache.lengths[:, None] + jnp.arange(n)
+    logits, _, cache = step(params, cfg, jnp.asarray(ids[:, t:t + n]), pos, cache)
+    got.append(np.asarray(logits))
+    cache = cache.commit(n)
+    t += n
+  got = np.concatenate(got, axis=1)
+  assert np.abs(got - want).max() < 1e-4
+
+
+def test_uncommitted_entries_are_invisible(checkpoint):
+  """Entries written past `lengths` (a rejected draft) must not change later logits."""
+  _, d, _, _, ids, want = checkpoint
+  cfg, params = load_hf(d)
+  P = 30
+  _, _, cache = full_forward(cfg, params, ids[:, :P])
+  cache = cache.with_lengths(jnp.full((2,), P))
+  junk = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 4)))
+  _, _, cache = forward(params, cfg, junk, P + jnp.arange(4)[None].repeat(2, 0), cache)
+  logits, _, _ = forward(params, cfg, jnp.asarray(ids[:, P:P + 1]), jnp.full((2, 1), P), cache)
+  assert np.abs(np.asarray(logits)[:, 0] - want[:, P]).max() < 1e-4
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q8_0"])
+def test_gguf_loads_like_original(checkpoint, tmp_path, quant):
+  """GGUF (llama: q/k permuted as llama.cpp writes them) loads to the safetensors logits, and to
+  exactly what transformers' own GGUF loader computes from the same file."""
+  arch, _, config, sd, ids, want = checkpoint
+  path = ggufutil.write_gguf(tmp_path / f"{quant}.gguf", config, sd, arch, quant=quant)
+  cfg, params = load_gguf(path)
+  got, _, _ = full_forward(cfg, params, ids)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+      path.parent, gguf_file=path.name, config=transformers.AutoConfig.from_pretrained(
+          checkpoint[1]), dtype=torch.float32).eval()
+  with torch.no_grad():
+    hf_gguf = ref(torch.as_tensor(ids)).logits.numpy()
+  assert np.abs(got - hf_gguf).max() < 1e-4
+  tol = 1e-4 if quant == "F32" else 5e-2
+  assert np.abs(got - want).max() < tol
+
+
+def test_gguf_without_unpermute_differs(tmp_path):
+  """The permutation matters: skipping the un-permute gives different logits (the test has teeth)."""
+  from jspec.io import checkpoint as ck
+  d, config, sd = ggufutil.tiny_hf_checkpoint(tmp_path / "hf", "llama")
+  path = ggufutil.write_gguf(tmp_path / "m.gguf", config, sd, "llama")
+  cfg, params = load_gguf(path)
+  good, _, _ = full_forward(cfg, params, np.arange(20)[None])
+  original = ck.unpermute_llama_qk
+  try:
+    ck.unpermute_llama_qk = lambda w, n: w
+    _, bad_params = load_gguf(path)
+  finally:
+    ck.unpermute_llama_qk = original
+  bad, _, _ = full_forward(cfg, bad_params, np.arange(20)[None])
+  assert np.abs(good - bad).max() > 1e-3
+
+
+def test_bfloat16_close_to_float32(tmp_path):
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama")
+  cfg, p32 = load_hf(d)
+  _, p16 = load_hf(d, dtype=jnp.bfloat16)
+  assert p16.layers.wq.dtype == jnp.bfloat16
+  ids = np.arange(16)[None]
+  a, _, _ = full_forward(cfg, p32, ids)
+  b, _, _ = full_forward(cfg, p16, ids)
+  assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
