@@ -137,6 +137,18 @@ def test_hf_dir_chat_template_and_stops(hf_dir):
   assert ours.vocab_size == len(ref) == 320
 
 
+def test_template_whitespace_control_matches_transformers(hf_dir):
+  # Block tags on their own indented lines leave no trace (trim_blocks, lstrip_blocks).
+  template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n{{ m['content'] }}\n"
+              "    {% endif %}\n{% endfor %}")
+  ours = Tokenizer.from_hf_dir(hf_dir)
+  ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+  ours.chat_template = ref.chat_template = template
+  rendered = ours.apply_chat_template(CONVERSATIONS[1])
+  assert rendered == "Hi there!\n"
+  assert rendered == ref.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+
+
 def test_template_sandbox_helpers(hf_dir):
   ours = Tokenizer.from_hf_dir(hf_dir)
   ours.chat_template = "{{ messages[0] | tojson }}{% if messages | length > 1 %}{{ raise_exception('one only') }}{% endif %}"

@@ -247,7 +247,7 @@ def _compile_template(source: str):
     import datetime
     return datetime.datetime.now().strftime(format)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False,
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[jinja2.ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)

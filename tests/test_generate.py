@@ -1,0 +1,171 @@
+"""generate: greedy equals a cache-free reference, batching is transparent, sampling is processed
+correctly, repeated calls do not recompile, and bad input is refused clearly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import PAD, generate, generate_tokens, prompt_bucket
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import forward, init_params
+from jspec.profiling import CompileCounter
+from jspec.sampling.processing import SamplingParams, processed_logprobs
+
+CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0), scale=0.3)
+
+
+def reference_greedy(params, prompt, n):
+  """Greedy decoding by re-running the whole sequence each step (no cache reuse)."""
+  seq = list(prompt)
+  for _ in range(n):
+    cache = KVCache.init(CFG, 1, len(seq))
+    logits, _, _ = forward(params, CFG, jnp.asarray([seq]), jnp.arange(len(seq))[None], cache)
+    seq.append(int(jnp.argmax(logits[0, -1])))
+  return seq[len(prompt):]
+
+
+PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42]]
+
+
+def test_greedy_matches_reference(params):
+  out = generate(params, CFG, [PROMPTS[0]], max_new_tokens=12)
+  assert out.sequences()[0] == reference_greedy(params, PROMPTS[0], 12)
+  assert int(out.target_calls) == 12 and int(out.steps) == 11
+
+
+def test_batch_equals_single(params):
+  batch = generate(params, CFG, PROMPTS, max_new_tokens=10).sequences()
+  for p, got in zip(PROMPTS, batch):
+    assert got == generate(params, CFG, [p], max_new_tokens=10).sequences()[0]
+  assert len({tuple(s) for s in batch}) == 3  # the rows really differ
+
+
+def test_stop_ids_end_rows(params):
+  free = generate(params, CFG, PROMPTS, max_new_tokens=10)
+  seqs = free.sequences()
+  stop = seqs[0][3]  # row 0 stops at its 4th token
+  out = generate(params, CFG, PROMPTS, max_new_tokens=10, stop_ids=[stop])
+  for b, s in enumerate(seqs):
+    cut = s.index(stop) + 1 if stop in s else len(s)
+    assert out.sequences()[b] == s[:cut]
+    assert int(out.lengths[b]) == cut
+    assert np.all(np.asarray(out.tokens[b, cut:]) == PAD)
+
+
+def test_sampling_is_deterministic_per_key(params):
+  sp = SamplingParams(temperature=1.0)
+  a = generate(params, CFG, PROMPTS, max_new_tokens=8, sampling=sp, key=3).sequences()
+  b = generate(params, CFG, PROMPTS, max_new_tokens=8, sampling=sp, key=3).sequences()
+  c = generate(params, CFG, PROMPTS, max_new_tokens=8, sampling=sp, key=4).sequences()
+  assert a == b and a != c
+
+
+def numpy_processed(logits, t, k, p):
+  """Reference: temperature, then keep the top-k, then the smallest top set of mass >= p."""
+  x = logits / t
+  order = np.argsort(-x)
+  keep = np.zeros_like(x, bool)
+  keep[order[: (k or len(x))]] = True
+  probs = np.exp(x - x.max()) * keep
+  probs /= probs.sum()
+  mass = 0.0
+  final = np.zeros_like(keep)
+  for i in order:
+    if not keep[i] or mass >= p:
+      break
+    final[i] = True
+    mass += probs[i]
+  out = np.where(final, probs, 0)
+  return out / out.sum()
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)])
+def test_processed_distribution(t, k, p):
+  logits = np.random.default_rng(0).normal(size=(3, 40)).astype(np.float32) * 2
+  got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), SamplingParams(t, k, p))))
+  for row in range(3):
+    np.testing.assert_allclose(got[row], numpy_processed(logits[row].astype(np.float64), t, k, p),
+                               atol=1e-5)
+
+
+def test_first_token_follows_processed_distribution(params):
+  """Sampled first tokens (vmap over keys) match the processed distribution (chi-square)."""
+  sp = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
+  prompt = jnp.asarray([PROMPTS[0] + [0] * 9])
+  lengths = jnp.asarray([len(PROMPTS[0])])
+  run = jax.jit(jax.vmap(lambda key: generate_tokens(
+      params, CFG, prompt, lengths, key, sp, max_new_tokens=1, cache_size=64).tokens[0, 0]))
+  n = 20000
+  draws = np.asarray(run(jax.random.split(jax.random.key(0), n)))
+  cache = KVCache.init(CFG, 1, 16)
+  logits, _, _ = forward(params, CFG, jnp.asarray([PROMPTS[0]]),
+                         jnp.arange(len(PROMPTS[0]))[None], cache)
+  probs = np.exp(np.asarray(processed_logprobs(logits[0, -1], sp), np.float64))
+  support = probs > 0
+  counts = np.bincount(draws, minlength=CFG.vocab_size)
+  assert counts[~support].sum() == 0
+  expected = n * probs[support]
+  chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+  dof = support.sum() - 1
+  assert chi2 < dof + 5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+def test_no_recompile_within_bucket(params):
+  sp = SamplingParams(temperature=0.9, top_p=0.9)
+  generate(params, CFG, [[1, 2, 3]], max_new_tokens=6, sampling=sp)
+  assert prompt_bucket(3) == prompt_bucket(11)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 6, 7, 8], 0.5), ([9] * 11, 1.3), ([2, 2], 0.7)):
+      out = generate(params, CFG, [prompt], max_new_tokens=6,
+                     sampling=SamplingParams(temperature=temp, top_p=0.8), key=1)
+      jax.block_until_ready(out)
+  assert counter.compiles == 0
+  with CompileCounter() as counter:  # the counter does see compilations
+    jax.block_until_ready(generate(params, CFG, [[1] * 20], max_new_tokens=6, sampling=sp))
+  assert counter.compiles >= 1
+
+
+def test_loop_is_one_program(params):
+  """The whole generate lowers to one HLO module with a while loop and no host callbacks."""
+  prompt = jnp.zeros((1, 16), jnp.int32)
+  lowered = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
+      "max_new_tokens", "cache_size")).lower(params, CFG, prompt, jnp.asarray([3]),
+                                             jax.random.key(0), max_new_tokens=8, cache_size=32)
+  text = lowered.as_text()
+  assert "stablehlo.while" in text
+  assert "callback" not in text
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[]), "no prompts"),
+    (dict(prompts=[[1, 97]]), "outside the vocabulary"),
+    (dict(prompts=[[-1, 2]]), "outside the vocabulary"),
+    (dict(prompts=[[1] * 250], max_new_tokens=10), "cache slots"),
+    (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[[1]], sampling=SamplingParams(temperature=-1.0)), "temperature"),
+    (dict(prompts=[[1]], sampling=SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),
+    (dict(prompts=[[1]], sampling=SamplingParams(temperature=1.0, top_p=1.5)), "top_p"),
+    (dict(prompts=[[1]], sampling=SamplingParams(top_k=-2)), "top_k"),
+    (dict(prompts=[[1]], stop_ids=[200]), "stop ids"),
+    (dict(prompts=[[1.5, 2.0]]), "integer token ids"),
+])
+def test_bad_input(params, kwargs, match):
+  kwargs = {"max_new_tokens": 4, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    generate(params, CFG, kwargs.pop("prompts"), **kwargs)
+
+
+def test_explicit_cache_size_limit(params):
+  with pytest.raises(ValueError, match="raise cache_size"):
+    generate(params, CFG, [[1] * 30], max_new_tokens=10, cache_size=32)
+  out = generate(params, CFG, [[1] * 22], max_new_tokens=10, cache_size=32)
+  assert int(out.lengths[0]) == 10

@@ -1,0 +1,64 @@
+"""Bad checkpoints are refused with clear errors: unknown architecture, missing files, pickles."""
+
+import json
+
+import pytest
+
+from jspec.io.checkpoint import load_gguf, load_hf, load_model
+from jspec.models.config import Config, config_from_hf
+
+
+def test_unknown_architecture():
+  with pytest.raises(ValueError, match="unsupported architecture.*gpt2"):
+    config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+  with pytest.raises(ValueError, match="unsupported architecture"):
+    Config(arch="mamba", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+           num_heads=1, num_kv_heads=1, head_dim=8)
+
+
+def test_unsupported_rope_scaling():
+  hf = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn",
+                                                                          "factor": 4.0}}
+  with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+    config_from_hf(hf)
+
+
+def test_missing_files(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_model(tmp_path / "nope")
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    load_hf(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2}))
+  with pytest.raises(FileNotFoundError, match="safetensors"):
+    load_hf(tmp_path)
+  with pytest.raises(FileNotFoundError, match="GGUF file"):
+    load_gguf(tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "consolidated.pth"])
+def test_pickle_checkpoints_refused(tmp_path, name):
+  path = tmp_path / name
+  path.write_bytes(b"\x80\x04not really a pickle")
+  with pytest.raises(ValueError, match="never unpickles"):
+    load_model(path)
+  # A directory holding only a pickle checkpoint is refused the same way.
+  (tmp_path / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2}))
+  with pytest.raises(ValueError, match="never unpickles"):
+    load_model(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+  import numpy as np
+  from safetensors.numpy import save_file
+  (tmp_path / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, "tie_word_embeddings": True}))
+  save_file({"model.embed_tokens.weight": np.zeros((9, 8), np.float32)},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="missing tensor for 'layers.attn_norm'"):
+    load_hf(tmp_path)
