@@ -103,7 +103,7 @@ def hf_dir(tmp_path_factory):
   backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+                                special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"])
   backend.train_from_iterator(
       ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
        "Speculative decoding drafts tokens and the target model verifies them."] * 8, trainer)
@@ -111,7 +111,7 @@ def hf_dir(tmp_path_factory):
   backend.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps(
       {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHATML}))
-  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+  (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 4]}))
   return path
 
 
@@ -133,8 +133,20 @@ def test_hf_dir_chat_template_and_stops(hf_dir):
   for messages in CONVERSATIONS:
     assert ours.apply_chat_template(messages) == ref.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
-  assert ours.eos_token_id == 1 and ours.stop_token_ids == (1, 3)  # </s>, then <|im_end|>.
+  # </s>; <|endoftext|> from generation_config's list; <|im_end|>, which ends the template's turns.
+  assert ours.eos_token_id == 1 and ours.stop_token_ids == (1, 4, 3)
   assert ours.vocab_size == len(ref) == 320
+
+
+def test_hf_dir_bos_follows_config_then_post_processor(hf_dir, tmp_path):
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    (tmp_path / name).write_bytes((hf_dir / name).read_bytes())
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": False}))
+  assert Tokenizer.from_hf_dir(tmp_path).encode("fox")[0] != 0
+  del config["add_bos_token"]  # No flag: the post-processor, which adds <s>, decides.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  assert Tokenizer.from_hf_dir(tmp_path).encode("fox")[0] == 0
 
 
 def test_template_whitespace_control_matches_transformers(hf_dir):
@@ -187,7 +199,8 @@ def _spm_meta(tokens, scores, types):
 def spm_gguf(tmp_path_factory):
   # Llama 2's layout: <unk>, <s>, </s>, 256 byte tokens, then pieces; merged pieces score by rank.
   chars = ["▁", "e", "h", "l", "o", "w", "r", "d", "i"]
-  merged = ["ll", "he", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "hi", "▁hi"]
+  # "el" ranks last: merging by the wrong end of the scores would take it first.
+  merged = ["ll", "he", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "hi", "▁hi", "el"]
   tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *chars, *merged]
   types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(merged))]
   scores = [0.0] * 259 + [-100.0] * len(chars) + [-float(i) for i in range(len(merged))]
@@ -266,14 +279,15 @@ def test_unsupported_gguf_tokenizers_are_refused():
 
 def test_stop_ids_from_eos_eot_and_template():
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-          "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<|endoftext|>", "<|eot_id|>"],
-          "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3], "tokenizer.ggml.merges": ["a b"],
+          "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<t>"],
+          "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3, 4], "tokenizer.ggml.merges": ["a b"],
           "tokenizer.ggml.eos_token_id": 4, "tokenizer.ggml.eot_token_id": 5,
           "tokenizer.chat_template": CHATML}
   ours = Tokenizer.from_gguf_metadata(meta)
   assert ours.stop_token_ids == (4, 5, 3)  # eos, eot, then the turn end the template writes.
   assert ours.encode("ab<|im_end|>b") == [2, 3, 1]  # Control tokens stay whole...
   assert ours.decode([2, 3, 1]) == "abb"  # ...and are special, so decoding skips them.
+  assert ours.encode("a<t>b") == [0, 6, 1] and ours.decode([0, 6, 1]) == "a<t>b"  # User-defined.
 
 
 def test_no_chat_template_points_to_the_fix():
