@@ -1,4 +1,4 @@
-"""Tokenizer parity: jspec's tokenizers against transformers, SentencePiece and llama.cpp's rules."""
+"""Tokenizer parity: jspec's tokenizers vs transformers, SentencePiece and llama.cpp's rules."""
 
 import io
 import json
@@ -29,8 +29,9 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Write a haiku about JAX."}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"}],
 ]
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = ("{% for m in messages %}"
+          "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 # --- The default model (SmolLM2-135M-Instruct GGUF: byte-level BPE, pre "smollm") -----------------
@@ -76,7 +77,8 @@ def test_gguf_chat_template_matches_transformers(smollm, messages):
   prompt = ours.apply_chat_template(messages)
   assert prompt == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
   assert prompt.endswith("<|im_start|>assistant\n")
-  assert ours.encode(prompt, add_special_tokens=False) == ref.encode(prompt, add_special_tokens=False)
+  ids = ours.encode(prompt, add_special_tokens=False)
+  assert ids == ref.encode(prompt, add_special_tokens=False)
   closed = ours.apply_chat_template(messages, add_generation_prompt=False)
   assert closed == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
 
@@ -102,12 +104,14 @@ def hf_dir(tmp_path_factory):
   backend = tokenizers.Tokenizer(models.BPE())
   backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+  trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   backend.train_from_iterator(
       ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
        "Speculative decoding drafts tokens and the target model verifies them."] * 8, trainer)
-  backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  backend.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                         special_tokens=[("<s>", 0)])
   backend.save(str(path / "tokenizer.json"))
   (path / "tokenizer_config.json").write_text(json.dumps(
       {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHATML}))
@@ -158,13 +162,16 @@ def test_template_whitespace_control_matches_transformers(hf_dir):
   ours.chat_template = ref.chat_template = template
   rendered = ours.apply_chat_template(CONVERSATIONS[1])
   assert rendered == "Hi there!\n"
-  assert rendered == ref.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+  assert rendered == ref.apply_chat_template(CONVERSATIONS[1], tokenize=False,
+                                             add_generation_prompt=True)
 
 
 def test_template_sandbox_helpers(hf_dir):
   ours = Tokenizer.from_hf_dir(hf_dir)
-  ours.chat_template = "{{ messages[0] | tojson }}{% if messages | length > 1 %}{{ raise_exception('one only') }}{% endif %}"
-  assert ours.apply_chat_template([{"role": "user", "content": "<é>"}]) == '{"role": "user", "content": "<é>"}'
+  ours.chat_template = ("{{ messages[0] | tojson }}{% if messages | length > 1 %}"
+                        "{{ raise_exception('one only') }}{% endif %}")
+  message = {"role": "user", "content": "<é>"}
+  assert ours.apply_chat_template([message]) == '{"role": "user", "content": "<é>"}'  # Unescaped.
   import jinja2
   with pytest.raises(jinja2.exceptions.TemplateError, match="one only"):
     ours.apply_chat_template(CONVERSATIONS[1])
@@ -200,7 +207,8 @@ def spm_gguf(tmp_path_factory):
   # Llama 2's layout: <unk>, <s>, </s>, 256 byte tokens, then pieces; merged pieces score by rank.
   chars = ["▁", "e", "h", "l", "o", "w", "r", "d", "i"]
   # "el" ranks last: merging by the wrong end of the scores would take it first.
-  merged = ["ll", "he", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "hi", "▁hi", "el"]
+  merged = ["ll", "he", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "hi", "▁hi",
+            "el"]
   tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *chars, *merged]
   types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(merged))]
   scores = [0.0] * 259 + [-100.0] * len(chars) + [-float(i) for i in range(len(merged))]
@@ -209,7 +217,8 @@ def spm_gguf(tmp_path_factory):
   return path
 
 
-@pytest.mark.parametrize("text", ["hello world", "hi hello\nworld", "héllo wörld 🤖", "hello</s>"])
+@pytest.mark.parametrize("text",
+                         ["hello world", "hi hello\nworld", "héllo wörld 🤖", "hello</s>"])
 def test_sentencepiece_gguf_matches_transformers(spm_gguf, text):
   ours = Tokenizer.from_gguf(spm_gguf)
   ref = transformers.AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)
@@ -234,7 +243,7 @@ def test_sentencepiece_gguf_matches_sentencepiece():
   spm = pytest.importorskip("sentencepiece")
   corpus = ["The quick brown fox jumps over the lazy dog; 12 dogs barked at 3:45.",
             "def add(a, b):\n    return a + b  # sums\n", "héllo wörld, naïve café, 日本語!",
-            "Speculative decoding lets a small draft model propose tokens that a target verifies."] * 30
+            "Speculative decoding lets a small draft model propose tokens a target verifies."] * 30
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(corpus), model_writer=model, model_type="bpe", vocab_size=400,
@@ -247,7 +256,8 @@ def test_sentencepiece_gguf_matches_sentencepiece():
            for i in range(n)]
   ours = Tokenizer.from_gguf_metadata(_spm_meta([sp.IdToPiece(i) for i in range(n)],
                                                 [sp.GetScore(i) for i in range(n)], types))
-  for text in [*corpus[:4], " leading", "  two leading", "tabs\tand\nnewlines\n\n", "zebra ∑ 🤖", ""]:
+  texts = [*corpus[:4], " leading", "  two leading", "tabs\tand\nnewlines\n\n", "zebra ∑ 🤖", ""]
+  for text in texts:
     ids = ours.encode(text, add_special_tokens=False)
     assert ids == sp.encode(text), text
     assert ours.decode(ids) == sp.decode(ids) == text
@@ -279,7 +289,8 @@ def test_unsupported_gguf_tokenizers_are_refused():
 
 def test_stop_ids_from_eos_eot_and_template():
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
-          "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<t>"],
+          "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<|endoftext|>", "<|eot_id|>",
+                                    "<t>"],
           "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3, 4], "tokenizer.ggml.merges": ["a b"],
           "tokenizer.ggml.eos_token_id": 4, "tokenizer.ggml.eot_token_id": 5,
           "tokenizer.chat_template": CHATML}
@@ -288,6 +299,31 @@ def test_stop_ids_from_eos_eot_and_template():
   assert ours.encode("ab<|im_end|>b") == [2, 3, 1]  # Control tokens stay whole...
   assert ours.decode([2, 3, 1]) == "abb"  # ...and are special, so decoding skips them.
   assert ours.encode("a<t>b") == [0, 6, 1] and ours.decode([0, 6, 1]) == "a<t>b"  # User-defined.
+
+
+BYTE_ALPHABET = sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+@pytest.mark.parametrize("pre", ["default", "gpt2", "smollm", "llama-bpe", "llama3", "qwen2"])
+def test_byte_level_pre_tokenizers_round_trip(pre):
+  ours = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
+                                       "tokenizer.ggml.tokens": BYTE_ALPHABET})
+  text = "Hello 12345 world's\n\n   x = [1, 2]\t🤖 café"
+  assert ours.decode(ours.encode(text)) == text
+
+
+def test_llama3_pre_matches_whole_pieces_and_adds_bos():
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [*BYTE_ALPHABET, "ab"],
+          "tokenizer.ggml.bos_token_id": 0}
+  llama3 = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "llama-bpe"})
+  gpt2 = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "gpt2"})
+  # Like llama.cpp: a pre-token that is a token is taken whole (no merge makes "ab" here), and BOS
+  # is added unless tokenizer.ggml.add_bos_token says otherwise.
+  assert llama3.encode("ab") == [0, 256]
+  assert gpt2.encode("ab") == [BYTE_ALPHABET.index("a"), BYTE_ALPHABET.index("b")]
+  no_bos = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "llama3",
+                                         "tokenizer.ggml.add_bos_token": False})
+  assert no_bos.encode("ab") == [256]
 
 
 def test_no_chat_template_points_to_the_fix():

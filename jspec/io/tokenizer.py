@@ -115,9 +115,10 @@ class Tokenizer:
     """
     if not self.chat_template:
       raise ValueError(
-          "this tokenizer has no chat template (none in the GGUF metadata or tokenizer_config.json), "
-          "so chat messages cannot be turned into a prompt. Fix: pass --no-chat to use the raw "
-          "prompt text, or use a chat/instruct model that ships a chat template.")
+          "this tokenizer has no chat template (none in the GGUF metadata or "
+          "tokenizer_config.json), so chat messages cannot be turned into a prompt. Fix: pass "
+          "--no-chat to use the raw prompt text, or use a chat/instruct model that ships a chat "
+          "template.")
     return _compile_template(self.chat_template).render(
         messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
@@ -133,9 +134,10 @@ class Tokenizer:
     file = path / "tokenizer.json"
     if not file.is_file():
       raise FileNotFoundError(
-          f"{str(file)!r} not found: jspec reads the fast-tokenizer file tokenizer.json. Fix: if the "
-          f"model has only a slow tokenizer (tokenizer.model), write tokenizer.json once with "
-          f"`transformers.AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`, or use its GGUF.")
+          f"{str(file)!r} not found: jspec reads the fast-tokenizer file tokenizer.json. Fix: if "
+          f"the model has only a slow tokenizer (tokenizer.model), write tokenizer.json once with "
+          f"`transformers.AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`, or use its "
+          f"GGUF.")
     backend = tokenizers.Tokenizer.from_file(str(file))
     config = _read_json(path / "tokenizer_config.json")
     special = _read_json(path / "special_tokens_map.json")
@@ -186,15 +188,15 @@ class Tokenizer:
     elif kind == "llama":
       backend, add_bos_default = _sentencepiece_bpe(meta), True
     elif kind is None or kind == "none":
-      raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing or 'none'). "
-                       "Fix: use a GGUF converted with its vocabulary.")
+      raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing or "
+                       "'none'). Fix: use a GGUF converted with its vocabulary.")
     else:
       raise ValueError(
           f"GGUF tokenizer model {kind!r} is not supported; jspec builds 'gpt2' (byte-level BPE) "
           f"and 'llama' (SentencePiece BPE) tokenizers. Fix: use a model with one of those, or its "
           f"Hugging Face directory (tokenizer.json).")
-    bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id,
+    return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+               eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
                add_bos=meta.get("tokenizer.ggml.add_bos_token", add_bos_default),
                chat_template=meta.get("tokenizer.chat_template"),
                extra_stop_ids=[meta.get("tokenizer.ggml.eot_token_id"),
@@ -335,7 +337,7 @@ def _sentencepiece_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
       vocab=vocab, merges=[(left, right) for *_, left, right in ranked], unk_token=unk,
       fuse_unk=True, byte_fallback=True))
   # llama.cpp writes a space before every run of plain text (the start, and after each special
-  # token) and spaces as "▁" -- SentencePiece's add_dummy_prefix, even if the text starts with one.
+  # token) and spaces as "▁": SentencePiece's add_dummy_prefix, even if the text starts with one.
   rules = [normalizers.Replace(" ", "▁")]
   if meta.get("tokenizer.ggml.add_space_prefix", True):
     rules.insert(0, normalizers.Prepend("▁"))
