@@ -177,7 +177,9 @@ def _layer(cfg: Config, x: Array, lp: LayerParams, i: Array, k_cache: Array, v_c
     k_cache = k_cache.at[i, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[i, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     out = _attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
-    attn = jnp.einsum("bthd,hde->bte", out, lp.wo)
+    B, T, H, D = out.shape
+    # Contract heads and head_dim as one axis so the weight is read in its stored layout.
+    attn = jnp.einsum("btf,fe->bte", out.reshape(B, T, H * D), lp.wo.reshape(H * D, -1))
     if lp.bo is not None:
       attn = attn + lp.bo
     x = x + attn
