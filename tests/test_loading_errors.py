@@ -8,6 +8,13 @@ from jspec.io.checkpoint import load_gguf, load_hf, load_model
 from jspec.models.config import Config, config_from_hf
 
 
+def write_config(directory, **extra):
+  """A minimal valid Llama config.json."""
+  (directory / "config.json").write_text(json.dumps({
+      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2, **extra}))
+
+
 def test_unknown_architecture():
   with pytest.raises(ValueError, match="unsupported architecture.*gpt2"):
     config_from_hf({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
@@ -29,9 +36,7 @@ def test_missing_files(tmp_path):
     load_model(tmp_path / "nope")
   with pytest.raises(FileNotFoundError, match="config.json"):
     load_hf(tmp_path)
-  (tmp_path / "config.json").write_text(json.dumps({
-      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-      "num_hidden_layers": 1, "num_attention_heads": 2}))
+  write_config(tmp_path)
   with pytest.raises(FileNotFoundError, match="safetensors"):
     load_hf(tmp_path)
   with pytest.raises(FileNotFoundError, match="GGUF file"):
@@ -45,9 +50,7 @@ def test_pickle_checkpoints_refused(tmp_path, name):
   with pytest.raises(ValueError, match="never unpickles"):
     load_model(path)
   # A directory holding only a pickle checkpoint is refused the same way.
-  (tmp_path / "config.json").write_text(json.dumps({
-      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-      "num_hidden_layers": 1, "num_attention_heads": 2}))
+  write_config(tmp_path)
   with pytest.raises(ValueError, match="never unpickles"):
     load_model(tmp_path)
 
@@ -55,10 +58,8 @@ def test_pickle_checkpoints_refused(tmp_path, name):
 def test_missing_tensor_is_named(tmp_path):
   import numpy as np
   from safetensors.numpy import save_file
-  (tmp_path / "config.json").write_text(json.dumps({
-      "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-      "num_hidden_layers": 1, "num_attention_heads": 2, "tie_word_embeddings": True}))
+  write_config(tmp_path, tie_word_embeddings=True)
   save_file({"model.embed_tokens.weight": np.zeros((9, 8), np.float32)},
             str(tmp_path / "model.safetensors"))
-  with pytest.raises(ValueError, match="missing tensor for 'layers.attn_norm'"):
+  with pytest.raises(ValueError, match="missing tensor for 'layers.0.attn_norm'"):
     load_hf(tmp_path)

@@ -128,8 +128,50 @@ def test_bfloat16_close_to_float32(tmp_path):
   d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama")
   cfg, p32 = load_hf(d)
   _, p16 = load_hf(d, dtype=jnp.bfloat16)
-  assert p16.layers.wq.dtype == jnp.bfloat16
+  assert p16.layers[0].wq.dtype == jnp.bfloat16
   ids = np.arange(16)[None]
   a, _, _ = full_forward(cfg, p32, ids)
   b, _, _ = full_forward(cfg, p16, ids)
   assert np.abs(a - b).max() < 0.1 * np.abs(a).max()
+
+
+def test_forward_jit_donates_cache(tmp_path):
+  from jspec.models.llama import forward_jit
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama")
+  cfg, params = load_hf(d)
+  cache = KVCache.init(cfg, 1, 32)
+  ids = jnp.arange(5)[None]
+  _, _, new = forward_jit(params, cfg, ids, jnp.arange(5)[None], cache)
+  assert cache.k.is_deleted() and cache.v.is_deleted()  # donated: updated in place
+  np.testing.assert_allclose(np.asarray(new.k), np.asarray(
+      forward(params, cfg, ids, jnp.arange(5)[None], KVCache.init(cfg, 1, 32))[2].k), atol=1e-6)
+
+
+def test_sharded_safetensors_checkpoint(tmp_path):
+  """A checkpoint split over several files with an index loads like the single file."""
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "one", "qwen2")
+  model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+  model.save_pretrained(tmp_path / "many", safe_serialization=True, max_shard_size="50KB")
+  files = sorted(p.name for p in (tmp_path / "many").glob("*.safetensors"))
+  assert len(files) > 2 and (tmp_path / "many" / "model.safetensors.index.json").is_file()
+  cfg, one = load_hf(d)
+  _, many = load_hf(tmp_path / "many")
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_checkpoint(tmp_path):
+  """Most real checkpoints are stored in bfloat16 (which numpy cannot decode on its own)."""
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "f32", "qwen3")
+  model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
+  model.save_pretrained(tmp_path / "bf16", safe_serialization=True)
+  cfg, p32 = load_hf(tmp_path / "bf16", dtype=jnp.float32)
+  _, p16 = load_hf(tmp_path / "bf16", dtype=jnp.bfloat16)
+  assert p16.layers[0].wq.dtype == jnp.bfloat16 and p32.layers[0].wq.dtype == jnp.float32
+  # float32 loading of bf16 weights is exact: every bf16 value is a float32 value.
+  np.testing.assert_array_equal(np.asarray(p16.layers[0].wq, np.float32), np.asarray(p32.layers[0].wq))
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16))
+  with torch.no_grad():
+    want = model.float()(torch.as_tensor(ids)).logits.numpy()
+  got, _, _ = full_forward(cfg, p32, ids)
+  assert np.abs(got - want).max() < 1e-4

@@ -20,16 +20,16 @@ SCRIPT = textwrap.dedent("""
     params = init_params(cfg, jax.random.key(0), scale=0.3)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
     sharded = shard(params, param_layout(cfg), mesh)
-    assert sharded.layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
-    assert len(sharded.layers.w_up.addressable_shards) == 4
-    assert sharded.layers.w_up.addressable_shards[0].data.shape == (2, 64, 64)
+    assert sharded.layers[0].wq.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
+    assert len(sharded.layers[1].w_up.addressable_shards) == 4
+    assert sharded.layers[1].w_up.addressable_shards[0].data.shape == (64, 64)
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)))
     pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
     want, _, _ = forward(params, cfg, tokens, pos, KVCache.init(cfg, 2, 32))
     cache = shard(KVCache.init(cfg, 2, 32), cache_layout(cfg, 2, 32), mesh)
     got, _, _ = jax.jit(forward, static_argnums=1)(sharded, cfg, tokens, pos, cache)
-    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-5
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4  # sharded sums reorder
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     a = generate(params, cfg, prompts, max_new_tokens=6).sequences()

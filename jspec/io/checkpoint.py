@@ -7,6 +7,7 @@ Pickle-based checkpoints (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused: loading t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -98,7 +99,7 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, np.ndarray]], dtyp
     for pattern, field, reshape in _HF_PATTERNS:
       m = pattern.match(name)
       if m:
-        value = np.asarray(reshape(np.asarray(array, np.float32), cfg))
+        value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
         if field.startswith("layers."):
           per_layer.setdefault(field[7:], {})[int(m.group(1))] = value
         else:
@@ -120,23 +121,23 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, np.ndarray]], dtyp
       raise ValueError(f"{source}: {field!r} has shape {value.shape}, config implies {spec.shape}")
     return jnp.asarray(value, dtype)
 
-  layer_fields = {}
-  for field in LayerParams.__dataclass_fields__:
-    spec = getattr(layout.layers, field)
-    found = per_layer.pop(field, None)
-    stacked = None
-    if found is not None:
-      missing = sorted(set(range(cfg.num_layers)) - set(found))
-      if missing:
-        raise ValueError(f"{source}: {field!r} missing for layers {missing}")
-      stacked = np.stack([found[i] for i in range(cfg.num_layers)])
-    layer_fields[field] = finish(f"layers.{field}", spec, stacked)
+  layers = []
+  for i, layer_layout in enumerate(layout.layers):
+    fields = {}
+    for field in LayerParams.__dataclass_fields__:
+      value = per_layer.get(field, {}).pop(i, None)
+      fields[field] = finish(f"layers.{i}.{field}", getattr(layer_layout, field), value)
+    layers.append(LayerParams(**fields))
+  extra = {field: sorted(found) for field, found in per_layer.items() if found}
+  if extra:
+    raise ValueError(f"{source}: tensors for layers the config does not have "
+                     f"(num_layers={cfg.num_layers}): {extra}")
   lm_head = top.pop("lm_head", None)
   if cfg.tie_embeddings:
     lm_head = None  # some tied checkpoints still store a copy of the embedding
   return Params(
       embed=finish("embed", layout.embed, top.pop("embed", None)),
-      layers=LayerParams(**layer_fields),
+      layers=tuple(layers),
       final_norm=finish("final_norm", layout.final_norm, top.pop("final_norm", None)),
       lm_head=finish("lm_head", layout.lm_head, lm_head),
   )
@@ -174,9 +175,10 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
     for name in files:
       if not (path / name).is_file():
         raise FileNotFoundError(f"{path / name} listed in the index is missing")
-      with safe_open(str(path / name), framework="numpy") as f:
+      # framework="flax": numpy cannot decode bfloat16, the dtype most checkpoints are stored in.
+      with safe_open(str(path / name), framework="flax") as f:
         for key in f.keys():
-          yield key, f.get_tensor(key)
+          yield key, np.asarray(f.get_tensor(key))
 
   return cfg, assemble_params(cfg, tensors(), dtype, str(path))
 
@@ -272,7 +274,6 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
 
 
 def _with_freq_factors(cfg: Config, factors: tuple[float, ...]) -> Config:
-  import dataclasses
   return dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="factors", freq_factors=factors))
 
 
