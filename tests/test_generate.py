@@ -169,3 +169,11 @@ def test_explicit_cache_size_limit(params):
     generate(params, CFG, [[1] * 30], max_new_tokens=10, cache_size=32)
   out = generate(params, CFG, [[1] * 22], max_new_tokens=10, cache_size=32)
   assert int(out.lengths[0]) == 10
+
+
+def test_prompt_buckets():
+  buckets = [prompt_bucket(n) for n in range(1, 2049)]
+  assert all(b >= n for n, b in zip(range(1, 2049), buckets))
+  assert buckets == sorted(buckets)
+  assert len(set(buckets)) == 15  # 16, 24, 32, ..., 1536, 2048: few programs
+  assert all((b - n) / b < 1 / 3 + 1e-9 for n, b in zip(range(17, 2049), buckets[16:]))
