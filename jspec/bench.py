@@ -44,7 +44,8 @@ class Run:
         "new_tokens": toks,
         "target_calls": sum(self.target_calls),
         "tokens_per_s": toks / wall,
-        "decode_tokens_per_s": decode_toks / decode_s if decode_s > 0 else None,
+        # Decode rate excludes each prompt's time to first token (timed in a separate call).
+        "decode_tokens_per_s": decode_toks / decode_s if decode_s > 0 and decode_toks else None,
         "wall_s": wall,
         "ttft_s": statistics.mean(self.ttft_s),
     }
@@ -164,8 +165,9 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
       same = [a == b for a, b in zip(run.outputs, hf_run.outputs)]
       hf_rec["identical_to_jspec"] = sum(same) / len(same)
     rec["speedup_vs_transformers"] = rec["tokens_per_s"] / hf_rec["tokens_per_s"]
-    rec["decode_speedup_vs_transformers"] = (rec["decode_tokens_per_s"]
-                                             / hf_rec["decode_tokens_per_s"])
+    if rec["decode_tokens_per_s"] and hf_rec["decode_tokens_per_s"]:
+      rec["decode_speedup_vs_transformers"] = (rec["decode_tokens_per_s"]
+                                               / hf_rec["decode_tokens_per_s"])
     records.append(hf_rec)
   return records
 

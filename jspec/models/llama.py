@@ -162,7 +162,7 @@ def _attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
 def _layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array, v_cache: Array,
            cos: Array, sin: Array, slots: Array, mask: Array):
   """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`."""
-  B = x.shape[0]
+  B, T, _ = x.shape
   with jax.named_scope("attention"):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q = jnp.einsum("bte,ehd->bthd", h, lp.wq)  # [B, T, H, D]
@@ -179,9 +179,8 @@ def _layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array, v_cac
     k_cache = k_cache.at[i, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[i, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     out = _attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
-    B, T, H, D = out.shape
     # Contract heads and head_dim as one axis so the weight is read in its stored layout.
-    attn = jnp.einsum("btf,fe->bte", out.reshape(B, T, H * D), lp.wo.reshape(H * D, -1))
+    attn = jnp.einsum("btf,fe->bte", out.reshape(B, T, -1), lp.wo.reshape(-1, cfg.hidden_size))
     if lp.bo is not None:
       attn = attn + lp.bo
     x = x + attn

@@ -1,0 +1,61 @@
+"""The `jspec` command end to end on a tiny local model: generate, bench JSON, clear errors."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import ggufutil  # noqa: E402
+from jspec.cli import main  # noqa: E402
+
+BENCH_FIELDS = {"method", "model", "dataset", "temperature", "n_prompts", "new_tokens",
+                "target_calls", "tokens_per_s", "wall_s", "machine", "ttft_s",
+                "decode_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), "llama",
+                                        max_position_embeddings=2048)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return d
+
+
+def test_generate(tiny_model, capsys):
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+               "--prompt", "Hi", "--max-new-tokens", "5", "--temperature", "0.8",
+               "--top-p", "0.9"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.count("### ") == 2
+  assert "tokens/s" in captured.err
+
+
+def test_bench_writes_records(tiny_model, tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "2",
+               "--max-new-tokens", "6", "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  assert [r["method"] for r in records] == ["jspec-autoregressive", "transformers-generate"]
+  for r in records:
+    assert BENCH_FIELDS <= set(r), BENCH_FIELDS - set(r)
+    assert r["n_prompts"] == 2 and 2 <= r["new_tokens"] <= 12 and r["tokens_per_s"] > 0
+  assert records[1]["identical_to_jspec"] == 1.0  # greedy: same tokens as transformers
+  assert records[0]["compile_s"] > 0 and records[0]["speedup_vs_transformers"] > 0
+  assert records[0]["bandwidth"]["copy_gbps"] > 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--max-new-tokens", "4000"], "cache slots"),
+])
+def test_bad_arguments_exit_cleanly(tiny_model, capsys, args, message):
+  code = main(["generate", "--model", str(tiny_model), "--prompt", "hello"] + args)
+  assert code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_missing_model(capsys, tmp_path):
+  assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+  assert "never downloads" in capsys.readouterr().err
