@@ -1,0 +1,203 @@
+"""The speculative engine: greedy output identical to autoregressive, sampled output distributed
+exactly as the target's, one compiled program, clear errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import generate
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import forward, init_params
+from jspec.profiling import CompileCounter
+from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.spec import engine
+from jspec.spec.drafters import ModelDrafter, self_drafter
+from jspec.spec.engine import SpecConfig, speculative_generate, speculative_generate_tokens
+
+TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+DRAFT = Config(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [7]]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return init_params(TARGET, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+  # A draft that agrees with the target often but not always: the target's own weights, noised.
+  noise = init_params(TARGET, jax.random.key(1), scale=0.3)
+  params = jax.tree.map(lambda a, b: a + 0.5 * b if a.ndim > 1 else a, target, noise)
+  return ModelDrafter(params, TARGET)
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_identical_to_autoregressive(target, drafter, gamma):
+  spec = SpecConfig(gamma=gamma, max_new_tokens=20)
+  for prompts in (PROMPTS[:1], PROMPTS):
+    want = generate(target, TARGET, prompts, max_new_tokens=20).sequences()
+    out = speculative_generate(target, TARGET, drafter, prompts, spec=spec)
+    assert out.sequences() == want
+    assert 1.0 <= out.block_efficiency <= gamma + 1
+  # The noised draft disagrees sometimes, and agrees sometimes: both paths were exercised.
+  hist = np.asarray(out.accept_hist)
+  assert hist[0] > 0 and hist[1:].sum() > 0
+
+
+def test_small_independent_draft_model_is_lossless_greedy(target):
+  drafter = ModelDrafter(init_params(DRAFT, jax.random.key(5), scale=0.3), DRAFT)
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=16).sequences()
+  out = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=3, max_new_tokens=16))
+  assert out.sequences() == want
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_self_drafter_accepts_everything(target, gamma):
+  rounds = 4
+  spec = SpecConfig(gamma=gamma, max_new_tokens=1 + rounds * (gamma + 1))
+  out = speculative_generate(target, TARGET, self_drafter(target, TARGET), PROMPTS, spec=spec)
+  assert out.block_efficiency == gamma + 1
+  assert int(out.rounds) == rounds and int(out.target_calls) == rounds + 1
+  np.testing.assert_array_equal(out.acceptance_rate, np.ones(gamma))
+  assert out.sequences() == generate(target, TARGET, PROMPTS,
+                                     max_new_tokens=spec.max_new_tokens).sequences()
+
+
+def test_stop_ids_cut_rows(target, drafter):
+  free = generate(target, TARGET, PROMPTS, max_new_tokens=20).sequences()
+  stop = free[0][5]
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=20, stop_ids=[stop]).sequences()
+  out = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=4, max_new_tokens=20, stop_ids=(stop,)))
+  assert out.sequences() == want
+  assert np.all(np.asarray(out.tokens[0, len(want[0]):]) == -1)
+
+
+# ---------------------------------------------------------------------------- losslessness
+TINY = Config(arch="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=1,
+              num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+TINY_PROMPT = [3, 7, 1]
+N_SAMPLES = 20000
+
+
+def exact_distribution(params, sp: SamplingParams, steps: int = 3) -> np.ndarray:
+  """The target's processed distribution over the first `steps` tokens, by enumeration."""
+  V = TINY.vocab_size
+  joint = np.ones([1])
+  for t in range(steps):
+    prefixes = list(itertools.product(range(V), repeat=t))
+    seqs = jnp.asarray([TINY_PROMPT + list(p) for p in prefixes])  # [V^t, P + t]
+    n = seqs.shape[1]
+    logits, _, _ = forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                           KVCache.init(TINY, seqs.shape[0], n))
+    probs = np.exp(np.asarray(processed_logprobs(logits[:, -1], sp), np.float64))  # [V^t, V]
+    joint = (joint[:, None] * probs).reshape(-1)
+  return joint / joint.sum()
+
+
+def sample_sequences(params, drafter, sp: SamplingParams, gamma: int) -> np.ndarray:
+  spec = SpecConfig(gamma=gamma, max_new_tokens=3)
+  prompt = jnp.asarray([TINY_PROMPT + [0] * 13])
+  lengths = jnp.asarray([len(TINY_PROMPT)])
+  run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
+      params, TINY, drafter, prompt, lengths, key, sp, spec=spec, cache_size=32).tokens[0]))
+  tokens = np.asarray(run(jax.random.split(jax.random.key(42), N_SAMPLES)))  # [N, 3]
+  assert (tokens >= 0).all()
+  return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
+
+
+def chi_square(codes: np.ndarray, probs: np.ndarray) -> tuple[float, int, bool]:
+  """Pearson statistic with cells of expected count < 5 pooled; (stat, dof, passes)."""
+  counts = np.bincount(codes, minlength=probs.size).astype(np.float64)
+  expected = probs * len(codes)
+  if counts[probs == 0].sum() > 0:  # a sequence the target can never produce
+    return float("inf"), probs.size - 1, False
+  big = expected >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  keep = exp > 0
+  stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+  dof = int(keep.sum()) - 1
+  return stat, dof, stat < dof + 6 * np.sqrt(2 * dof)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+  target = init_params(TINY, jax.random.key(10), scale=0.8)
+  draft = init_params(TINY, jax.random.key(11), scale=0.8)
+  return target, ModelDrafter(draft, TINY)
+
+
+SAMPLINGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t0.7-topk": SamplingParams(temperature=0.7, top_k=5),
+    "topp": SamplingParams(temperature=1.0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLINGS))
+def test_sampling_is_lossless(tiny_pair, name):
+  target, drafter = tiny_pair
+  sp = SAMPLINGS[name]
+  stat, dof, ok = chi_square(sample_sequences(target, drafter, sp, gamma=2),
+                             exact_distribution(target, sp))
+  assert ok, (name, stat, dof)
+
+
+def test_wrong_acceptance_rule_is_caught(tiny_pair, monkeypatch):
+  """Accepting every draft (ignoring p/q) must fail the same statistical test."""
+  target, drafter = tiny_pair
+  sp = SAMPLINGS["t1"]
+
+  def accept_all(key, drafts, q, target_logits, sampling):
+    B, G = drafts.shape
+    bonus = jax.random.categorical(key, processed_logprobs(target_logits[:, G], sampling))
+    return jnp.full((B,), G, jnp.int32), bonus.astype(jnp.int32)
+
+  monkeypatch.setattr(engine, "verify", accept_all)
+  stat, dof, ok = chi_square(sample_sequences(target, drafter, sp, gamma=2),
+                             exact_distribution(target, sp))
+  assert not ok and stat > 5 * (dof + 6 * np.sqrt(2 * dof)), (stat, dof)
+
+
+# ---------------------------------------------------------------------------- one program, errors
+def test_one_program_no_recompile(target, drafter):
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0), ([2, 2], 0.7)):
+      jax.block_until_ready(speculative_generate(
+          target, TARGET, drafter, [prompt], spec=spec,
+          sampling=SamplingParams(temperature=temp), key=3))
+  assert counter.compiles == 0
+  lowered = jax.jit(speculative_generate_tokens, static_argnums=1,
+                    static_argnames=("spec", "cache_size")).lower(
+      target, TARGET, drafter, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
+      jax.random.key(0), spec=spec, cache_size=64)
+  text = lowered.as_text()
+  assert text.count("stablehlo.while") >= 1 and "callback" not in text
+
+
+def test_bad_input(target, drafter):
+  with pytest.raises(ValueError, match="gamma"):
+    SpecConfig(gamma=0, max_new_tokens=4)
+  mismatched = Config(**{**DRAFT.__dict__, "vocab_size": 65})
+  with pytest.raises(ValueError, match="vocabulary"):
+    speculative_generate(target, TARGET, ModelDrafter(init_params(mismatched, jax.random.key(0)),
+                                                      mismatched), [[1]],
+                         spec=SpecConfig(gamma=2, max_new_tokens=4))
+  # The draft block needs gamma + 1 free slots beyond max_new_tokens.
+  with pytest.raises(ValueError, match="gamma"):
+    speculative_generate(target, TARGET, drafter, [[1] * 200],
+                         spec=SpecConfig(gamma=8, max_new_tokens=50))
+  with pytest.raises(ValueError, match="temperature"):
+    speculative_generate(target, TARGET, drafter, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4),
+                         sampling=SamplingParams(temperature=-1.0))
