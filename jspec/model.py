@@ -15,6 +15,8 @@ from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.spec.drafters import Drafter, ModelDrafter, early_exit_drafter, self_drafter
+from jspec.spec.engine import SpecConfig, SpecOutput, speculative_generate
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT = "default"
@@ -38,10 +40,16 @@ class Model:
 
   def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
-                   stop: bool = True) -> GenerateOutput:
+                   stop: bool = True, drafter: Drafter | None = None,
+                   gamma: int = 4) -> GenerateOutput | SpecOutput:
+    """Autoregressive generation, or speculative when a drafter is given (same output law)."""
     stop_ids = self.tokenizer.stop_token_ids if stop else ()
-    return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
-                    sampling=sampling, key=key, stop_ids=stop_ids)
+    if drafter is None:
+      return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
+                      sampling=sampling, key=key, stop_ids=stop_ids)
+    spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids))
+    return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
+                                sampling=sampling, key=key)
 
   def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt."""
@@ -74,3 +82,39 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32") -> Model:
     raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                      f"vocabulary is {cfg.vocab_size}")
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str) -> None:
+  """A draft must tokenize exactly like the target, or its proposals mean other strings."""
+  if target.vocab_size != draft.vocab_size:
+    raise ValueError(f"drafter {draft_source} has a vocabulary of {draft.vocab_size} tokens, the "
+                     f"target {target.vocab_size}: speculative decoding needs the target's tokenizer")
+  diff = [i for i, (a, b) in enumerate(zip(target.tokens, draft.tokens)) if a != b]
+  if diff:
+    i = diff[0]
+    raise ValueError(f"drafter {draft_source} tokenizes differently from the target: {len(diff)} "
+                     f"token strings differ (first at id {i}: {draft.tokens[i]!r} vs "
+                     f"{target.tokens[i]!r}); use a drafter trained with the target's tokenizer")
+
+
+DRAFTER_HELP = ("none | self (the target drafts for itself: engine check) | early-exit:K (the "
+                "target's first K layers + its head) | model:PATH (a .gguf or HF directory with "
+                "the target's tokenizer)")
+
+
+def load_drafter(name: str, target: Model, dtype: str = "float32") -> Drafter | None:
+  """A drafter by name: """ + DRAFTER_HELP
+  if name == "none":
+    return None
+  if name == "self":
+    return self_drafter(target.params, target.cfg)
+  if name.startswith("early-exit:"):
+    layers = name.split(":", 1)[1]
+    if not layers.isdigit() or not 1 <= int(layers) < target.cfg.num_layers:
+      raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got {name!r}")
+    return early_exit_drafter(target.params, target.cfg, int(layers))
+  if name.startswith("model:"):
+    draft = load(name.split(":", 1)[1], dtype)
+    check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.source)
+    return ModelDrafter(draft.params, draft.cfg)
+  raise ValueError(f"unknown drafter {name!r}; expected {DRAFTER_HELP}")

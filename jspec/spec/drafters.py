@@ -120,3 +120,12 @@ class ModelDrafter:
 def self_drafter(params: Params, cfg: Config) -> ModelDrafter:
   """The target as its own draft: the engine's sanity check (greedy accepts every token)."""
   return ModelDrafter(params=params, cfg=cfg)
+
+
+def early_exit_drafter(params: Params, cfg: Config, num_layers: int) -> ModelDrafter:
+  """The target's first `num_layers` layers, final norm and LM head as an independent draft.
+
+  Costs no training and shares the weights (not the KV cache) with the target.
+  """
+  draft_cfg = dataclasses.replace(cfg, num_layers=num_layers)
+  return ModelDrafter(dataclasses.replace(params, layers=params.layers[:num_layers]), draft_cfg)
