@@ -59,3 +59,45 @@ def test_bad_arguments_exit_cleanly(tiny_model, capsys, args, message):
 def test_missing_model(capsys, tmp_path):
   assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
   assert "never downloads" in capsys.readouterr().err
+
+
+def test_bench_speculative_records(tiny_model, tmp_path):
+  out = tmp_path / "spec.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+               "--max-new-tokens", "9", "--drafter", "self", "--gamma", "3", "--no-transformers",
+               "--json", str(out)]) == 0
+  ar, spec = json.loads(out.read_text())
+  assert (ar["method"], spec["method"]) == ("jspec-autoregressive", "jspec-speculative")
+  assert spec["drafter"] == "self" and spec["gamma"] == 3
+  assert spec["identical_to_ar"] == 1.0  # greedy speculative == greedy autoregressive
+  assert 1.0 <= spec["block_efficiency"] <= 4.0
+  assert spec["target_calls"] < ar["target_calls"]  # the point of speculating
+  for key in ("speedup_vs_ar", "ar_tokens_per_s", "engine_overhead", "round_components_s"):
+    assert key in spec
+
+
+def test_bad_drafter(tiny_model, capsys):
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--drafter", "bogus"]) == 2
+  assert "unknown drafter" in capsys.readouterr().err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--drafter", "self",
+               "--gamma", "0"]) == 2
+  assert "gamma" in capsys.readouterr().err
+
+
+def test_drafter_tokenizer_must_match(tiny_model, tmp_path):
+  import copy
+
+  from jspec.model import check_same_tokenizer, load, load_drafter
+  target = load(tiny_model)
+  same = copy.deepcopy(target.tokenizer)
+  check_same_tokenizer(target.tokenizer, same, "copy")  # identical: accepted
+  same.tokens = list(same.tokens)
+  same.tokens[70] = "something-else"
+  with pytest.raises(ValueError, match="tokenizes differently.*id 70"):
+    check_same_tokenizer(target.tokenizer, same, "edited")
+  other = ggufutil.tiny_hf_checkpoint(tmp_path, "llama", vocab_size=320)[0]
+  ggufutil.make_tiny_tokenizer_dir(other, 320)
+  with pytest.raises(ValueError, match="vocabulary of 320 tokens"):
+    load_drafter(f"model:{other}", target)
+  drafter = load_drafter(f"model:{tiny_model}", target)
+  assert drafter.vocab_size == target.cfg.vocab_size
