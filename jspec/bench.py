@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from jspec.generate import prompt_bucket
@@ -39,6 +40,7 @@ class Run:
   outputs: list[list[int]] = dataclasses.field(default_factory=list)
   round_tokens: int = 0  # speculative: tokens emitted by verification rounds
   row_rounds: int = 0  # speculative: verification rounds
+  accept_hist: np.ndarray | None = None  # speculative: rounds that accepted k drafts, k = 0..G
 
   def summary(self) -> dict:
     wall, toks = sum(self.wall_s), sum(self.new_tokens)
@@ -92,6 +94,8 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
     if drafter is not None:
       run.round_tokens += int(out.round_tokens)
       run.row_rounds += int(out.row_rounds)
+      hist = np.asarray(out.accept_hist)
+      run.accept_hist = hist if run.accept_hist is None else run.accept_hist + hist
   return run, {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
                "programs": 2 * len(seen)}
 
@@ -229,6 +233,10 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     spec = {"method": "jspec-speculative", "drafter": drafter_name, "gamma": gamma, **base,
             **run.summary(), **extra, "draft_calls_per_round": gamma,
             "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
+            # Before cuts at stop tokens or the token budget: mean accepted drafts + 1.
+            "accepted_per_round": float((run.accept_hist * np.arange(1, gamma + 2)).sum()
+                                        / max(run.accept_hist.sum(), 1)),
+            "accept_hist": run.accept_hist.tolist(),
             "ar_tokens_per_s": ar["tokens_per_s"]}
     spec["speedup_vs_ar"] = spec["tokens_per_s"] / ar["tokens_per_s"]
     if greedy:
@@ -261,6 +269,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
 
 SUMMARY_KEYS = ("speedup_vs_transformers", "decode_speedup_vs_transformers", "bandwidth_fraction",
                 "bandwidth_fraction_vs_read", "compile_s", "identical_to_jspec", "block_efficiency",
+                "accepted_per_round",
                 "speedup_vs_ar", "identical_to_ar", "engine_overhead",
                 "speedup_vs_transformers_assisted")
 

@@ -74,6 +74,8 @@ def test_bench_speculative_records(tiny_model, tmp_path):
   assert spec["target_calls"] < ar["target_calls"]  # the point of speculating
   for key in ("speedup_vs_ar", "ar_tokens_per_s", "engine_overhead", "round_components_s"):
     assert key in spec
+  assert spec["accepted_per_round"] == 4.0  # the self drafter: every draft accepted (gamma + 1)
+  assert sum(spec["accept_hist"][:-1]) == 0
 
 
 def test_bad_drafter(tiny_model, capsys):
