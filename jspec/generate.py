@@ -35,8 +35,13 @@ class GenerateOutput:
 
   def sequences(self) -> list[list[int]]:
     """Generated ids per row, trimmed to each row's length (host-side)."""
-    tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
-    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
+    return trimmed_rows(self.tokens, self.lengths)
+
+
+def trimmed_rows(tokens: Array, lengths: Array) -> list[list[int]]:
+  """Host-side: row b of tokens [B, N] cut to lengths[b]."""
+  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+  return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
 
 
 @jax.tree_util.register_dataclass

@@ -50,24 +50,29 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   """Log-probabilities [..., V] after temperature, top-k and top-p; filtered tokens are -inf.
 
   Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
-  returns the temperature-1e-6 distribution; callers treat greedy separately with argmax.
+  returns the temperature-1e-6 distribution; callers treat greedy separately with argmax. The
+  vocabulary sort the filters need is skipped (lax.cond) when both are off.
   """
-  logits = logits.astype(jnp.float32)
-  V = logits.shape[-1]
-  x = logits / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
-  desc = -jnp.sort(-x, axis=-1)  # [..., V], largest first
+  x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
   k = jnp.asarray(sp.top_k, jnp.int32)
-  rank = jnp.arange(V)
-  desc = jnp.where((k > 0) & (rank >= k), -jnp.inf, desc)
+  top_p = jnp.asarray(sp.top_p, jnp.float32)
+  filtered = jax.lax.cond((k > 0) | (top_p < 1), lambda: _top_k_top_p(x, k, top_p), lambda: x)
+  return jax.nn.log_softmax(filtered, axis=-1)
+
+
+def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
+  """Mask with -inf what top-k (k > 0) and then top-p keep out of the scaled logits x [..., V]."""
+  V = x.shape[-1]
+  desc = -jnp.sort(-x, axis=-1)  # [..., V], largest first
+  desc = jnp.where((k > 0) & (jnp.arange(V) >= k), -jnp.inf, desc)
   # top-p over what top-k left: keep a token while the mass strictly before it is < top_p.
   probs = jax.nn.softmax(desc, axis=-1)
   mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = (mass_before < jnp.asarray(sp.top_p, jnp.float32)) & (desc > -jnp.inf)
+  keep = (mass_before < top_p) & (desc > -jnp.inf)
   keep = keep.at[..., 0].set(True)
   n_keep = jnp.sum(keep, axis=-1, keepdims=True)
   threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)  # smallest kept value
-  x = jnp.where(x < threshold, -jnp.inf, x)
-  return jax.nn.log_softmax(x, axis=-1)
+  return jnp.where(x < threshold, -jnp.inf, x)
 
 
 def sample(key: Array, logits: Array, sp: SamplingParams) -> Array:

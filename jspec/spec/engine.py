@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.generate import PAD, is_stop, pad_prompts, plan_cache, prefill
+from jspec.generate import PAD, is_stop, pad_prompts, plan_cache, prefill, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -66,8 +66,8 @@ class SpecOutput:
     return np.asarray(self.accepted_at) / np.maximum(np.asarray(self.proposed_at), 1)
 
   def sequences(self) -> list[list[int]]:
-    tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
-    return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
+    """Generated ids per row, trimmed to each row's length (host-side)."""
+    return trimmed_rows(self.tokens, self.lengths)
 
 
 @jax.tree_util.register_dataclass
