@@ -19,7 +19,6 @@ import numpy as np
 
 from jspec.models.config import Config, RopeScaling, config_from_hf
 from jspec.models.llama import LayerParams, Params, param_layout
-from jspec.sharding import is_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
