@@ -254,7 +254,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     spec["round_s"] = spec["decode_s"] / max(run.row_rounds, 1)
     # Baseline at the median prompt's cache size, so attention costs the same in both.
     median = sorted(len(p) for p in prompts)[len(prompts) // 2]
-    _, size = plan_cache(model.cfg, [median], max_new_tokens + gamma + 1)
+    _, size = plan_cache(model.cfg, [median], max_new_tokens, reserve=gamma + 1)
     spec["round_components_s"], spec["verify_forward_s"] = round_components_s(
         model, drafter, gamma, median, size)
     # What the loop adds per round beyond drafting and the verification forward: relative to all

@@ -130,21 +130,28 @@ def prompt_bucket(length: int) -> int:
 
 
 def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
-               cache_size: int | None = None) -> tuple[int, int]:
-  """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit."""
+               cache_size: int | None = None, reserve: int = 0,
+               reserve_for: str = "") -> tuple[int, int]:
+  """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit.
+
+  `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`) must fit too.
+  """
   limit = cache_size or cfg.max_position_embeddings
   longest = max(prompt_lengths)
-  if longest + max_new_tokens > limit:
+  need = longest + max_new_tokens + reserve
+  if need > limit:
     what = f"cache_size={cache_size}" if cache_size else (
         f"the model's max_position_embeddings={cfg.max_position_embeddings}")
+    reserved = f" + {reserve} slots reserved for {reserve_for}" if reserve else ""
     raise ValueError(
-        f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} needs "
-        f"{longest + max_new_tokens} cache slots, more than {what}. Fix: shorten the prompt, "
-        f"lower max_new_tokens" + (", or raise cache_size." if cache_size else "."))
+        f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{reserved} needs {need} "
+        f"cache slots, more than {what}. Fix: shorten the prompt, lower max_new_tokens"
+        + (f", lower {reserve_for.split()[0]}" if reserve else "")
+        + (", or raise cache_size." if cache_size else "."))
   bucket = prompt_bucket(longest)
   if cache_size:
     return bucket, cache_size
-  size = -(-(bucket + max_new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
+  size = -(-(bucket + max_new_tokens + reserve) // CACHE_ALIGN) * CACHE_ALIGN
   return bucket, min(size, limit)
 
 
@@ -171,6 +178,38 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
   return out, lengths
 
 
+@dataclasses.dataclass
+class Batch:
+  """Validated, padded inputs of one jitted call."""
+
+  tokens: Array  # [B, bucket] int32, right-padded
+  lengths: Array  # [B] int32
+  key: Array
+  sampling: SamplingParams  # fields as arrays: traced, so new values do not recompile
+  stop_ids: tuple[int, ...]
+  cache_size: int
+
+
+def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                  sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
+                  cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
+  """Host-side checks and padding shared by every generate entry point."""
+  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+  sampling.validate()
+  stop = tuple(int(s) for s in stop_ids)
+  if any(not 0 <= s < cfg.vocab_size for s in stop):
+    raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
+  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
+    prompts = [prompts]
+  bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size,
+                            reserve, reserve_for)
+  tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
+  return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
+               key=jax.random.key(key) if isinstance(key, int) else key,
+               sampling=jax.tree.map(jnp.asarray, sampling), stop_ids=stop, cache_size=size)
+
+
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None) -> GenerateOutput:
@@ -181,18 +220,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                    sampling=SamplingParams(temperature=0.7, top_p=0.9), key=0)
     out.sequences()  # [[...], [...]]
   """
-  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-  sampling.validate()
-  stop = tuple(int(s) for s in stop_ids)
-  if any(not 0 <= s < cfg.vocab_size for s in stop):
-    raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
-  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
-    prompts = [prompts]
-  bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size)
-  tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
-  if isinstance(key, int):
-    key = jax.random.key(key)
-  sampling = jax.tree.map(jnp.asarray, sampling)
-  return _generate_jit(params, cfg, jnp.asarray(tokens), jnp.asarray(lengths), key, sampling,
-                       max_new_tokens=int(max_new_tokens), cache_size=size, stop_ids=stop)
+  b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
+                    stop_ids=stop_ids, cache_size=cache_size)
+  return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
+                       max_new_tokens=int(max_new_tokens), cache_size=b.cache_size,
+                       stop_ids=b.stop_ids)

@@ -12,6 +12,7 @@ so both stay whole when they occur in text (as after a chat template).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -231,6 +232,7 @@ def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
   return template
 
 
+@functools.lru_cache(maxsize=16)  # one compile per template, not one per prompt
 def _compile_template(source: str):
   """Compile a chat template in jinja2's immutable sandbox, with transformers' extras."""
   import jinja2

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.generate import PAD, is_stop, pad_prompts, plan_cache, prefill, trimmed_rows
+from jspec.generate import PAD, is_stop, prefill, prepare_batch, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -46,14 +46,21 @@ class SpecConfig:
 class SpecOutput:
   tokens: Array  # [B, N] int32, PAD after each row's length
   lengths: Array  # [B] int32
-  target_calls: Array  # [] int32: prefill + one verification forward per round
-  draft_calls: Array  # [] int32: drafter forwards (prefill + gamma per round)
   rounds: Array  # [] int32
   round_tokens: Array  # [] int32: tokens emitted by verification rounds, summed over rows
   row_rounds: Array  # [] int32: (row, round) pairs in which the row was still generating
   accept_hist: Array  # [G + 1] int32: rounds (per row) that accepted k draft tokens
   accepted_at: Array  # [G] int32: how often draft position i was accepted
-  proposed_at: Array  # [G] int32: how often draft position i was verified
+
+  @property
+  def target_calls(self) -> Array:
+    """Target forwards: the prefill and one verification per round."""
+    return self.rounds + 1
+
+  @property
+  def draft_calls(self) -> Array:
+    """Drafter forwards: the prefill and gamma per round."""
+    return 1 + self.accepted_at.shape[0] * self.rounds
 
   @property
   def block_efficiency(self) -> float:
@@ -62,8 +69,9 @@ class SpecOutput:
 
   @property
   def acceptance_rate(self) -> np.ndarray:
-    """Per draft position, the fraction of verified drafts accepted."""
-    return np.asarray(self.accepted_at) / np.maximum(np.asarray(self.proposed_at), 1)
+    """Per draft position, the fraction of verified drafts accepted (every active row verifies
+    every position each round)."""
+    return np.asarray(self.accepted_at) / max(int(self.row_rounds), 1)
 
   def sequences(self) -> list[list[int]]:
     """Generated ids per row, trimmed to each row's length (host-side)."""
@@ -86,7 +94,6 @@ class SpecState:
   row_rounds: Array
   accept_hist: Array
   accepted_at: Array
-  proposed_at: Array
 
 
 def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
@@ -109,7 +116,7 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
       lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
-      accept_hist=zeros(G + 1), accepted_at=zeros(G), proposed_at=zeros(G))
+      accept_hist=zeros(G + 1), accepted_at=zeros(G))
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)
@@ -153,15 +160,12 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
         row_rounds=s.row_rounds + jnp.sum(act),
         accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, G + 1, dtype=jnp.int32)
                                             * act[:, None], axis=0),
-        accepted_at=s.accepted_at + jnp.sum((idx[None, :G] < n_acc[:, None]) * act[:, None], 0),
-        proposed_at=s.proposed_at + jnp.sum(act))
+        accepted_at=s.accepted_at + jnp.sum((idx[None, :G] < n_acc[:, None]) * act[:, None], 0))
 
   s = jax.lax.while_loop(cond, body, state)
   return SpecOutput(
-      tokens=s.tokens[:, :N], lengths=s.lengths, target_calls=s.rounds + 1,
-      draft_calls=1 + G * s.rounds, rounds=s.rounds, round_tokens=s.round_tokens,
-      row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at,
-      proposed_at=s.proposed_at)
+      tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
+      row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
 
 
 _spec_jit = jax.jit(speculative_generate_tokens, static_argnums=(1,),
@@ -188,20 +192,9 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency
   """
   check_vocab(cfg, drafter)
-  sampling.validate()
-  if any(not 0 <= s < cfg.vocab_size for s in spec.stop_ids):
-    raise ValueError(f"stop ids {spec.stop_ids} must lie in [0, {cfg.vocab_size})")
-  # Verification writes up to G + 1 entries past the last kept one.
-  extra = spec.gamma + 1
-  try:
-    bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], spec.max_new_tokens + extra,
-                              cache_size)
-  except ValueError as e:
-    raise ValueError(f"{e} Speculative decoding reserves gamma + 1 = {extra} extra slots for the "
-                     f"draft block; a smaller gamma also helps.") from None
-  tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
-  if isinstance(key, int):
-    key = jax.random.key(key)
-  sampling = jax.tree.map(jnp.asarray, sampling)
-  return _spec_jit(params, cfg, drafter, jnp.asarray(tokens), jnp.asarray(lengths), key, sampling,
-                   spec=spec, cache_size=size)
+  # Verification writes up to gamma + 1 entries past the last kept one.
+  b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
+                    stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
+                    reserve_for="gamma + 1 (the draft block)")
+  return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                   cache_size=b.cache_size)
