@@ -101,9 +101,10 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
 
 
 def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: int = 64,
-                       cache_size: int = 512, repeats: int = 16) -> tuple[float, float]:
+                       cache_size: int = 512, repeats: int = 16,
+                       sampling: SamplingParams = GREEDY) -> tuple[float, float]:
   """Seconds of one round's model work alone, jitted back to back with nothing else: (drafter
-  proposal + one target forward of gamma + 1 tokens, that target forward alone)."""
+  proposal, sampled as in the run, + one target forward of gamma + 1 tokens, that forward alone)."""
   cfg, params = model.cfg, model.params
   lengths = jnp.asarray([prompt_len], jnp.int32)
   state = drafter.init(jnp.ones((1, prompt_len), jnp.int32), lengths, cache_size)
@@ -117,8 +118,8 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
   def rounds(params, drafter, state, cache, key):
     def one(i, carry):
       state, cache, acc = carry
-      drafts, q, state = drafter.propose(state, jnp.ones((1, 2), jnp.int32), seq_len, key,
-                                         GREEDY, gamma)
+      drafts, q, state = drafter.propose(state, jnp.ones((1, 2), jnp.int32), seq_len,
+                                         jax.random.fold_in(key, i), sampling, gamma)
       block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), drafts], axis=1)
       logits, _, cache = forward(params, cfg, block, positions, cache)
       # Use every logit (greedy verification takes their argmax), so none of the head is pruned.
@@ -270,7 +271,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     median = sorted(len(p) for p in prompts)[len(prompts) // 2]
     _, size = plan_cache(model.cfg, [median], max_new_tokens, reserve=gamma + 1)
     spec["round_components_s"], spec["verify_forward_s"] = round_components_s(
-        model, named.drafter, gamma, median, size)
+        model, named.drafter, gamma, median, size, sampling=jax.tree.map(jnp.asarray, sampling))
     # What the loop adds per round beyond drafting and the verification forward: relative to all
     # of the round's model work, and relative to the verification forward alone.
     extra = spec["round_s"] - spec["round_components_s"]

@@ -93,6 +93,26 @@ def cmd_bench(args) -> int:
   return 0
 
 
+def cmd_train_drafter(args) -> int:
+  from jspec.model import load
+  from jspec.train import distill, trainer
+  from jspec.train.recipe import DrafterRecipe, train_drafter
+
+  target = load(args.target, "float32")
+  recipe = DrafterRecipe(
+      num_layers=args.layers, hidden_size=args.hidden_size, init=args.init,
+      data=distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed),
+      train=trainer.TrainConfig(loss=args.loss, seq_len=args.seq_len, batch_size=args.batch_size,
+                                grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
+                                warmup_steps=min(args.warmup_steps, args.steps),
+                                seed=args.seed, eval_every=args.eval_every,
+                                checkpoint_every=args.checkpoint_every))
+  out = train_drafter(target, args.out, recipe, command=" ".join(["jspec"] + sys.argv[1:]))
+  print(f"wrote {out} (load it with --drafter model:{out})")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--no-transformers", action="store_true",
                  help="skip the transformers reference run")
   b.set_defaults(fn=cmd_bench)
+  t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
+  t.add_argument("--target", default="default", help="target model (as --model)")
+  t.add_argument("--out", type=Path, required=True,
+                 help="output directory: data/, work/ (checkpoints) and drafter/ (the HF model); "
+                      "rerunning the same command resumes")
+  t.add_argument("--layers", type=int, default=2)
+  t.add_argument("--hidden-size", type=int, default=None, help="default: the target's width")
+  t.add_argument("--init", choices=["target", "random"], default="target")
+  t.add_argument("--loss", choices=["kl", "tvd", "tvd++"], default="tvd++")
+  t.add_argument("--num-prompts", type=int, default=1024)
+  t.add_argument("--max-new-tokens", type=int, default=256)
+  t.add_argument("--gen-batch-size", type=int, default=16)
+  t.add_argument("--top-k", type=int, default=32, help="teacher log-probs stored per position")
+  t.add_argument("--seq-len", type=int, default=384)
+  t.add_argument("--batch-size", type=int, default=8)
+  t.add_argument("--grad-accum", type=int, default=1)
+  t.add_argument("--steps", type=int, default=1000, help="optimizer steps (0: save the init)")
+  t.add_argument("--lr", type=float, default=1e-3)
+  t.add_argument("--warmup-steps", type=int, default=50)
+  t.add_argument("--eval-every", type=int, default=100)
+  t.add_argument("--checkpoint-every", type=int, default=100)
+  t.add_argument("--seed", type=int, default=0)
+  t.set_defaults(fn=cmd_train_drafter)
   return parser
 
 
