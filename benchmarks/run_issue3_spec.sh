@@ -1,5 +1,5 @@
 #!/bin/bash
-cd /work/main
+cd "$(dirname "$0")/.."
 R=$HOME/.cache/jspec/drafters/random-2x128  # made by: python benchmarks/make_random_draft.py
 for ds in mt-bench humaneval; do for T in 0 1; do
   jspec bench --model default --dataset $ds --num-prompts 10 --max-new-tokens 128 --temperature $T \

@@ -107,7 +107,8 @@ def cmd_train_drafter(args) -> int:
                                 grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                                 warmup_steps=min(args.warmup_steps, args.steps),
                                 seed=args.seed, eval_every=args.eval_every,
-                                checkpoint_every=args.checkpoint_every))
+                                checkpoint_every=args.checkpoint_every,
+                                freeze_embeddings=args.freeze_embeddings))
   out = train_drafter(target, args.out, recipe, command=" ".join(["jspec"] + sys.argv[1:]))
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--warmup-steps", type=int, default=50)
   t.add_argument("--eval-every", type=int, default=100)
   t.add_argument("--checkpoint-every", type=int, default=100)
+  t.add_argument("--freeze-embeddings", action="store_true",
+                 help="keep the tied embedding/LM head as initialised (from the target)")
   t.add_argument("--seed", type=int, default=0)
   t.set_defaults(fn=cmd_train_drafter)
   return parser

@@ -111,10 +111,11 @@ def _setup(target, data_dir, loss="kl", **kw):
   return rows, dcfg, params, tc
 
 
-@pytest.mark.parametrize("loss", ["kl", "tvd++"])
-def test_training_reduces_the_loss(target, data_dir, tmp_path, loss):
+@pytest.mark.parametrize("loss,freeze", [("kl", False), ("tvd++", False), ("kl", True)])
+def test_training_reduces_the_loss(target, data_dir, tmp_path, loss, freeze):
   rows, dcfg, params, tc = _setup(target, data_dir, loss)
-  tc = dataclasses.replace(tc, steps=30, eval_every=30, checkpoint_every=30)
+  tc = dataclasses.replace(tc, steps=30, eval_every=30, checkpoint_every=30,
+                           freeze_embeddings=freeze)
   objective = jax.jit(lambda p, b: trainer.loss_fn(loss)(
       trainer.student_logits(p, dcfg, b["tokens"]), b["top_ids"], b["top_logprobs"], b["mask"]))
   batch = rows.take(np.arange(len(rows)))
@@ -126,6 +127,7 @@ def test_training_reduces_the_loss(target, data_dir, tmp_path, loss):
   floor = 0.0 if loss == "kl" else float((0.5 * (1 - mass) * batch["mask"]).sum()
                                          / batch["mask"].sum())
   assert float(objective(trained, batch)) - floor < 0.8 * (before - floor)
+  assert np.array_equal(trained.embed, params.embed) == freeze
   assert log and 0 <= log[-1]["alpha_sampled"] <= 1 and 1 <= log[-1]["tau_greedy_est"] <= 5
 
 

@@ -50,6 +50,9 @@ class TrainConfig:
   eval_every: int = 100
   checkpoint_every: int = 100
   gamma: int = 4  # for the block-efficiency estimate
+  # Keep the (tied) embedding/LM head as initialised: with a head copied from the target this
+  # keeps the drafter in the target's output space and skips the largest weight gradient.
+  freeze_embeddings: bool = False
 
 
 @dataclasses.dataclass
@@ -114,6 +117,8 @@ def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation) -
   loss = loss_fn(tc.loss)
 
   def objective(params, batch):
+    if tc.freeze_embeddings:
+      params = dataclasses.replace(params, embed=jax.lax.stop_gradient(params.embed))
     logits = student_logits(params, cfg, batch["tokens"])
     return loss(logits, batch["top_ids"], batch["top_logprobs"], batch["mask"])
 
@@ -121,7 +126,10 @@ def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation) -
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(objective)(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
+    new = optax.apply_updates(params, updates)
+    if tc.freeze_embeddings:  # weight decay would still shrink it
+      new = dataclasses.replace(new, embed=params.embed)
+    return new, opt_state, value
 
   return step
 
