@@ -188,16 +188,17 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
   return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
-def bench_transformers(model: Model, prompts, max_new_tokens, sampling, seed) -> tuple[Run, dict]:
-  """transformers' `generate` on the same weights (a GGUF is dequantized to float32 by it)."""
-  return _run_transformers(_load_transformers(model.source), model, prompts, max_new_tokens,
-                           sampling, seed, {}, "transformers")
+def bench_transformers(hf, model: Model, prompts, max_new_tokens, sampling, seed
+                       ) -> tuple[Run, dict]:
+  """transformers' `generate` with `hf`, the target loaded by transformers (a GGUF is dequantized
+  to float32 by it)."""
+  return _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed, {}, "transformers")
 
 
-def bench_transformers_assisted(model: Model, assistant_source: str | None, prompts,
+def bench_transformers_assisted(hf, model: Model, assistant_source: str | None, prompts,
                                 max_new_tokens, sampling, seed, gamma) -> tuple[Run, dict]:
-  """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair."""
-  hf = _load_transformers(model.source)
+  """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair;
+  `assistant_source` None means the target drafts for itself."""
   assistant = hf if assistant_source is None else _load_transformers(assistant_source)
   assistant.generation_config.num_assistant_tokens = gamma
   assistant.generation_config.num_assistant_tokens_schedule = "constant"
@@ -224,13 +225,20 @@ def _identical(a: Run, b: Run) -> float:
 
 @dataclasses.dataclass
 class NamedDrafter:
-  """A drafter to benchmark: its CLI name, the drafter, and what transformers loads as the same
-  assistant (None: the target itself, for "self"; absent: transformers has no equivalent)."""
+  """A drafter to benchmark with its CLI name (see `jspec.model.load_drafter`)."""
 
   name: str
   drafter: Drafter
-  assistant_source: str | None = None
-  transformers_equivalent: bool = False
+
+  @property
+  def transformers_equivalent(self) -> bool:
+    """Whether transformers' assisted generation can run the same pair."""
+    return self.name == "self" or self.name.startswith("model:")
+
+  @property
+  def assistant_source(self) -> str | None:
+    """What transformers loads as the assistant; None: the target itself."""
+    return self.name.split(":", 1)[1] if self.name.startswith("model:") else None
 
 
 def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[list[int]], *,
@@ -281,7 +289,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     specs.append((named, spec))
 
   if compare_transformers:
-    hf_run, extra = bench_transformers(model, prompts, max_new_tokens, sampling, seed)
+    target_hf = _load_transformers(model.source)
+    hf_run, extra = bench_transformers(target_hf, model, prompts, max_new_tokens, sampling, seed)
     hf = {"method": "transformers-generate", "drafter": "none", **base, **hf_run.summary(),
           **extra}
     if greedy:
@@ -293,8 +302,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     for named, spec in specs:
       if not named.transformers_equivalent:
         continue
-      as_run, extra = bench_transformers_assisted(model, named.assistant_source, prompts,
-                                                  max_new_tokens, sampling, seed, gamma)
+      as_run, extra = bench_transformers_assisted(target_hf, model, named.assistant_source,
+                                                  prompts, max_new_tokens, sampling, seed, gamma)
       assisted = {"method": "transformers-assisted", "drafter": named.name, "gamma": gamma,
                   **base, **as_run.summary(), **extra}
       if greedy:

@@ -69,11 +69,8 @@ def cmd_bench(args) -> int:
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
-  drafters = [bench.NamedDrafter(
-      name, load_drafter(name, model, args.dtype),
-      assistant_source=name.split(":", 1)[1] if name.startswith("model:") else None,
-      transformers_equivalent=name == "self" or name.startswith("model:"))
-      for name in args.drafter.split(",") if name != "none"]
+  drafters = [bench.NamedDrafter(name, load_drafter(name, model, args.dtype))
+              for name in args.drafter.split(",") if name != "none"]
   texts = data.load_prompts(args.dataset, args.num_prompts)
   chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
   prompts = [model.encode(t, chat=chat) for t in texts]
@@ -85,8 +82,9 @@ def cmd_bench(args) -> int:
   for r in records:
     r["timestamp"] = stamp
     r["command"] = " ".join(["jspec"] + sys.argv[1:])
-  tag = "+".join(d.name if ":" not in d.name else d.name.split(":")[0] + "-" + Path(
-      d.name.split(":", 1)[1]).name for d in drafters) or "ar"
+  # File tag per drafter: "self", "early-exit-4", "model-<directory name>".
+  tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
+                                         if ":" in d.name else "") for d in drafters) or "ar"
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   bench.print_table(records)
   print(f"wrote {bench.write_records(records, out)}")

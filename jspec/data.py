@@ -29,12 +29,17 @@ def _read_jsonl(path, opener=open) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def mt_bench_questions(progress: bool = True) -> list[dict]:
+  """MT-Bench's 80 questions as stored: {"question_id", "category", "turns": [str, str], ...}."""
+  return _read_jsonl(fetch(MT_BENCH, progress=progress))
+
+
 def load_prompts(name: str, n: int | None = None, *, progress: bool = True) -> list[str]:
   """The first `n` (default all) prompts of dataset `name`, in file order."""
   _check(name)
   if name == "mt-bench":
     # Only the first turn: the second presupposes the model's own first answer.
-    prompts = [q["turns"][0] for q in _read_jsonl(fetch(MT_BENCH, progress=progress))]
+    prompts = [q["turns"][0] for q in mt_bench_questions(progress)]
   else:
     prompts = [p["prompt"] for p in _read_jsonl(fetch(HUMAN_EVAL, progress=progress), gzip.open)]
   return prompts if n is None else prompts[:n]

@@ -65,9 +65,9 @@ class DecodeState:
 
 def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
   """(ids [B, k], log-probabilities [B, k]) of the k most likely tokens of logits [B, V]."""
-  values, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
-  return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1,
-                                                          keepdims=True)
+  logits = logits.astype(jnp.float32)
+  values, ids = jax.lax.top_k(logits, k)
+  return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
@@ -105,10 +105,10 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
   top_ids = top_logprobs = None
   if record_top_k:
-    K = record_top_k
-    ids, lps = _top_k_logprobs(logits, K)
-    top_ids = jnp.zeros((B, max_new_tokens, K), jnp.int32).at[:, 0].set(ids)
-    top_logprobs = jnp.full((B, max_new_tokens, K), -jnp.inf, jnp.float32).at[:, 0].set(lps)
+    ids, lps = _top_k_logprobs(logits, record_top_k)
+    shape = (B, max_new_tokens, record_top_k)
+    top_ids = jnp.zeros(shape, jnp.int32).at[:, 0].set(ids)
+    top_logprobs = jnp.full(shape, -jnp.inf, jnp.float32).at[:, 0].set(lps)
   state = DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,

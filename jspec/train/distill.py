@@ -93,15 +93,16 @@ def build_dataset(model: Model, texts: Sequence[str], out_dir: str | Path, cfg: 
                    key=jax.random.fold_in(jax.random.key(cfg.seed), i), stop_ids=stops,
                    record_top_k=cfg.top_k)
     lengths = np.asarray(res.lengths)
+    out_ids, top_ids, top_lps = (np.asarray(x) for x in (res.tokens, res.top_ids,
+                                                         res.top_logprobs))
     rows = range(len(prompts))
     arrays = {
         "prompt": np.concatenate([np.asarray(p, np.int32) for p in prompts]),
         "prompt_offsets": np.cumsum([0] + [len(p) for p in prompts]),
-        "response": np.concatenate([np.asarray(res.tokens)[b, : lengths[b]] for b in rows]),
+        "response": np.concatenate([out_ids[b, : lengths[b]] for b in rows]),
         "response_offsets": np.cumsum([0] + lengths.tolist()),
-        "top_ids": np.concatenate([np.asarray(res.top_ids)[b, : lengths[b]] for b in rows]),
-        "top_logprobs": np.concatenate(
-            [np.asarray(res.top_logprobs)[b, : lengths[b]] for b in rows]).astype(np.float16),
+        "top_ids": np.concatenate([top_ids[b, : lengths[b]] for b in rows]),
+        "top_logprobs": np.concatenate([top_lps[b, : lengths[b]] for b in rows]).astype(np.float16),
         "temperature": np.float32(temperature),
     }
     tmp = out / f".shard_{i:05d}.tmp.npz"

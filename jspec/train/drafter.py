@@ -70,13 +70,14 @@ def init_drafter(target_params: Params, target_cfg: Config, cfg: Config, key: ja
   table = f32(target_params.embed if target_params.lm_head is None else target_params.lm_head.T)
   same_width = cfg.hidden_size == target_cfg.hidden_size
   if same_width:
-    picked = spread_layers(target_cfg.num_layers, cfg.num_layers)
-    same_shape = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
-        target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.intermediate_size)
-    layers = tuple(jax.tree.map(f32, target_params.layers[i]) for i in picked) if same_shape \
-        else params.layers
-    if same_shape and (target_cfg.qkv_bias or target_cfg.qk_norm or target_cfg.mlp_bias):
-      layers = params.layers  # a plain Llama drafter cannot hold those extras
+    # Target layers fit only when shaped alike and free of extras a plain Llama cannot hold.
+    copyable = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
+        target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.intermediate_size) and not (
+        target_cfg.qkv_bias or target_cfg.o_bias or target_cfg.qk_norm or target_cfg.mlp_bias)
+    layers = params.layers
+    if copyable:
+      picked = spread_layers(target_cfg.num_layers, cfg.num_layers)
+      layers = tuple(jax.tree.map(f32, target_params.layers[i]) for i in picked)
     return dataclasses.replace(params, embed=table, layers=layers,
                                final_norm=f32(target_params.final_norm))
   # Narrower: project the vocabulary table onto its top principal directions.

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 from jspec import data
-from jspec.io.fetch import MT_BENCH, SHAREGPT, fetch
+from jspec.io.fetch import SHAREGPT, fetch
 
 MAX_CHARS = 4000  # longer first turns (~7% of them) are mostly pasted documents, logs or code
 MIN_OVERLAP_CHARS = 20  # a shorter text overlaps an eval prompt only by being equal to it
@@ -85,10 +85,8 @@ def normalise(text: str) -> str:
 
 def eval_prompts(progress: bool = False) -> list[str]:
   """Every prompt jspec evaluates on: each turn of each MT-Bench question, each HumanEval prompt."""
-  # data.load_prompts("mt-bench") gives first turns only; the later turns are read here.
-  with open(fetch(MT_BENCH, progress=progress), encoding="utf-8") as f:
-    later = [turn for line in f if line.strip() for turn in json.loads(line)["turns"][1:]]
-  return (data.load_prompts("mt-bench", progress=progress) + later
+  questions = data.mt_bench_questions(progress)
+  return ([q["turns"][0] for q in questions] + [t for q in questions for t in q["turns"][1:]]
           + data.load_prompts("humaneval", progress=progress))
 
 
