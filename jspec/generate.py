@@ -250,6 +250,9 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                    sampling=SamplingParams(temperature=0.7, top_p=0.9), key=0)
     out.sequences()  # [[...], [...]]
   """
+  if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
+    raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
+                     f"{record_top_k}")
   b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                     stop_ids=stop_ids, cache_size=cache_size)
   return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,

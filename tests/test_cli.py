@@ -103,3 +103,20 @@ def test_drafter_tokenizer_must_match(tiny_model, tmp_path):
     load_drafter(f"model:{other}", target)
   drafter = load_drafter(f"model:{tiny_model}", target)
   assert drafter.vocab_size == target.cfg.vocab_size
+
+
+def test_bench_several_drafters_with_transformers_assisted(tiny_model, tmp_path):
+  out = tmp_path / "multi.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+               "--max-new-tokens", "8", "--drafters", f"self,model:{tiny_model}", "--gamma", "3",
+               "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  methods = [(r["method"], r["drafter"]) for r in records]
+  assert methods == [("jspec-autoregressive", "none"), ("jspec-speculative", "self"),
+                     ("jspec-speculative", f"model:{tiny_model}"), ("transformers-generate", "none"),
+                     ("transformers-assisted", "self"),
+                     ("transformers-assisted", f"model:{tiny_model}")]
+  for spec, assisted in zip(records[1:3], records[4:6]):
+    assert assisted["identical_to_jspec"] == 1.0  # greedy assisted generation is lossless too
+    assert spec["speedup_vs_transformers_assisted"] == pytest.approx(
+        spec["tokens_per_s"] / assisted["tokens_per_s"])

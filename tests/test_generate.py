@@ -157,6 +157,8 @@ def test_loop_is_one_program(params):
     (dict(prompts=[[1]], sampling=SamplingParams(top_k=-2)), "top_k"),
     (dict(prompts=[[1]], stop_ids=[200]), "stop ids"),
     (dict(prompts=[[1.5, 2.0]]), "integer token ids"),
+    (dict(prompts=[[1]], record_top_k=-1), "record_top_k"),
+    (dict(prompts=[[1]], record_top_k=10_000), "record_top_k"),
 ])
 def test_bad_input(params, kwargs, match):
   kwargs = {"max_new_tokens": 4, **kwargs}
