@@ -15,7 +15,8 @@ from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.drafters import Drafter, ModelDrafter, early_exit_drafter, self_drafter
+from jspec.spec.drafters import (Drafter, ModelDrafter, early_exit_drafter, self_drafter,
+                                 trimmed_drafter)
 from jspec.spec.engine import SpecConfig, SpecOutput, speculative_generate
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -97,6 +98,23 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str)
                      f"{target.tokens[i]!r}); use a drafter trained with the target's tokenizer")
 
 
+def load_model_drafter(path: str | Path, target: Model, dtype: str = "float32") -> ModelDrafter:
+  """A draft model from a .gguf file, an HF directory or a compact drafter directory (one that
+  borrows the target's embedding and/or has a VocabTrim head; see jspec.io.drafter)."""
+  from jspec.io.drafter import drafter_format, load_compact
+
+  path = resolve_path(path)
+  if path.is_dir() and drafter_format(path) is not None:
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_same_tokenizer(target.tokenizer, Tokenizer.from_hf_dir(path), str(path))
+    cfg, params, keep = load_compact(path, target.cfg, target.params, DTYPES[dtype])
+    return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)
+  draft = load(path, dtype)
+  check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.source)
+  return ModelDrafter(draft.params, draft.cfg)
+
+
 DRAFTER_HELP = ("none | self (the target drafts for itself: engine check) | early-exit:K (the "
                 "target's first K layers + its head) | model:PATH (a .gguf or HF directory with "
                 "the target's tokenizer)")
@@ -114,7 +132,5 @@ def load_drafter(name: str, target: Model, dtype: str = "float32") -> Drafter | 
       raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got {name!r}")
     return early_exit_drafter(target.params, target.cfg, int(layers))
   if name.startswith("model:"):
-    draft = load(name.split(":", 1)[1], dtype)
-    check_same_tokenizer(target.tokenizer, draft.tokenizer, draft.source)
-    return ModelDrafter(draft.params, draft.cfg)
+    return load_model_drafter(name.split(":", 1)[1], target, dtype)
   raise ValueError(f"unknown drafter {name!r}; expected {DRAFTER_HELP}")

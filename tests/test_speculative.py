@@ -15,7 +15,9 @@ from jspec.models.llama import forward, init_params
 from jspec.profiling import CompileCounter
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.spec import engine
-from jspec.spec.drafters import ModelDrafter, self_drafter
+from jspec.spec import drafters as drafters_module
+from jspec.spec.drafters import ModelDrafter, self_drafter, trimmed_drafter
+from jspec.spec.vocab_trim import trim_head
 from jspec.spec.engine import SpecConfig, speculative_generate, speculative_generate_tokens
 
 TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -166,6 +168,48 @@ def test_wrong_acceptance_rule_is_caught(tiny_pair, monkeypatch):
   stat, dof, ok = chi_square(sample_sequences(target, drafter, sp, gamma=2),
                              exact_distribution(target, sp))
   assert not ok and stat > 5 * (dof + 6 * np.sqrt(2 * dof)), (stat, dof)
+
+
+# ---------------------------------------------------------------------------- VocabTrim
+TINY_KEEP = [0, 1, 3, 7, 8, 12]  # 6 of 16 ids: most target tokens are ones the draft cannot propose
+
+
+def test_trimmed_drafter_is_lossless_greedy(target, drafter):
+  keep = np.arange(0, TARGET.vocab_size, 2)
+  trimmed = trimmed_drafter(trim_head(drafter.params, keep), TARGET, keep)
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=20).sequences()
+  out = speculative_generate(target, TARGET, trimmed, PROMPTS,
+                             spec=SpecConfig(gamma=3, max_new_tokens=20))
+  assert out.sequences() == want
+  assert np.asarray(out.accept_hist)[1:].sum() > 0  # it did propose accepted (even) tokens
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.7-topk"])
+def test_trimmed_drafter_sampling_is_lossless(tiny_pair, name):
+  target, drafter = tiny_pair
+  trimmed = trimmed_drafter(trim_head(drafter.params, TINY_KEEP), TINY, TINY_KEEP)
+  sp = SAMPLINGS[name]
+  stat, dof, ok = chi_square(sample_sequences(target, trimmed, sp, gamma=2),
+                             exact_distribution(target, sp))
+  assert ok, (name, stat, dof)
+
+
+def test_trimmed_q_must_be_the_distribution_drawn_from(tiny_pair, monkeypatch):
+  """Reporting the untrimmed softmax as q while drawing from the trimmed head must be caught."""
+  target, drafter = tiny_pair
+  sp = SAMPLINGS["t1"]
+
+  def wrong_map(tokens, probs, keep_ids, vocab_size):
+    # The right draw, but q = a distribution over all 16 ids that ignores the trimming.
+    spread = jnp.full(probs.shape[:-1] + (vocab_size,), 0.5 / vocab_size)
+    full = spread.at[..., keep_ids].add(0.5 * probs)
+    return keep_ids[tokens], full
+
+  monkeypatch.setattr(drafters_module, "to_full_vocab", wrong_map)
+  trimmed = trimmed_drafter(trim_head(drafter.params, TINY_KEEP), TINY, TINY_KEEP)
+  stat, dof, ok = chi_square(sample_sequences(target, trimmed, sp, gamma=2),
+                             exact_distribution(target, sp))
+  assert not ok, (stat, dof)
 
 
 # ---------------------------------------------------------------------------- one program, errors

@@ -20,11 +20,13 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.spec.vocab_trim import check_keep_ids, to_full_vocab
 
 Array = jax.Array
 
@@ -68,14 +70,25 @@ class ModelDrafter:
   Each round it re-reads the row's last two tokens (the second is new; the first is new when the
   previous block was accepted whole and the draft never saw its last token), then drafts the rest
   one token at a time. Rollback is implicit: the cache length is set from `seq_len` every round.
+
+  `keep_ids` [M] (VocabTrim, build with `trimmed_drafter`): the LM head emits only these ids
+  (params.lm_head is [E, M]); draws and probabilities are mapped back to the full vocabulary,
+  q = 0 elsewhere.
   """
 
   params: Params
   cfg: Config = dataclasses.field(metadata=dict(static=True))
+  keep_ids: Array | None = None
 
   @property
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
+
+  def _sample(self, key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
+    token, probs = sample_with_probs(key, logits, sampling)
+    if self.keep_ids is None:
+      return token, probs
+    return to_full_vocab(token, probs, self.keep_ids, self.cfg.vocab_size)
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int) -> ModelDrafterState:
     B, P = prompt.shape
@@ -97,7 +110,7 @@ class ModelDrafter:
     logits, _, cache = forward(self.params, self.cfg, last2, positions, cache,
                                logits_indices=jnp.ones((B, 1), jnp.int32))
     cache = cache.commit(2)
-    token, probs = sample_with_probs(keys[0], logits[:, 0], sampling)
+    token, probs = self._sample(keys[0], logits[:, 0], sampling)
     tokens = jnp.zeros((B, gamma), jnp.int32).at[:, 0].set(token)
     all_probs = jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(probs)
 
@@ -105,7 +118,7 @@ class ModelDrafter:
       tokens, all_probs, cache = carry
       prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
       logits, _, cache = forward(self.params, self.cfg, prev, cache.lengths[:, None], cache)
-      token, probs = sample_with_probs(keys[i], logits[:, 0], sampling)
+      token, probs = self._sample(keys[i], logits[:, 0], sampling)
       tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
       all_probs = jax.lax.dynamic_update_slice_in_dim(all_probs, probs[:, None], i, axis=1)
       return tokens, all_probs, cache.commit(1)
@@ -129,3 +142,14 @@ def early_exit_drafter(params: Params, cfg: Config, num_layers: int) -> ModelDra
   """
   draft_cfg = dataclasses.replace(cfg, num_layers=num_layers)
   return ModelDrafter(dataclasses.replace(params, layers=params.layers[:num_layers]), draft_cfg)
+
+
+def trimmed_drafter(params: Params, cfg: Config, keep_ids) -> ModelDrafter:
+  """A ModelDrafter whose head [E, M] emits only `keep_ids` [M] (see jspec.spec.vocab_trim)."""
+  keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
+  head = params.lm_head
+  if head is None or head.shape[-1] != len(keep):
+    raise ValueError(f"a trimmed drafter needs an LM head [E, {len(keep)}] for its {len(keep)} "
+                     f"kept ids, got {None if head is None else tuple(head.shape)}; build the "
+                     f"params with jspec.spec.vocab_trim.trim_head")
+  return ModelDrafter(params=params, cfg=cfg, keep_ids=jnp.asarray(keep))

@@ -1,0 +1,149 @@
+"""Drafter directories: a plain HF model, or a compact one that borrows from its target.
+
+A drafter initialised from the target and trained with its embedding frozen carries a copy of the
+target's embedding table (49k x 576 for SmolLM2: 113 MB in float32), and a VocabTrim head is not an
+HF layout at all. The compact form stores only what the drafter owns:
+
+  config.json          HF config of the drafter as a full-vocabulary model
+  model.safetensors    decoder layers and final norm; `lm_head.weight` [M or V, E] unless the head
+                       is the target's table; `jspec.keep_ids` [M] int32 when the head is trimmed
+  tokenizer files      as in any HF directory (checked against the target's tokenizer)
+  jspec.json           {"drafter_format": {"shares_target_embedding": bool, "trimmed_vocab": M or
+                       null, "dtype": ...}, ...recipe and measurements}
+
+`load_drafter_dir` rebuilds the drafter from it and the loaded target. A drafter that is neither
+trimmed nor sharing is written as a plain HF directory that transformers loads as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.io.save import config_to_hf, params_to_hf, save_hf, save_tokenizer
+from jspec.models.config import Config
+from jspec.models.llama import Params
+from jspec.spec.vocab_trim import check_keep_ids, output_table
+
+FORMAT_KEY = "drafter_format"
+KEEP_IDS = "jspec.keep_ids"
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
+
+
+def shares_table(params: Params, target_params: Params) -> bool:
+  """Is the drafter's input embedding exactly the target's output table (as init "target" with a
+  frozen embedding leaves it)? Then neither needs storing."""
+  table = np.asarray(output_table(target_params))
+  embed = np.asarray(params.embed)
+  return embed.shape == table.shape and np.array_equal(embed, table.astype(embed.dtype))
+
+
+def save_drafter(path: str | Path, cfg: Config, params: Params, tokenizer, metadata: dict[str, Any],
+                 *, keep_ids: np.ndarray | None = None, share_target_table: bool = False,
+                 dtype: str = "float32") -> Path:
+  """Write a drafter; compact (see module doc) when trimmed or sharing the target's table.
+
+  With `share_target_table` the embedding, and a head that is the target's table (tied, or its
+  kept rows when trimmed), are left out; the caller vouches for the sharing (see `shares_table`).
+  """
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+  path = Path(path)
+  if keep_ids is None and not share_target_table:
+    params = jax.tree.map(lambda x: jnp.asarray(x, DTYPES[dtype]), params)
+    return save_hf(path, cfg, params, tokenizer, {**metadata, FORMAT_KEY: {
+        "shares_target_embedding": False, "trimmed_vocab": None, "dtype": dtype}})
+  import safetensors.numpy
+
+  path.mkdir(parents=True, exist_ok=True)
+  head = None if params.lm_head is None else np.asarray(params.lm_head).T  # [M or V, E]
+  tied = params.lm_head is None
+  if keep_ids is not None:
+    keep_ids = check_keep_ids(keep_ids, cfg.vocab_size)
+    if head is None or head.shape[0] != len(keep_ids):
+      raise ValueError(f"a trimmed drafter needs an LM head of {len(keep_ids)} rows, got "
+                       f"{None if head is None else head.shape}")
+    # A frozen trimmed head is just the kept rows of the shared table: then it needs no storing.
+    tied = share_target_table and np.array_equal(head, np.asarray(params.embed)[keep_ids])
+  body = dataclasses.replace(params, lm_head=None)
+  tensors = params_to_hf(dataclasses.replace(cfg, tie_embeddings=True), body)
+  if share_target_table:
+    del tensors[EMBED]
+  if not tied:
+    tensors[HEAD] = head
+  tensors = {k: np.asarray(jnp.asarray(v, DTYPES[dtype])) for k, v in tensors.items()}
+  if keep_ids is not None:
+    tensors[KEEP_IDS] = keep_ids
+  (path / "config.json").write_text(json.dumps(config_to_hf(cfg, tokenizer), indent=2))
+  safetensors.numpy.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+  if tokenizer is not None:
+    save_tokenizer(path, tokenizer)
+  fmt = {"shares_target_embedding": share_target_table, "head_is_table": tied,
+         "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype}
+  (path / "jspec.json").write_text(json.dumps({**metadata, FORMAT_KEY: fmt}, indent=2,
+                                              default=str) + "\n")
+  return path
+
+
+def drafter_format(path: str | Path) -> dict[str, Any] | None:
+  """The compact-format record of a drafter directory, None for a plain model directory."""
+  meta = Path(path) / "jspec.json"
+  if not meta.is_file():
+    return None
+  fmt = json.loads(meta.read_text()).get(FORMAT_KEY)
+  if fmt is None or (not fmt.get("shares_target_embedding") and fmt.get("trimmed_vocab") is None):
+    return None
+  return fmt
+
+
+def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
+                 dtype=jnp.float32) -> tuple[Config, Params, np.ndarray | None]:
+  """(cfg, params, keep_ids or None) of a compact drafter directory, completed from the target."""
+  from safetensors import safe_open
+
+  from jspec.io.checkpoint import assemble_params
+  from jspec.models.config import config_from_hf
+
+  path = Path(path)
+  fmt = drafter_format(path)
+  if fmt is None:
+    raise ValueError(f"{path} is not a compact drafter directory (no {FORMAT_KEY} in jspec.json)")
+  cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+  file = path / "model.safetensors"
+  if not file.is_file():
+    raise FileNotFoundError(f"{file} not found: the drafter directory is incomplete")
+  with safe_open(str(file), framework="flax") as f:
+    tensors = {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+  keep = tensors.pop(KEEP_IDS, None)
+  if (keep is None) != (fmt.get("trimmed_vocab") is None):
+    raise ValueError(f"{path}: jspec.json and model.safetensors disagree about the trimmed head")
+  if keep is not None:
+    keep = check_keep_ids(keep, cfg.vocab_size)
+  if fmt["shares_target_embedding"]:
+    table = np.asarray(output_table(target_params), np.float32)
+    if table.shape != (cfg.vocab_size, cfg.hidden_size):
+      raise ValueError(
+          f"{path} borrows its embedding from the target, but the target's table is "
+          f"{table.shape} and the drafter needs ({cfg.vocab_size}, {cfg.hidden_size}): this "
+          f"drafter was made for another target model")
+    tensors[EMBED] = table
+  head = tensors.pop(HEAD, None)
+  if head is None and not fmt.get("head_is_table", True):
+    raise ValueError(f"{path}: model.safetensors lacks {HEAD}")
+  if head is None and keep is not None:
+    head = tensors[EMBED][keep]
+  params = assemble_params(dataclasses.replace(cfg, tie_embeddings=True), iter(tensors.items()),
+                           dtype, str(path))
+  if head is not None:
+    expected = (cfg.vocab_size if keep is None else len(keep), cfg.hidden_size)
+    if head.shape != expected:
+      raise ValueError(f"{path}: {HEAD} has shape {head.shape}, expected {expected}")
+    params = dataclasses.replace(params, lm_head=jnp.asarray(head.T, dtype))
+  return cfg, params, keep

@@ -1,0 +1,164 @@
+"""VocabTrim and compact drafter directories: kept-id choice, proposals mapped back into the full
+vocabulary, save/load round trips that borrow the target's embedding, clear errors.
+(Losslessness with a trimmed drafter is tested in test_speculative.py.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import ggufutil  # noqa: E402
+from jspec.io.drafter import drafter_format, save_drafter, shares_table  # noqa: E402
+from jspec.model import load, load_model_drafter  # noqa: E402
+from jspec.models.config import Config  # noqa: E402
+from jspec.models.llama import init_params  # noqa: E402
+from jspec.sampling.processing import GREEDY, SamplingParams, processed_logprobs  # noqa: E402
+from jspec.spec.drafters import ModelDrafter, trimmed_drafter  # noqa: E402
+from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head  # noqa: E402
+from jspec.train.drafter import drafter_config, init_drafter  # noqa: E402
+
+CFG = Config(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=1,
+             num_heads=2, num_kv_heads=1, head_dim=16, tie_embeddings=True)
+
+
+def test_most_frequent_ids():
+  counts = np.array([5, 0, 9, 9, 1, 7, 0, 3])
+  np.testing.assert_array_equal(most_frequent_ids(counts, 3), [2, 3, 5])
+  np.testing.assert_array_equal(most_frequent_ids(counts, 3, always=[6]), [2, 3, 6])
+  np.testing.assert_array_equal(most_frequent_ids(counts, 4), [0, 2, 3, 5])  # ties: lower id
+  np.testing.assert_array_equal(full_to_trimmed(np.array([2, 5]), 6), [-1, -1, 0, -1, -1, 1])
+  with pytest.raises(ValueError, match="size"):
+    most_frequent_ids(counts, 0)
+  with pytest.raises(ValueError, match="lie in"):
+    most_frequent_ids(counts, 3, always=[8])
+
+
+def _propose(drafter, sampling, key=0, gamma=3):
+  prompt = jnp.asarray([[5, 9, 11, 2], [7, 3, 0, 0]], jnp.int32)
+  lengths = jnp.asarray([4, 2], jnp.int32)
+  state = drafter.init(prompt, lengths, 32)
+  last2 = jnp.stack([prompt[jnp.arange(2), lengths - 2], prompt[jnp.arange(2), lengths - 1]], 1)
+  return drafter.propose(state, last2, lengths, jax.random.key(key), sampling, gamma)
+
+
+def test_trimmed_proposals_live_in_the_full_vocabulary():
+  params = init_params(CFG, jax.random.key(0), scale=0.5)
+  keep = np.array([1, 4, 5, 10, 17, 30, 47])
+  full = ModelDrafter(params, CFG)
+  trimmed = trimmed_drafter(trim_head(params, keep), CFG, keep)
+  sp = SamplingParams(temperature=1.0)
+  for key in range(4):
+    tokens, probs, _ = _propose(trimmed, sp, key)
+    assert np.isin(np.asarray(tokens), keep).all()
+    probs = np.asarray(probs)  # [B, G, V]
+    assert probs.shape[-1] == CFG.vocab_size
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    assert (probs[..., np.setdiff1d(np.arange(CFG.vocab_size), keep)] == 0).all()
+    assert (np.take_along_axis(probs, np.asarray(tokens)[..., None], -1) > 0).all()
+  # First draft position: q is the full head's distribution restricted to the kept ids.
+  _, full_probs, _ = _propose(full, sp)
+  _, trim_probs, _ = _propose(trimmed, sp)
+  restricted = np.asarray(full_probs)[:, 0][:, keep]
+  np.testing.assert_allclose(np.asarray(trim_probs)[:, 0][:, keep],
+                             restricted / restricted.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+  # Greedy: the argmax among the kept ids, one-hot in the full vocabulary.
+  tokens, probs, _ = _propose(trimmed, GREEDY)
+  logits_first = np.asarray(jnp.log(full_probs[:, 0]))
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], keep[logits_first[:, keep].argmax(-1)])
+  np.testing.assert_array_equal(np.asarray(probs).sum(-1), 1.0)
+
+
+def test_trimmed_drafter_needs_a_matching_head():
+  params = init_params(CFG, jax.random.key(0))
+  with pytest.raises(ValueError, match="trim_head"):
+    trimmed_drafter(params, CFG, [1, 2, 3])
+  with pytest.raises(ValueError, match="distinct"):
+    trimmed_drafter(trim_head(params, [1, 2, 3]), CFG, [1, 2, 2])
+  with pytest.raises(ValueError, match=r"lie in \[0, 48\)"):
+    trim_head(params, [1, 48])
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("target"), "llama",
+                                        max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return load(d)
+
+
+def _same_drafts(a: ModelDrafter, b: ModelDrafter):
+  for sp in (GREEDY, SamplingParams(temperature=1.0)):
+    ta, pa, _ = _propose(a, sp)
+    tb, pb, _ = _propose(b, sp)
+    np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb))
+    np.testing.assert_allclose(np.asarray(pa), np.asarray(pb), atol=1e-6)
+
+
+@pytest.mark.parametrize("trim", [None, 40])
+def test_compact_drafter_round_trip(target, tmp_path, trim):
+  dcfg = drafter_config(target.cfg, 1)
+  params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "target")
+  # Layers change in training; the (frozen) table is still the target's.
+  params = dataclasses.replace(params, layers=tuple(
+      jax.tree.map(lambda x: x * 1.01, lp) for lp in params.layers))
+  assert shares_table(params, target.params)
+  keep = None
+  if trim:
+    counts = np.random.default_rng(0).integers(0, 100, target.cfg.vocab_size)
+    keep = most_frequent_ids(counts, trim, always=target.tokenizer.stop_token_ids)
+    params = trim_head(params, keep)
+  out = save_drafter(tmp_path / "d", dcfg, params, target.tokenizer, {"recipe": "test"},
+                     keep_ids=keep, share_target_table=True)
+  fmt = drafter_format(out)
+  assert fmt["shares_target_embedding"] and fmt["trimmed_vocab"] == trim and fmt["head_is_table"]
+  from safetensors import safe_open
+  with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+    names = set(f.keys())
+  assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
+  back = load_model_drafter(out, target)
+  want = ModelDrafter(params, dcfg) if keep is None else trimmed_drafter(params, dcfg, keep)
+  assert back.cfg == dcfg
+  _same_drafts(back, want)
+  # A trained (no longer the table) trimmed head is stored, and float16 storage loads back.
+  if trim:
+    params = dataclasses.replace(params, lm_head=params.lm_head * 0.5)
+    out = save_drafter(tmp_path / "h", dcfg, params, target.tokenizer, {}, keep_ids=keep,
+                       share_target_table=True, dtype="float16")
+    assert not drafter_format(out)["head_is_table"]
+    back = load_model_drafter(out, target)
+    np.testing.assert_allclose(np.asarray(back.params.lm_head), np.asarray(params.lm_head),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_plain_drafter_directory_still_loads_in_transformers(target, tmp_path):
+  import transformers
+  dcfg = drafter_config(target.cfg, 1)
+  params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "target")
+  out = save_drafter(tmp_path / "p", dcfg, params, target.tokenizer, {})
+  assert drafter_format(out) is None  # neither trimmed nor borrowing: a normal HF directory
+  transformers.AutoModelForCausalLM.from_pretrained(out)
+  _same_drafts(load_model_drafter(out, target), ModelDrafter(params, dcfg))
+
+
+def test_compact_drafter_errors(target, tmp_path):
+  dcfg = drafter_config(target.cfg, 1)
+  params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "target")
+  out = save_drafter(tmp_path / "d", dcfg, params, target.tokenizer, {}, share_target_table=True)
+  # Another target whose table has another width cannot lend its embedding.
+  d2, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "other", "llama", hidden_size=48,
+                                         max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(d2, 256)
+  with pytest.raises(ValueError, match="made for another target"):
+    load_model_drafter(out, load(d2))
+  # A drafter with another tokenizer is refused before anything else.
+  d3, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "third", "llama", max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(d3, 200)
+  with pytest.raises(ValueError, match="tokenizer"):
+    load_model_drafter(out, load(d3))
+  (out / "model.safetensors").unlink()
+  with pytest.raises(FileNotFoundError, match="incomplete"):
+    load_model_drafter(out, target)
