@@ -99,6 +99,7 @@ def cmd_train_drafter(args) -> int:
   target = load(args.target, "float32")
   recipe = DrafterRecipe(
       num_layers=args.layers, hidden_size=args.hidden_size, init=args.init,
+      vocab_trim=args.vocab_trim, data_dirs=tuple(args.data or ()), save_dtype=args.save_dtype,
       data=distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                               batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed),
       train=trainer.TrainConfig(loss=args.loss, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -110,6 +111,40 @@ def cmd_train_drafter(args) -> int:
   out = train_drafter(target, args.out, recipe, command=" ".join(["jspec"] + sys.argv[1:]))
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
+
+
+def cmd_distill_data(args) -> int:
+  from jspec.model import load
+  from jspec.train import distill
+  from jspec.train.prompts import training_prompts
+
+  target = load(args.target, "float32")
+  cfg = distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                           batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed)
+  # Twice the prompts needed: some are too long once templated. The offset skips prompts that
+  # an earlier set used, so sets made with growing offsets never share a prompt.
+  texts = training_prompts(args.prompt_offset + 2 * args.num_prompts, seed=args.seed)
+  out = distill.build_dataset(target, texts[args.prompt_offset:], args.out, cfg)
+  print(f"wrote {out} ({distill.complete_shards(out)} shards)")
+  return 0
+
+
+def cmd_trim_vocab(args) -> int:
+  from jspec.model import load
+  from jspec.train.recipe import trim_drafter
+
+  target = load(args.target, "float32")
+  out = trim_drafter(target, args.drafter, tuple(args.data or ()), args.size, args.out,
+                     dtype=args.save_dtype, command=" ".join(["jspec"] + sys.argv[1:]))
+  print(f"wrote {out} (load it with --drafter model:{out})")
+  return 0
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--num-prompts", type=int, default=1024)
+  p.add_argument("--max-new-tokens", type=int, default=256)
+  p.add_argument("--gen-batch-size", type=int, default=16)
+  p.add_argument("--top-k", type=int, default=32, help="teacher log-probs stored per position")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,10 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--hidden-size", type=int, default=None, help="default: the target's width")
   t.add_argument("--init", choices=["target", "random"], default="target")
   t.add_argument("--loss", choices=["kl", "tvd", "tvd++"], default="tvd++")
-  t.add_argument("--num-prompts", type=int, default=1024)
-  t.add_argument("--max-new-tokens", type=int, default=256)
-  t.add_argument("--gen-batch-size", type=int, default=16)
-  t.add_argument("--top-k", type=int, default=32, help="teacher log-probs stored per position")
+  _add_data_args(t)
+  t.add_argument("--data", action="append", metavar="DIR[:SHARDS]",
+                 help="train on existing distillation data (from `jspec distill-data`; repeat "
+                      "for several; :SHARDS reads only the first SHARDS shards) instead of "
+                      "generating it under --out")
+  t.add_argument("--vocab-trim", type=int, default=0, metavar="M",
+                 help="train a VocabTrim head over the M ids the target generates most (0: off)")
+  t.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
   t.add_argument("--seq-len", type=int, default=384)
   t.add_argument("--batch-size", type=int, default=8)
   t.add_argument("--grad-accum", type=int, default=1)
@@ -157,6 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep the tied embedding/LM head as initialised (from the target)")
   t.add_argument("--seed", type=int, default=0)
   t.set_defaults(fn=cmd_train_drafter)
+  d = sub.add_parser("distill-data", help="generate distillation data: the target's responses to "
+                                          "ShareGPT prompts with its top-k log-probs (resumable)")
+  d.add_argument("--target", default="default", help="target model (as --model)")
+  d.add_argument("--out", type=Path, required=True, help="data directory; rerun to resume")
+  _add_data_args(d)
+  d.add_argument("--prompt-offset", type=int, default=0,
+                 help="skip this many prompts of the seeded order (those of earlier sets)")
+  d.add_argument("--seed", type=int, default=0)
+  d.set_defaults(fn=cmd_distill_data)
+  v = sub.add_parser("trim-vocab", help="give a drafter a VocabTrim head (the M ids the target "
+                                        "generates most)")
+  v.add_argument("--target", default="default", help="target model (as --model)")
+  v.add_argument("--drafter", type=Path, required=True, help="drafter directory")
+  v.add_argument("--data", action="append", metavar="DIR[:SHARDS]", default=[],
+                 help="distillation data to count generated ids on (repeatable)")
+  v.add_argument("--size", type=int, required=True,
+                 help="M, ids kept (the full vocabulary size restores an untrimmed head)")
+  v.add_argument("--out", type=Path, required=True)
+  v.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+  v.set_defaults(fn=cmd_trim_vocab)
   return parser
 
 

@@ -2,6 +2,7 @@
 loss goes down, kill-and-resume equals an uninterrupted run, HF save round trip, clear errors."""
 
 import dataclasses
+import json
 import shutil
 
 import jax
@@ -181,3 +182,39 @@ def test_drafter_init_from_target_and_hf_round_trip(target, tmp_path):
     drafter_config(target.cfg, 1, hidden_size=target.cfg.head_dim + 1)
   with pytest.raises(ValueError, match="init must be"):
     init_drafter(target.params, target.cfg, dcfg, jax.random.key(0), "pretrained")
+
+
+def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_it(
+    target, data_dir, tmp_path):
+  from jspec.io.drafter import drafter_format
+  from jspec.model import load_model_drafter
+  from jspec.train.recipe import DrafterRecipe, train_drafter, trim_drafter
+
+  path, _ = data_dir
+  tc = trainer.TrainConfig(loss="tvd++", seq_len=48, batch_size=2, steps=3, warmup_steps=1,
+                           eval_every=3, checkpoint_every=3, freeze_embeddings=True)
+  recipe = DrafterRecipe(num_layers=1, vocab_trim=60, data_dirs=(f"{path}:2",), train=tc)
+  out = train_drafter(target, tmp_path / "run", recipe, progress=False)
+  fmt = drafter_format(out)
+  assert fmt == {"shares_target_embedding": True, "head_is_table": True, "trimmed_vocab": 60,
+                 "dtype": "float16"}
+  meta = json.loads((out / "jspec.json").read_text())
+  assert meta["data"][0]["shards"] == 2 and meta["train_examples"] + meta["eval_examples"] == 8
+  drafter = load_model_drafter(out, target)
+  keep = np.asarray(drafter.keep_ids)
+  assert len(keep) == 60 and set(target.tokenizer.stop_token_ids) <= set(keep.tolist())
+  # The kept ids are the most generated ones in the training part of the data.
+  examples = list(distill.iter_examples(path, 2))[:-1]
+  counts = distill.token_counts(examples, target.cfg.vocab_size)
+  assert counts[keep].sum() >= np.sort(counts)[::-1][:60 - 1].sum()
+  # trim-vocab: the full head back (the frozen head is the target's table), and another size.
+  full = load_model_drafter(trim_drafter(target, out, (), target.cfg.vocab_size, tmp_path / "f"),
+                            target)
+  assert full.keep_ids is None
+  np.testing.assert_array_equal(np.asarray(full.params.layers[0].wq, np.float16),
+                                np.asarray(drafter.params.layers[0].wq, np.float16))
+  small = load_model_drafter(trim_drafter(target, out, (str(path),), 20, tmp_path / "s"), target)
+  assert small.params.lm_head.shape == (target.cfg.hidden_size, 20)
+  with pytest.raises(ValueError, match="cannot read the first 99"):
+    train_drafter(target, tmp_path / "bad", dataclasses.replace(recipe, data_dirs=(f"{path}:99",)),
+                  progress=False)

@@ -16,7 +16,7 @@ from jspec.io.drafter import drafter_format, save_drafter, shares_table  # noqa:
 from jspec.model import load, load_model_drafter  # noqa: E402
 from jspec.models.config import Config  # noqa: E402
 from jspec.models.llama import init_params  # noqa: E402
-from jspec.sampling.processing import GREEDY, SamplingParams, processed_logprobs  # noqa: E402
+from jspec.sampling.processing import GREEDY, SamplingParams  # noqa: E402
 from jspec.spec.drafters import ModelDrafter, trimmed_drafter  # noqa: E402
 from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head  # noqa: E402
 from jspec.train.drafter import drafter_config, init_drafter  # noqa: E402

@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -123,16 +123,22 @@ class Example:
   top_logprobs: np.ndarray  # [R, K] float32
 
 
-def iter_examples(data_dir: str | Path) -> Iterator[Example]:
-  """Every (prompt, response, teacher top-k) in shard order; shards that are missing or corrupt
-  raise a clear error."""
-  data_dir = Path(data_dir)
-  path = data_dir / MANIFEST
+def read_manifest(data_dir: str | Path) -> dict:
+  path = Path(data_dir) / MANIFEST
   if not path.is_file():
     raise FileNotFoundError(f"{data_dir} has no {MANIFEST}: not a distillation data directory "
-                            f"(make one with `jspec train-drafter` or build_dataset)")
-  manifest = json.loads(path.read_text())
-  for i in range(manifest["num_shards"]):
+                            f"(make one with `jspec distill-data` or `jspec train-drafter`)")
+  return json.loads(path.read_text())
+
+
+def iter_examples(data_dir: str | Path, num_shards: int | None = None) -> Iterator[Example]:
+  """Every (prompt, response, teacher top-k) in shard order, or those of the first `num_shards`
+  shards (a generation still under way); shards that are missing or corrupt raise a clear error."""
+  data_dir = Path(data_dir)
+  total = read_manifest(data_dir)["num_shards"]
+  if num_shards is not None and not 0 < num_shards <= total:
+    raise ValueError(f"{data_dir} has {total} shards; cannot read the first {num_shards}")
+  for i in range(total if num_shards is None else num_shards):
     file = data_dir / f"shard_{i:05d}.npz"
     if not file.is_file():
       raise FileNotFoundError(f"{file} is missing: the data generation did not finish; rerun it "
@@ -150,9 +156,18 @@ def iter_examples(data_dir: str | Path) -> Iterator[Example]:
                     top_logprobs=arrays["top_logprobs"][ro[r]: ro[r + 1]].astype(np.float32))
 
 
-def token_counts(data_dir: str | Path, vocab_size: int) -> np.ndarray:
+def complete_shards(data_dir: str | Path) -> int:
+  """How many leading shards exist (all of them once the generation finished)."""
+  total = read_manifest(data_dir)["num_shards"]
+  n = 0
+  while n < total and (Path(data_dir) / f"shard_{n:05d}.npz").is_file():
+    n += 1
+  return n
+
+
+def token_counts(examples: Iterable[Example], vocab_size: int) -> np.ndarray:
   """How often the target generated each token id [V] (VocabTrim's frequency statistic)."""
   counts = np.zeros(vocab_size, np.int64)
-  for ex in iter_examples(data_dir):
+  for ex in examples:
     counts += np.bincount(ex.response, minlength=vocab_size)
   return counts

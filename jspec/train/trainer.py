@@ -50,8 +50,9 @@ class TrainConfig:
   eval_every: int = 100
   checkpoint_every: int = 100
   gamma: int = 4  # for the block-efficiency estimate
-  # Keep the (tied) embedding/LM head as initialised: with a head copied from the target this
-  # keeps the drafter in the target's output space and skips the largest weight gradient.
+  # Keep the embedding and LM head as initialised: with a head copied from the target this keeps
+  # the drafter in the target's output space, skips the largest weight gradient, and lets the
+  # saved drafter borrow the target's table instead of storing it.
   freeze_embeddings: bool = False
 
 
@@ -113,12 +114,18 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   return optax.MultiSteps(opt, every_k_schedule=tc.grad_accum) if tc.grad_accum > 1 else opt
 
 
+def frozen_tables(params: Params, freeze: Callable) -> Params:
+  """`freeze` applied to the embedding and the LM head (a VocabTrim head is rows of the table)."""
+  head = None if params.lm_head is None else freeze(params.lm_head)
+  return dataclasses.replace(params, embed=freeze(params.embed), lm_head=head)
+
+
 def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation) -> Callable:
   loss = loss_fn(tc.loss)
 
   def objective(params, batch):
     if tc.freeze_embeddings:
-      params = dataclasses.replace(params, embed=jax.lax.stop_gradient(params.embed))
+      params = frozen_tables(params, jax.lax.stop_gradient)
     logits = student_logits(params, cfg, batch["tokens"])
     return loss(logits, batch["top_ids"], batch["top_logprobs"], batch["mask"])
 
@@ -127,8 +134,8 @@ def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation) -
     value, grads = jax.value_and_grad(objective)(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
-    if tc.freeze_embeddings:  # weight decay would still shrink it
-      new = dataclasses.replace(new, embed=params.embed)
+    if tc.freeze_embeddings:  # weight decay would still shrink them
+      new = dataclasses.replace(new, embed=params.embed, lm_head=params.lm_head)
     return new, opt_state, value
 
   return step
