@@ -29,6 +29,9 @@ class RopeScaling:
   freq_factors: tuple[float, ...] | None = None
 
 
+ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Static description of a decoder; passed to jitted functions as a static argument."""
@@ -50,10 +53,16 @@ class Config:
   o_bias: bool = False
   mlp_bias: bool = False
   qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
+  # How attention runs (not a property of the checkpoint): "xla" (jnp), "pallas" (the tree
+  # attention kernel, GPU/TPU) or "pallas-interpret" (that kernel interpreted: CPU tests).
+  attention_impl: str = "xla"
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.arch!r}; jspec runs {ARCHITECTURES}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got "
+                       f"{self.attention_impl!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")

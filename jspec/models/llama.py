@@ -9,7 +9,7 @@ suits layer-skip drafting and multi-layer feature readers. The stacked KV cache 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -159,8 +159,30 @@ def _attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
   return out.reshape(B, T, H, D)
 
 
+def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int) -> Callable:
+  """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
+
+  "xla": masked softmax over the whole cache in jnp. "pallas" / "pallas-interpret": the tree
+  attention kernel reading the stacked cache in place (interpreted on CPU). No fallback between
+  them: a kernel that cannot run raises.
+  """
+  if cfg.attention_impl == "xla":
+    full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
+    return lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
+                                             v_all[i].astype(q.dtype), full_mask)
+  from jspec.pallas.tree_attention import BlockSizes, tree_attention
+  block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
+  if block_k is None:
+    raise ValueError(f"attention_impl={cfg.attention_impl!r} needs a KV cache whose size is a "
+                     f"multiple of 16, got {size}; allocate a multiple of 128 slots")
+  blocks = BlockSizes(block_k=block_k)
+  interpret = cfg.attention_impl == "pallas-interpret"
+  return lambda q, k_all, v_all, i: tree_attention(q, k_all, v_all, lengths, mask, layer=i,
+                                                   block_sizes=blocks, interpret=interpret)
+
+
 def _layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array, v_cache: Array,
-           cos: Array, sin: Array, slots: Array, mask: Array):
+           cos: Array, sin: Array, slots: Array, attend: Callable):
   """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`."""
   B, T, _ = x.shape
   with jax.named_scope("attention"):
@@ -178,7 +200,7 @@ def _layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array, v_cac
     # Slots past the cache end are dropped; callers validate capacity before they get here.
     k_cache = k_cache.at[i, rows, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[i, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
-    out = _attend(q, k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype), mask)
+    out = attend(q, k_cache, v_cache, i)
     # Contract heads and head_dim as one axis so the weight is read in its stored layout.
     attn = jnp.einsum("btf,fe->bte", out.reshape(B, T, -1), lp.wo.reshape(-1, cfg.hidden_size))
     if lp.bo is not None:
@@ -223,12 +245,12 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   x = params.embed[tokens]  # [B, T, E]
   cos, sin = rope_tables(cfg, positions)
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-  full_mask = attention_mask(cache.lengths, cache.size, mask, T)  # [B, T, S]
+  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T)
 
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
     with jax.named_scope(f"layer_{i}"):
-      x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, full_mask)
+      x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
   picked = hidden
   if logits_indices is not None:
