@@ -27,6 +27,7 @@ from jspec.models.llama import forward, param_bytes
 from jspec.profiling import CompileCounter, machine_info, memory_bandwidth
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.spec.drafters import Drafter
+from jspec.spec.tree_engine import TreeShape, TreeSpecConfig, tree_speculative_generate
 
 
 @dataclasses.dataclass
@@ -67,11 +68,17 @@ def _timed(fn):
 
 def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
                 sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
-                gamma: int = 4) -> tuple[Run, dict]:
-  """jspec, autoregressive or speculative: warm up every bucket (compile timed apart), then time
-  each prompt: a 1-token call gives the time to first token, a full call the wall time."""
+                gamma: int = 4, tree: TreeShape | None = None) -> tuple[Run, dict]:
+  """jspec, autoregressive, speculative or tree speculative (`tree` with a drafter): warm up every
+  bucket (compile timed apart), then time each prompt: a 1-token call gives the time to first
+  token, a full call the wall time."""
   gen = lambda p, n: model.generate_ids([p], max_new_tokens=n, sampling=sampling, key=seed,
                                         drafter=drafter, gamma=gamma)
+  if tree is not None:
+    stop = tuple(model.tokenizer.stop_token_ids)
+    gen = lambda p, n: tree_speculative_generate(
+        model.params, model.cfg, drafter, [p], sampling=sampling, key=seed,
+        spec=TreeSpecConfig(tree, max_new_tokens=n, stop_ids=stop))
   compile_s, seen = [], set()
   for p in prompts:
     if prompt_bucket(len(p)) in seen:
@@ -82,8 +89,8 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
       _timed(lambda: gen(p, 1))
     compile_s.append(counter.seconds)
   run = Run()
-  for p in tqdm(prompts, desc="jspec " + ("speculative" if drafter else "autoregressive"),
-                leave=False):
+  desc = "tree" if tree is not None else "speculative" if drafter else "autoregressive"
+  for p in tqdm(prompts, desc=f"jspec {desc}", leave=False):
     _, ttft = _timed(lambda: gen(p, 1))
     out, wall = _timed(lambda: gen(p, max_new_tokens))
     run.ttft_s.append(ttft)
@@ -232,8 +239,13 @@ class NamedDrafter:
 
   @property
   def transformers_equivalent(self) -> bool:
-    """Whether transformers' assisted generation can run the same pair."""
-    return self.name == "self" or self.name.startswith("model:")
+    """Whether transformers' assisted generation can run the same pair (not for compact jspec
+    drafter directories: a borrowed embedding or a VocabTrim head is not an HF model)."""
+    from jspec.io.drafter import drafter_format
+    if self.name.startswith("model:"):
+      path = Path(self.name.split(":", 1)[1]).expanduser()
+      return not (path.is_dir() and drafter_format(path) is not None)
+    return self.name == "self"
 
   @property
   def assistant_source(self) -> str | None:
@@ -241,12 +253,38 @@ class NamedDrafter:
     return self.name.split(":", 1)[1] if self.name.startswith("model:") else None
 
 
+def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,
+                 named: NamedDrafter, tree: TreeShape, base: dict, ar_run: Run, ar: dict,
+                 chain: dict) -> dict:
+  """One drafter with one token tree: τ, tree size and speed beside its chain and AR records."""
+  run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter,
+                           tree=tree)
+  record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
+            "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
+            "tree_depth": tree.max_depth, **base, **run.summary(), **extra,
+            "draft_calls_per_round": tree.max_depth,
+            "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
+            # Before cuts at stop tokens or the token budget: mean accepted depth + 1.
+            "accepted_per_round": float((run.accept_hist * np.arange(1, tree.max_depth + 2)).sum()
+                                        / max(run.accept_hist.sum(), 1)),
+            "accept_hist": run.accept_hist.tolist(),
+            "ar_tokens_per_s": ar["tokens_per_s"], "chain_tokens_per_s": chain["tokens_per_s"]}
+  record["round_s"] = record["decode_s"] / max(run.row_rounds, 1)
+  record["speedup_vs_ar"] = record["tokens_per_s"] / ar["tokens_per_s"]
+  record["speedup_vs_chain"] = record["tokens_per_s"] / chain["tokens_per_s"]
+  if float(sampling.temperature) == 0:
+    record["identical_to_ar"] = _identical(ar_run, run)
+  return record
+
+
 def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[list[int]], *,
               max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
               drafters: Sequence[NamedDrafter] = (), gamma: int = 4,
-              compare_transformers: bool = True, measure_bandwidth: bool = True) -> list[dict]:
-  """Benchmark jspec autoregressive, jspec speculative (each of `drafters`) and transformers
-  (plain, and assisted for drafters it can load) on token-id prompts, in one process."""
+              trees: Sequence[TreeShape] = (), compare_transformers: bool = True,
+              measure_bandwidth: bool = True) -> list[dict]:
+  """Benchmark jspec autoregressive, jspec speculative (each of `drafters`, chain and each of
+  `trees`) and transformers (plain, and assisted for drafters it can load) on token-id prompts,
+  in one process."""
   greedy = float(sampling.temperature) == 0
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
@@ -287,6 +325,9 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     spec["engine_overhead_vs_verify"] = extra / spec["verify_forward_s"]
     records.append(spec)
     specs.append((named, spec))
+    for tree in trees:
+      records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
+                                  base, ar_run, ar, spec))
 
   if compare_transformers:
     target_hf = _load_transformers(model.source)
@@ -318,12 +359,14 @@ SUMMARY_KEYS = ("speedup_vs_transformers", "decode_speedup_vs_transformers", "ba
                 "bandwidth_fraction_vs_read", "compile_s", "identical_to_jspec", "block_efficiency",
                 "accepted_per_round",
                 "speedup_vs_ar", "identical_to_ar", "engine_overhead", "engine_overhead_vs_verify",
-                "speedup_vs_transformers_assisted")
+                "speedup_vs_transformers_assisted", "speedup_vs_chain")
 
 
 def print_table(records: list[dict]) -> None:
   cols = ["method", "drafter", "dataset", "temperature", "n_prompts", "new_tokens", "tokens_per_s",
           "decode_tokens_per_s", "ttft_s", "wall_s"]
+  if any("tree" in r for r in records):
+    cols.insert(2, "tree")
   print(" | ".join(cols))
   for r in records:
     print(" | ".join(f"{r.get(c):.3f}" if isinstance(r.get(c), float) else str(r.get(c))
@@ -331,7 +374,8 @@ def print_table(records: list[dict]) -> None:
   for r in records:
     for key in SUMMARY_KEYS:
       if key in r:
-        print(f"{r['method']}: {key} = {r[key]:.3f}")
+        name = r["method"] + (f" {r['tree']}" if "tree" in r else "")
+        print(f"{name}: {key} = {r[key]:.3f}")
 
 
 def write_records(records: list[dict], path: str | Path) -> Path:

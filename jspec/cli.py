@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 from jspec.model import DRAFTER_HELP  # noqa: E402  (light import: no JAX work at import time)
+from jspec.spec.tree_engine import TREE_HELP  # noqa: E402
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -66,17 +67,22 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
   from jspec import bench, data
   from jspec.model import load, load_drafter
+  from jspec.spec.tree_engine import parse_trees
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
   drafters = [bench.NamedDrafter(name, load_drafter(name, model, args.dtype))
               for name in args.drafter.split(",") if name != "none"]
+  trees = [t for spec in args.tree or () for t in parse_trees(spec)]
+  if trees and not drafters:
+    raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
+                     "self, early-exit:K)")
   texts = data.load_prompts(args.dataset, args.num_prompts)
   chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
   prompts = [model.encode(t, chat=chat) for t in texts]
   records = bench.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                            drafters=drafters, gamma=args.gamma,
+                            drafters=drafters, gamma=args.gamma, trees=trees,
                             compare_transformers=not args.no_transformers)
   stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
   for r in records:
@@ -85,6 +91,7 @@ def cmd_bench(args) -> int:
   # File tag per drafter: "self", "early-exit-4", "model-<directory name>".
   tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
                                          if ":" in d.name else "") for d in drafters) or "ar"
+  tag += "+trees" if trees else ""
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   bench.print_table(records)
   print(f"wrote {bench.write_records(records, out)}")
@@ -164,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
   b.add_argument("--drafters", dest="drafter", metavar="NAMES",
                  help="comma-separated drafters, each benchmarked against the same baseline runs")
+  b.add_argument("--tree", action="append", metavar="SPECS",
+                 help="also benchmark tree speculative decoding with each drafter and each of "
+                      "these token trees (repeatable or comma-separated): " + TREE_HELP)
   b.add_argument("--no-transformers", action="store_true",
                  help="skip the transformers reference run")
   b.set_defaults(fn=cmd_bench)

@@ -115,15 +115,33 @@ def load_model_drafter(path: str | Path, target: Model, dtype: str = "float32") 
   return ModelDrafter(draft.params, draft.cfg)
 
 
-DRAFTER_HELP = ("none | self (the target drafts for itself: engine check) | early-exit:K (the "
-                "target's first K layers + its head) | model:PATH (a .gguf or HF directory with "
+DRAFTER_HELP = ("none | default (the distilled drafter shipped for the default model) | self (the "
+                "target drafts for itself: engine check) | early-exit:K (the target's first K "
+                "layers + its head) | model:PATH (a .gguf, HF or compact drafter directory with "
                 "the target's tokenizer)")
+# Made by the command recorded in its jspec.json (see README, "The default drafter").
+DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+
+
+def default_drafter_path(target: Model) -> Path:
+  """The shipped drafter directory; it is trained for the default model only."""
+  from jspec.io.fetch import default_model_path
+  if Path(target.source) != default_model_path():
+    raise ValueError(f"--drafter default is distilled from the default model; the target is "
+                     f"{target.source}. Train one for it with `jspec train-drafter --target ...` "
+                     f"and pass --drafter model:DIR")
+  if not (DEFAULT_DRAFTER / "model.safetensors").is_file():
+    raise FileNotFoundError(f"the default drafter is missing from {DEFAULT_DRAFTER}: reinstall "
+                            f"jspec, or pass --drafter model:DIR")
+  return DEFAULT_DRAFTER
 
 
 def load_drafter(name: str, target: Model, dtype: str = "float32") -> Drafter | None:
   """A drafter by name: """ + DRAFTER_HELP
   if name == "none":
     return None
+  if name == "default":
+    return load_model_drafter(default_drafter_path(target), target, dtype)
   if name == "self":
     return self_drafter(target.params, target.cfg)
   if name.startswith("early-exit:"):

@@ -120,3 +120,26 @@ def test_bench_several_drafters_with_transformers_assisted(tiny_model, tmp_path)
     assert assisted["identical_to_jspec"] == 1.0  # greedy assisted generation is lossless too
     assert spec["speedup_vs_transformers_assisted"] == pytest.approx(
         spec["tokens_per_s"] / assisted["tokens_per_s"])
+
+
+def test_bench_tree_records(tiny_model, tmp_path):
+  out = tmp_path / "tree.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+               "--max-new-tokens", "9", "--drafters", "self", "--gamma", "2",
+               "--tree", "rsd-s:2,2", "--no-transformers", "--json", str(out)]) == 0
+  ar, chain, tree = json.loads(out.read_text())
+  assert [r["method"] for r in (ar, chain, tree)] == [
+      "jspec-autoregressive", "jspec-speculative", "jspec-tree"]
+  assert (tree["drafter"], tree["tree"], tree["tree_nodes"]) == ("self", "rsd-s:2,2", 5)
+  assert tree["identical_to_ar"] == 1.0 and tree["tokens_per_s"] > 0
+  assert tree["accepted_per_round"] == 3.0  # the self drafter: every path accepted to depth 2
+  assert tree["target_calls"] < ar["target_calls"]
+  for key in ("block_efficiency", "speedup_vs_ar", "speedup_vs_chain", "accept_hist", "ttft_s"):
+    assert key in tree
+
+
+def test_bench_bad_tree(tiny_model, capsys):
+  assert main(["bench", "--model", str(tiny_model), "--tree", "rsd-s:2,2"]) == 2
+  assert "--tree needs a drafter" in capsys.readouterr().err
+  assert main(["bench", "--model", str(tiny_model), "--drafters", "self", "--tree", "rsd-s:2"]) == 2
+  assert "W,D" in capsys.readouterr().err

@@ -11,6 +11,11 @@ the same jitted speculative loop. The protocol is three pure functions:
 `last2` holds each row's last two known tokens and `seq_len` how many tokens the row knows (prompt
 plus generated). `probs` are the *processed* distributions (temperature, top-k, top-p, exactly as
 the verifier processes the target's) each token was sampled from.
+
+Tree drafters (jspec.spec.tree_engine) add two functions, implemented by ModelDrafter:
+
+  draft_tree(state, last2, seq_len, key, sampling, shape) -> (Tree, drafted)    each round
+  accept_tree(drafted, path, n_accepted, seq_len) -> state                     after verification
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import (Params, _attend, _layer, forward, lm_head, rms_norm,
+                                rope_tables)
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.spec.vocab_trim import check_keep_ids, to_full_vocab
+from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
 
@@ -60,6 +67,124 @@ def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tu
 @dataclasses.dataclass
 class ModelDrafterState:
   cache: KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeDraftState:
+  """A ModelDrafter's cache right after drafting a tree, and where each node's KV went."""
+
+  cache: KVCache  # lengths = seq_len; fed nodes' KV at slots seq_len + kv_slot
+  kv_slot: Array  # [B, N] int32 slot offset past seq_len of each node's KV; -1: never fed (leaf)
+
+
+def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
+  """Compact KV entries in every layer: slot base + j <- slot base + src[:, j] for j < n.
+
+  base [B], src [B, D] slot offsets (-1: leave slot base + j alone), n [B]. Everything is gathered
+  before anything is written, so overlapping moves are safe; the [L, B, S, K, D] arrays are
+  updated in place inside a loop. Used for the accepted path of a token tree (target and draft).
+  """
+  B, D = src.shape
+  j = jnp.arange(D, dtype=jnp.int32)
+  rows = jnp.arange(B)[:, None]
+  src_slot = base[:, None] + jnp.maximum(src, 0)  # [B, D]
+  dst_slot = jnp.where((j < n[:, None]) & (src >= 0), base[:, None] + j, cache.size)  # [B, D]
+  k = cache.k.at[:, rows, dst_slot].set(cache.k[:, rows, src_slot], mode="drop")
+  v = cache.v.at[:, rows, dst_slot].set(cache.v[:, rows, src_slot], mode="drop")
+  return dataclasses.replace(cache, k=k, v=v)
+
+
+def _forward_visible(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+                     slots: Array, visible: Array) -> tuple[Array, KVCache]:
+  """`llama.forward` for T new tokens [B, T] written at any cache `slots` [B, T], each seeing
+  exactly the cache slots `visible` [B, T, S] marks (XLA attention); logits [B, T, V_head].
+
+  Tree drafting needs it: a frontier node sees its ancestors' slots but not their siblings', which
+  forward's [B, T, T] mask over the new tokens cannot express.
+  """
+  x = params.embed[tokens]  # [B, T, E]
+  cos, sin = rope_tables(cfg, positions)
+  attend = lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
+                                             v_all[i].astype(q.dtype), visible)
+  k_all, v_all = cache.k, cache.v
+  for i, lp in enumerate(params.layers):
+    with jax.named_scope(f"layer_{i}"):
+      x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
+  hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
+  return lm_head(params, hidden), dataclasses.replace(cache, k=k_all, v=v_all)
+
+
+def _match_nodes(old: Tree, new: Tree) -> Array:
+  """[B, N_new] index in `old` of each node of `new` with the same root-to-node token path, -1 if
+  none (pruning re-indexes a tree; paths are unique in trees whose siblings are distinct)."""
+  same = (new.valid[:, :, None] & old.valid[:, None, :]
+          & (new.tokens[:, :, None] == old.tokens[:, None, :])
+          & (new.depth[:, :, None] == old.depth[:, None, :]))  # [B, N_new, N_old]
+  match = jnp.full(new.tokens.shape, -1, jnp.int32)
+  for _ in range(new.max_depth):  # iteration t settles the nodes of depth <= t
+    parent = jnp.where(new.parents >= 0, take(match, new.parents), -1)  # [B, N_new], in `old`
+    cand = same & (old.parents[:, None, :] == parent[:, :, None])
+    match = jnp.where(cand.any(-1), jnp.argmax(cand, -1), -1).astype(jnp.int32)
+  return match
+
+
+class _FrontierFeeder:
+  """`next_logits(tree, frontier)` (jspec.tree.draft) over a ModelDrafter and its cache.
+
+  The draft schedules call it once per depth in a Python loop, so within one trace it threads the
+  cache through itself. Call 1 (frontier = the root) returns the logits the last two known tokens
+  gave; each later call is ONE forward over the W frontier tokens at positions seq_len - 1 + depth,
+  written in call order at slots seq_len + 0, 1, ..., each seeing the committed prefix and the
+  slots of its ancestors. `kv_slot` [B, N] records where each fed node's KV went.
+  """
+
+  def __init__(self, drafter: "ModelDrafter", cache: KVCache, root_logits: Array,
+               seq_len: Array):
+    self.drafter, self.cache, self.root_logits, self.seq_len = drafter, cache, root_logits, seq_len
+    self.kv_slot = None  # [B, N] once the root call has seen the tree's size
+    self.fed = 0  # slots used so far (static)
+    self.last_tree = None  # the tree at the last forward: every fed node is in it
+
+  def __call__(self, tree: Tree, frontier: Array) -> Array:
+    B, W = frontier.shape
+    if self.kv_slot is None:
+      assert W == 1, "the first next_logits call of a draft schedule is the root's"
+      self.kv_slot = jnp.full(tree.tokens.shape, -1, jnp.int32)
+      return self.root_logits  # [B, 1, V]
+    rows = jnp.arange(B)[:, None]
+    offset = jnp.broadcast_to(self.fed + jnp.arange(W, dtype=jnp.int32), (B, W))
+    self.kv_slot = self.kv_slot.at[rows, frontier].set(offset)
+    S = self.cache.size
+    # Slots each frontier token sees: the committed prefix, then its own and its ancestors'.
+    line, cur = [frontier], frontier
+    for _ in range(tree.max_depth - 1):
+      cur = parent_of(tree, cur)
+      line.append(cur)
+    line = jnp.stack(line, axis=-1)  # [B, W, D] the node and its ancestors, -1 past the root
+    slot = jnp.where(line >= 0, take(self.kv_slot, line), -1)  # [B, W, D]
+    seen = jnp.where(slot >= 0, self.seq_len[:, None, None] + slot, S)  # [B, W, D]
+    visible = jnp.broadcast_to((jnp.arange(S) < self.seq_len[:, None])[:, None], (B, W, S))
+    visible = visible.at[rows[..., None], jnp.arange(W)[:, None], seen].set(True, mode="drop")
+    positions = self.seq_len[:, None] - 1 + take(tree.depth, frontier)  # [B, W]
+    logits, self.cache = _forward_visible(
+        self.drafter.params, self.drafter.cfg, take(tree.tokens, frontier), positions, self.cache,
+        self.seq_len[:, None] + offset, visible)
+    self.fed += W
+    self.last_tree = tree
+    return self.drafter._full_logits(logits)
+
+  def result(self, tree: Tree, reindexed: bool) -> TreeDraftState:
+    """The draft state for the schedule's final `tree` (`reindexed`: pruned after drafting)."""
+    kv_slot = self.kv_slot
+    if reindexed:
+      if self.last_tree is None:
+        kv_slot = jnp.full(tree.tokens.shape, -1, jnp.int32)
+      else:
+        old = _match_nodes(self.last_tree, tree)
+        kv_slot = jnp.where(old >= 0, take(kv_slot, old), -1)
+    assert kv_slot.shape == tree.tokens.shape, (kv_slot.shape, tree.tokens.shape)
+    return TreeDraftState(cache=self.cache, kv_slot=kv_slot)
 
 
 @jax.tree_util.register_dataclass
@@ -128,6 +253,46 @@ class ModelDrafter:
 
   def update(self, state: ModelDrafterState, seq_len: Array) -> ModelDrafterState:
     return state  # the next propose() sets the cache length from seq_len
+
+  def _full_logits(self, logits: Array) -> Array:
+    """Head logits [..., M] in the full vocabulary [..., V]: -inf off the kept ids (VocabTrim)."""
+    if self.keep_ids is None:
+      return logits
+    full = jnp.full(logits.shape[:-1] + (self.cfg.vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., self.keep_ids].set(logits)
+
+  def draft_tree(self, state: ModelDrafterState, last2: Array, seq_len: Array, key: Array,
+                 sampling: SamplingParams, shape) -> tuple[Tree, TreeDraftState]:
+    """Draft a token tree below the last known token with `shape.draft` (a jspec.tree.draft
+    schedule, see jspec.spec.tree_engine): the last two known tokens are fed as in `propose`,
+    then one forward per depth over the frontier (see _FrontierFeeder). Tokens and q are in the
+    full vocabulary. When `shape.greedy_variant`, a lax.cond drafts the temperature-0 variant.
+    """
+    B = last2.shape[0]
+    start = seq_len - 2
+    positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
+    logits, _, cache = forward(self.params, self.cfg, last2, positions,
+                               state.cache.with_lengths(start),
+                               logits_indices=jnp.ones((B, 1), jnp.int32))
+    root_logits = self._full_logits(logits)  # [B, 1, V]
+
+    def run(greedy: bool, cache: KVCache) -> tuple[Tree, TreeDraftState]:
+      feeder = _FrontierFeeder(self, cache, root_logits, seq_len)
+      tree = shape.draft(key, feeder, B, self.cfg.vocab_size, sampling, greedy=greedy)
+      return tree, feeder.result(tree, shape.reindexes)
+
+    cache = cache.commit(2)  # lengths = seq_len: the prefix every node sees
+    if shape.greedy_variant:
+      return jax.lax.cond(sampling.is_greedy, lambda c: run(True, c), lambda c: run(False, c),
+                          cache)
+    return run(False, cache)
+
+  def accept_tree(self, drafted: TreeDraftState, path: Array, n_accepted: Array,
+                  seq_len: Array) -> ModelDrafterState:
+    """Keep the accepted path's draft KV: node path[j] moves to slot seq_len + j for j < n - 1
+    (the last accepted token and the target's next one are fed next round, as in `propose`)."""
+    src = jnp.where(path >= 0, take(drafted.kv_slot, path), -1)  # [B, D]
+    return ModelDrafterState(cache=move_kv(drafted.cache, seq_len, src, n_accepted - 1))
 
 
 def self_drafter(params: Params, cfg: Config) -> ModelDrafter:
