@@ -60,3 +60,18 @@ def test_prefill_logits_match_transformers(model, hf_model):
   with torch.no_grad():
     want = hf_model(torch.tensor([ids])).logits.numpy()
   assert np.abs(np.asarray(logits) - want).max() < 2e-3
+
+
+def test_default_drafter_is_lossless_and_accepts(model):
+  """The shipped distilled drafter: greedy output identical to autoregressive, and it accepts
+  drafts (a broken or untrained drafter would give block efficiency ~1)."""
+  from jspec.model import DEFAULT_DRAFTER, load_drafter
+  size = sum(f.stat().st_size for f in DEFAULT_DRAFTER.iterdir())
+  assert size < 20 * 2**20
+  drafter = load_drafter("default", model)
+  assert drafter.keep_ids is not None and drafter.keep_ids.shape == (8192,)
+  ids = [model.encode(p, chat=True) for p in PROMPTS]
+  ar = model.generate_ids(ids, max_new_tokens=48)
+  spec = model.generate_ids(ids, max_new_tokens=48, drafter=drafter, gamma=3)
+  assert spec.sequences() == ar.sequences()
+  assert spec.block_efficiency > 1.1

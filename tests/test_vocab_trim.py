@@ -162,3 +162,9 @@ def test_compact_drafter_errors(target, tmp_path):
   (out / "model.safetensors").unlink()
   with pytest.raises(FileNotFoundError, match="incomplete"):
     load_model_drafter(out, target)
+
+
+def test_default_drafter_refuses_another_target(target):
+  from jspec.model import load_drafter
+  with pytest.raises(ValueError, match="distilled from the default model"):
+    load_drafter("default", target)
