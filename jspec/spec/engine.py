@@ -123,7 +123,6 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
 
   def body(s: SpecState) -> SpecState:
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    active = ~s.done
     drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
     # Verify [last token, d_1 .. d_G] in one forward; the cache holds everything before it.
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
@@ -132,40 +131,53 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
     target_logits, _, cache = forward(params, cfg, block, positions, s.cache.with_lengths(start))
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
 
-    # Emitted this round: d_1 .. d_n, then the target's token; cut at a stop id or the budget.
+    # Emitted this round: d_1 .. d_n, then the target's token.
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
-    valid = idx[None] <= n_acc[:, None]
-    stops = is_stop(emitted, spec.stop_ids) & valid
-    first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1), G + 1)
-    count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), N - s.lengths)
-    count = jnp.where(active, count, 0)
-
-    cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], N + G + 1)
-    tokens = s.tokens.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
-    lengths = s.lengths + count
-    done = s.done | (first_stop < count) | (lengths >= N)
-    # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
-    ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, G + 2]
-    last2 = jnp.stack([jnp.take_along_axis(ext, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0],
-                       jnp.take_along_axis(ext, count[:, None], 1)[:, 0]], axis=1)
-    last2 = jnp.where(count[:, None] > 0, last2, s.last2)
-    seq_len = s.seq_len + count
-    act = active.astype(jnp.int32)
-    return SpecState(
-        done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
-        cache=cache.with_lengths(seq_len - 1), draft=drafter.update(draft, seq_len),
-        rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
-        row_rounds=s.row_rounds + jnp.sum(act),
-        accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, G + 1, dtype=jnp.int32)
-                                            * act[:, None], axis=0),
-        accepted_at=s.accepted_at + jnp.sum((idx[None, :G] < n_acc[:, None]) * act[:, None], 0))
+    return advance(s, emitted, n_acc, spec, key=key, cache=cache,
+                   draft=lambda seq_len: drafter.update(draft, seq_len))
 
   s = jax.lax.while_loop(cond, body, state)
   return SpecOutput(
       tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
       row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
+
+
+def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array, cache: KVCache,
+            draft) -> SpecState:
+  """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
+  index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
+  two tokens and counters updated; `cache` gets lengths seq_len - 1, `draft(seq_len)` is the new
+  drafter state. Shared by the chain and tree engines."""
+  B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
+  N = spec.max_new_tokens
+  active = ~s.done
+  idx = jnp.arange(W)
+  valid = idx[None] <= n_acc[:, None]
+  stops = is_stop(emitted, spec.stop_ids) & valid
+  first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1), W)
+  count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), N - s.lengths)
+  count = jnp.where(active, count, 0)
+  cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], s.tokens.shape[1])
+  tokens = s.tokens.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
+  lengths = s.lengths + count
+  done = s.done | (first_stop < count) | (lengths >= N)
+  # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
+  ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, W + 1]
+  last2 = jnp.stack([jnp.take_along_axis(ext, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0],
+                     jnp.take_along_axis(ext, count[:, None], 1)[:, 0]], axis=1)
+  last2 = jnp.where(count[:, None] > 0, last2, s.last2)
+  seq_len = s.seq_len + count
+  act = active.astype(jnp.int32)
+  return SpecState(
+      done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
+      cache=cache.with_lengths(seq_len - 1), draft=draft(seq_len),
+      rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
+      row_rounds=s.row_rounds + jnp.sum(act),
+      accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)
+                                          * act[:, None], axis=0),
+      accepted_at=s.accepted_at + jnp.sum((idx[None, :W - 1] < n_acc[:, None]) * act[:, None], 0))
 
 
 _spec_jit = jax.jit(speculative_generate_tokens, static_argnums=(1,),

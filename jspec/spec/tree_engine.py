@@ -44,7 +44,7 @@ from jspec.models.llama import Params, forward
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.spec.drafters import move_kv
-from jspec.spec.engine import SpecOutput, SpecState, check_vocab
+from jspec.spec.engine import SpecOutput, SpecState, advance, check_vocab
 from jspec.tree.draft import draft_dynamic, draft_fixed, draft_stochastic_beam, fixed_tree_size
 from jspec.tree.structure import Siblings, Tree, ancestor_mask
 from jspec.tree.structure import positions as node_positions
@@ -340,7 +340,6 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter, prompt: Array,
 
   def body(s: SpecState) -> SpecState:
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    active = ~s.done
     tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
     # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
     block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
@@ -350,36 +349,13 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter, prompt: Array,
                                       verification_mask(tree))  # [B, N + 1, V]
     path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
 
-    # Emitted this round: the accepted path, then the target's token; cut at a stop id or budget.
+    # Emitted this round: the accepted path, then the target's token.
     emitted = emitted_tokens(tree, path, n_acc, nxt)  # [B, D + 1], valid up to index n_acc
-    idx = jnp.arange(D + 1)
-    valid = idx[None] <= n_acc[:, None]
-    stops = is_stop(emitted, spec.stop_ids) & valid
-    first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1), D + 1)
-    count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), Mx - s.lengths)
-    count = jnp.where(active, count, 0)
-
-    cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], Mx + D + 1)
-    tokens = s.tokens.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
-    lengths = s.lengths + count
-    done = s.done | (first_stop < count) | (lengths >= Mx)
-    ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, D + 2]
-    last2 = jnp.stack([jnp.take_along_axis(ext, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0],
-                       jnp.take_along_axis(ext, count[:, None], 1)[:, 0]], axis=1)
-    last2 = jnp.where(count[:, None] > 0, last2, s.last2)
-    seq_len = s.seq_len + count
     # The accepted path's KV into consecutive slots: node path[j] (slot seq_len + path[j]) moves
     # to seq_len + j. A row cut short by a stop or the budget is done: its cache no longer matters.
-    cache = move_kv(cache, s.seq_len, path, n_acc).with_lengths(seq_len - 1)
-    act = active.astype(jnp.int32)
-    return SpecState(
-        done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
-        cache=cache, draft=drafter.accept_tree(drafted, path, n_acc, s.seq_len),
-        rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
-        row_rounds=s.row_rounds + jnp.sum(act),
-        accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, D + 1, dtype=jnp.int32)
-                                            * act[:, None], axis=0),
-        accepted_at=s.accepted_at + jnp.sum((idx[None, :D] < n_acc[:, None]) * act[:, None], 0))
+    cache = move_kv(cache, s.seq_len, path, n_acc)
+    return advance(s, emitted, n_acc, spec, key=key, cache=cache,
+                   draft=lambda _: drafter.accept_tree(drafted, path, n_acc, s.seq_len))
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
