@@ -123,15 +123,12 @@ def cmd_train_drafter(args) -> int:
 def cmd_distill_data(args) -> int:
   from jspec.model import load
   from jspec.train import distill
-  from jspec.train.prompts import training_prompts
+  from jspec.train.recipe import distill_texts
 
   target = load(args.target, "float32")
   cfg = distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                            batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed)
-  # Twice the prompts needed: some are too long once templated. The offset skips prompts that
-  # an earlier set used, so sets made with growing offsets never share a prompt.
-  texts = training_prompts(args.prompt_offset + 2 * args.num_prompts, seed=args.seed)
-  out = distill.build_dataset(target, texts[args.prompt_offset:], args.out, cfg)
+  out = distill.build_dataset(target, distill_texts(cfg, args.prompt_offset), args.out, cfg)
   print(f"wrote {out} ({distill.complete_shards(out)} shards)")
   return 0
 

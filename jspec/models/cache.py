@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jspec.models.config import Config
 from jspec.sharding import ArraySpec
 
+Array = jax.Array
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -51,3 +53,20 @@ def cache_layout(cfg: Config, batch: int, size: int) -> KVCache:
   kv = ArraySpec((cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim),
                  ("layers", "batch", "seq", "kv_heads", "head_dim"), "zeros")
   return KVCache(k=kv, v=kv, lengths=ArraySpec((batch,), ("batch",), "zeros"))
+
+
+def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
+  """Compact KV entries in every layer: slot base + j <- slot base + src[:, j] for j < n.
+
+  base [B], src [B, D] slot offsets (-1: leave slot base + j alone), n [B]. Everything is gathered
+  before anything is written, so overlapping moves are safe; the [L, B, S, K, D] arrays are
+  updated in place inside a loop. Used for the accepted path of a token tree (target and draft).
+  """
+  B, D = src.shape
+  j = jnp.arange(D, dtype=jnp.int32)
+  rows = jnp.arange(B)[:, None]
+  src_slot = base[:, None] + jnp.maximum(src, 0)  # [B, D]
+  dst_slot = jnp.where((j < n[:, None]) & (src >= 0), base[:, None] + j, cache.size)  # [B, D]
+  k = cache.k.at[:, rows, dst_slot].set(cache.k[:, rows, src_slot], mode="drop")
+  v = cache.v.at[:, rows, dst_slot].set(cache.v[:, rows, src_slot], mode="drop")
+  return dataclasses.replace(cache, k=k, v=v)

@@ -242,21 +242,40 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
     (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
   """
   B, T = tokens.shape
-  x = params.embed[tokens]  # [B, T, E]
-  cos, sin = rope_tables(cfg, positions)
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   attend = attention_fn(cfg, cache.lengths, cache.size, mask, T)
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
+  picked = hidden
+  if logits_indices is not None:
+    picked = jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)  # [B, N, E]
+  return lm_head(params, picked), hidden, cache
 
+
+def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+               slots: Array, visible: Array) -> tuple[Array, KVCache]:
+  """`forward` for new tokens [B, T] written at any cache `slots` [B, T], each seeing exactly the
+  cache slots `visible` [B, T, S] marks (XLA attention) → (logits [B, T, V_head], cache).
+
+  Tree drafting needs it: a frontier node sees its ancestors' slots but not their siblings', which
+  forward's [B, T, T] mask over consecutive new tokens cannot express.
+  """
+  attend = lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
+                                             v_all[i].astype(q.dtype), visible)
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
+  return lm_head(params, hidden), cache
+
+
+def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+             slots: Array, attend: Callable) -> tuple[Array, KVCache]:
+  """Embedding, every layer (new K/V written at `slots` [B, T]), final norm → hidden [B, T, E]."""
+  x = params.embed[tokens]  # [B, T, E]
+  cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
     with jax.named_scope(f"layer_{i}"):
       x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
-  picked = hidden
-  if logits_indices is not None:
-    picked = jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)  # [B, N, E]
-  logits = lm_head(params, picked)
-  return logits, hidden, dataclasses.replace(cache, k=k_all, v=v_all)
+  return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
 
 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.

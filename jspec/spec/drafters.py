@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models.cache import KVCache
+from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
-from jspec.models.llama import (Params, _attend, _layer, forward, lm_head, rms_norm,
-                                rope_tables)
+from jspec.models.llama import Params, forward, forward_at
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.spec.vocab_trim import check_keep_ids, to_full_vocab
 from jspec.tree.structure import Tree, parent_of, take
@@ -76,43 +75,6 @@ class TreeDraftState:
 
   cache: KVCache  # lengths = seq_len; fed nodes' KV at slots seq_len + kv_slot
   kv_slot: Array  # [B, N] int32 slot offset past seq_len of each node's KV; -1: never fed (leaf)
-
-
-def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
-  """Compact KV entries in every layer: slot base + j <- slot base + src[:, j] for j < n.
-
-  base [B], src [B, D] slot offsets (-1: leave slot base + j alone), n [B]. Everything is gathered
-  before anything is written, so overlapping moves are safe; the [L, B, S, K, D] arrays are
-  updated in place inside a loop. Used for the accepted path of a token tree (target and draft).
-  """
-  B, D = src.shape
-  j = jnp.arange(D, dtype=jnp.int32)
-  rows = jnp.arange(B)[:, None]
-  src_slot = base[:, None] + jnp.maximum(src, 0)  # [B, D]
-  dst_slot = jnp.where((j < n[:, None]) & (src >= 0), base[:, None] + j, cache.size)  # [B, D]
-  k = cache.k.at[:, rows, dst_slot].set(cache.k[:, rows, src_slot], mode="drop")
-  v = cache.v.at[:, rows, dst_slot].set(cache.v[:, rows, src_slot], mode="drop")
-  return dataclasses.replace(cache, k=k, v=v)
-
-
-def _forward_visible(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
-                     slots: Array, visible: Array) -> tuple[Array, KVCache]:
-  """`llama.forward` for T new tokens [B, T] written at any cache `slots` [B, T], each seeing
-  exactly the cache slots `visible` [B, T, S] marks (XLA attention); logits [B, T, V_head].
-
-  Tree drafting needs it: a frontier node sees its ancestors' slots but not their siblings', which
-  forward's [B, T, T] mask over the new tokens cannot express.
-  """
-  x = params.embed[tokens]  # [B, T, E]
-  cos, sin = rope_tables(cfg, positions)
-  attend = lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
-                                             v_all[i].astype(q.dtype), visible)
-  k_all, v_all = cache.k, cache.v
-  for i, lp in enumerate(params.layers):
-    with jax.named_scope(f"layer_{i}"):
-      x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
-  hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
-  return lm_head(params, hidden), dataclasses.replace(cache, k=k_all, v=v_all)
 
 
 def _match_nodes(old: Tree, new: Tree) -> Array:
@@ -167,7 +129,7 @@ class _FrontierFeeder:
     visible = jnp.broadcast_to((jnp.arange(S) < self.seq_len[:, None])[:, None], (B, W, S))
     visible = visible.at[rows[..., None], jnp.arange(W)[:, None], seen].set(True, mode="drop")
     positions = self.seq_len[:, None] - 1 + take(tree.depth, frontier)  # [B, W]
-    logits, self.cache = _forward_visible(
+    logits, self.cache = forward_at(
         self.drafter.params, self.drafter.cfg, take(tree.tokens, frontier), positions, self.cache,
         self.seq_len[:, None] + offset, visible)
     self.fed += W

@@ -96,13 +96,16 @@ class SpecState:
   accepted_at: Array
 
 
-def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
-                                prompt_lengths: Array, key: Array,
-                                sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
-                                cache_size: int) -> SpecOutput:
-  """Pure, jit-friendly speculative generation; `cfg`, `spec` and `cache_size` are static."""
-  B, P = prompt.shape
-  G, N = spec.gamma, spec.max_new_tokens
+def initial_state(params: Params, cfg: Config, drafter, prompt: Array, prompt_lengths: Array,
+                  key: Array, sampling: SamplingParams, spec, cache_size: int, *,
+                  max_accepted: int) -> SpecState:
+  """Prefill target and drafter, sample the first token: the loop state before round one.
+
+  `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
+  Shared by the chain and tree engines.
+  """
+  B = prompt.shape[0]
+  N = spec.max_new_tokens
   cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
   logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   draft_state = drafter.init(prompt, prompt_lengths, cache_size)
@@ -110,13 +113,23 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
   first = sample(sub, logits, sampling)  # [B]
   prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
   zeros = lambda n: jnp.zeros((n,), jnp.int32)
-  state = SpecState(
+  return SpecState(
       done=is_stop(first, spec.stop_ids) | (N <= 1),
-      tokens=jnp.full((B, N + G + 1), PAD, jnp.int32).at[:, 0].set(first),
+      tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
       lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
-      accept_hist=zeros(G + 1), accepted_at=zeros(G))
+      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted))
+
+
+def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                                prompt_lengths: Array, key: Array,
+                                sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
+                                cache_size: int) -> SpecOutput:
+  """Pure, jit-friendly speculative generation; `cfg`, `spec` and `cache_size` are static."""
+  G, N = spec.gamma, spec.max_new_tokens
+  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                        cache_size, max_accepted=G)
 
   def cond(s: SpecState):
     return ~jnp.all(s.done)

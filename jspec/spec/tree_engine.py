@@ -37,14 +37,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.generate import PAD, is_stop, prefill, prepare_batch
-from jspec.models.cache import KVCache
+from jspec.generate import prepare_batch
+from jspec.models.cache import move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.sampling.processing import GREEDY, SamplingParams, sample
+from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
-from jspec.spec.drafters import move_kv
-from jspec.spec.engine import SpecOutput, SpecState, advance, check_vocab
+from jspec.spec.engine import SpecOutput, SpecState, advance, check_vocab, initial_state
 from jspec.tree.draft import draft_dynamic, draft_fixed, draft_stochastic_beam, fixed_tree_size
 from jspec.tree.structure import Siblings, Tree, ancestor_mask
 from jspec.tree.structure import positions as node_positions
@@ -320,23 +319,9 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter, prompt: Array,
                           prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
                           *, spec: TreeSpecConfig, cache_size: int) -> SpecState:
   """The whole run, returning the final loop state (caches included); see the module docstring."""
-  B, P = prompt.shape
-  shape, Mx = spec.tree, spec.max_new_tokens
-  D = shape.max_depth
-  cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
-  logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
-  draft_state = drafter.init(prompt, prompt_lengths, cache_size)
-  key, sub = jax.random.split(key)
-  first = sample(sub, logits, sampling)  # [B]
-  prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
-  zeros = lambda n: jnp.zeros((n,), jnp.int32)
-  state = SpecState(
-      done=is_stop(first, spec.stop_ids) | (Mx <= 1),
-      tokens=jnp.full((B, Mx + D + 1), PAD, jnp.int32).at[:, 0].set(first),
-      lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
-      last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
-      rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
-      accept_hist=zeros(D + 1), accepted_at=zeros(D))
+  shape = spec.tree
+  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                        cache_size, max_accepted=shape.max_depth)
 
   def body(s: SpecState) -> SpecState:
     key, k_draft, k_verify = jax.random.split(s.key, 3)

@@ -40,6 +40,14 @@ class DrafterRecipe:
   save_dtype: str = "float16"
 
 
+def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
+  """Candidate prompts for a distillation set: twice those needed (some are too long once
+  templated), after the first `prompt_offset` of the seeded order (used by earlier sets), so sets
+  made with growing offsets never share a prompt."""
+  texts = training_prompts(prompt_offset + 2 * cfg.num_prompts, seed=cfg.seed)
+  return texts[prompt_offset:]
+
+
 def parse_data_dir(spec: str) -> tuple[Path, int | None]:
   """"DIR" → (DIR, None); "DIR:N" → (DIR, N) (the first N shards)."""
   head, sep, tail = spec.rpartition(":")
@@ -52,15 +60,12 @@ def load_examples(sources: list[tuple[Path, int | None]]) -> tuple[list, list[di
   """Examples of every source in order, and a record of what was read (for the metadata)."""
   examples, record = [], []
   for path, shards in sources:
-    manifest = path / distill.MANIFEST
-    if not manifest.is_file():
-      raise FileNotFoundError(f"{path} has no {distill.MANIFEST}: not a distillation data "
-                              f"directory (make one with `jspec distill-data`)")
+    total = distill.read_manifest(path)["num_shards"]  # names a non-data directory clearly
     n = len(examples)
     examples += distill.iter_examples(path, shards)
-    record.append({"dir": str(path), "manifest_sha256": hashlib.sha256(
-        manifest.read_bytes()).hexdigest(), "shards": shards or distill.read_manifest(path)[
-        "num_shards"], "examples": len(examples) - n})
+    digest = hashlib.sha256((path / distill.MANIFEST).read_bytes()).hexdigest()
+    record.append({"dir": str(path), "manifest_sha256": digest, "shards": shards or total,
+                   "examples": len(examples) - n})
   return examples, record
 
 
@@ -72,7 +77,7 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   if recipe.data_dirs:
     sources = [parse_data_dir(d) for d in recipe.data_dirs]
   else:
-    texts = training_prompts(recipe.data.num_prompts * 2, seed=recipe.data.seed)  # some too long
+    texts = distill_texts(recipe.data)
     sources = [(distill.build_dataset(target, texts, out / "data", recipe.data,
                                       progress=progress), None)]
   data_s = time.perf_counter() - t0
@@ -138,8 +143,6 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
     params = dataclasses.replace(params, lm_head=None)  # the head is rows of the shared table
   if size == V:
     keep = None
-    if drafter.keep_ids is not None:
-      params = dataclasses.replace(params, lm_head=None)
   else:
     examples, _ = load_examples([parse_data_dir(d) for d in data_dirs])
     counts = distill.token_counts(examples, V)
