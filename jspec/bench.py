@@ -45,7 +45,8 @@ class Run:
 
   def summary(self) -> dict:
     wall, toks = sum(self.wall_s), sum(self.new_tokens)
-    decode_s = sum(w - t for w, t in zip(self.wall_s, self.ttft_s))
+    timed_ttft = len(self.ttft_s) == len(self.wall_s)
+    decode_s = sum(w - t for w, t in zip(self.wall_s, self.ttft_s)) if timed_ttft else None
     decode_toks = sum(n - 1 for n in self.new_tokens)
     return {
         "n_prompts": len(self.wall_s),
@@ -53,10 +54,10 @@ class Run:
         "target_calls": sum(self.target_calls),
         "tokens_per_s": toks / wall,
         # Decode rate excludes each prompt's time to first token (timed in a separate call).
-        "decode_tokens_per_s": decode_toks / decode_s if decode_s > 0 and decode_toks else None,
+        "decode_tokens_per_s": decode_toks / decode_s if decode_s and decode_toks else None,
         "decode_s": decode_s,
         "wall_s": wall,
-        "ttft_s": statistics.mean(self.ttft_s),
+        "ttft_s": statistics.mean(self.ttft_s) if timed_ttft else None,
     }
 
 
@@ -68,10 +69,12 @@ def _timed(fn):
 
 def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
                 sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
-                gamma: int = 4, tree: TreeShape | None = None) -> tuple[Run, dict]:
+                gamma: int = 4, tree: TreeShape | None = None,
+                measure_ttft: bool = True) -> tuple[Run, dict]:
   """jspec, autoregressive, speculative or tree speculative (`tree` with a drafter): warm up every
   bucket (compile timed apart), then time each prompt: a 1-token call gives the time to first
-  token, a full call the wall time."""
+  token (unless not `measure_ttft`: one program less to compile per bucket), a full call the wall
+  time."""
   gen = lambda p, n: model.generate_ids([p], max_new_tokens=n, sampling=sampling, key=seed,
                                         drafter=drafter, gamma=gamma)
   if tree is not None:
@@ -86,14 +89,15 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
     seen.add(prompt_bucket(len(p)))
     with CompileCounter() as counter:
       _timed(lambda: gen(p, max_new_tokens))
-      _timed(lambda: gen(p, 1))
+      if measure_ttft:
+        _timed(lambda: gen(p, 1))
     compile_s.append(counter.seconds)
   run = Run()
   desc = "tree" if tree is not None else "speculative" if drafter else "autoregressive"
   for p in tqdm(prompts, desc=f"jspec {desc}", leave=False):
-    _, ttft = _timed(lambda: gen(p, 1))
+    if measure_ttft:
+      run.ttft_s.append(_timed(lambda: gen(p, 1))[1])
     out, wall = _timed(lambda: gen(p, max_new_tokens))
-    run.ttft_s.append(ttft)
     run.wall_s.append(wall)
     run.new_tokens.append(int(out.lengths[0]))
     run.target_calls.append(int(out.target_calls))
@@ -104,7 +108,7 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
       hist = np.asarray(out.accept_hist)
       run.accept_hist = hist if run.accept_hist is None else run.accept_hist + hist
   return run, {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
-               "programs": 2 * len(seen)}
+               "programs": (2 if measure_ttft else 1) * len(seen)}
 
 
 def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: int = 64,
@@ -255,10 +259,10 @@ class NamedDrafter:
 
 def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,
                  named: NamedDrafter, tree: TreeShape, base: dict, ar_run: Run, ar: dict,
-                 chain: dict) -> dict:
+                 chain: dict, measure_ttft: bool = True) -> dict:
   """One drafter with one token tree: τ, tree size and speed beside its chain and AR records."""
   run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter,
-                           tree=tree)
+                           tree=tree, measure_ttft=measure_ttft)
   record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
             "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
             "tree_depth": tree.max_depth, **base, **run.summary(), **extra,
@@ -269,7 +273,8 @@ def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingP
                                         / max(run.accept_hist.sum(), 1)),
             "accept_hist": run.accept_hist.tolist(),
             "ar_tokens_per_s": ar["tokens_per_s"], "chain_tokens_per_s": chain["tokens_per_s"]}
-  record["round_s"] = record["decode_s"] / max(run.row_rounds, 1)
+  # Per round: decode time without the first token's prefill where it was timed apart.
+  record["round_s"] = (record["decode_s"] or record["wall_s"]) / max(run.row_rounds, 1)
   record["speedup_vs_ar"] = record["tokens_per_s"] / ar["tokens_per_s"]
   record["speedup_vs_chain"] = record["tokens_per_s"] / chain["tokens_per_s"]
   if float(sampling.temperature) == 0:
@@ -281,10 +286,13 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
               max_new_tokens: int, sampling: SamplingParams, seed: int = 0,
               drafters: Sequence[NamedDrafter] = (), gamma: int = 4,
               trees: Sequence[TreeShape] = (), compare_transformers: bool = True,
-              measure_bandwidth: bool = True) -> list[dict]:
+              measure_bandwidth: bool = True, measure_overhead: bool = True,
+              measure_ttft: bool = True) -> list[dict]:
   """Benchmark jspec autoregressive, jspec speculative (each of `drafters`, chain and each of
   `trees`) and transformers (plain, and assisted for drafters it can load) on token-id prompts,
-  in one process."""
+  in one process. Sweeps that want τ and tokens/s only can skip the engine-overhead baseline
+  (`measure_overhead`) and the speculative runs' time to first token (`measure_ttft`); the
+  autoregressive baseline always times its first token."""
   greedy = float(sampling.temperature) == 0
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
@@ -299,7 +307,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
 
   specs = []
   for named in drafters:
-    run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter, gamma)
+    run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter, gamma,
+                             measure_ttft=measure_ttft)
     spec = {"method": "jspec-speculative", "drafter": named.name, "gamma": gamma, **base,
             **run.summary(), **extra, "draft_calls_per_round": gamma,
             "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
@@ -311,8 +320,15 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     spec["speedup_vs_ar"] = spec["tokens_per_s"] / ar["tokens_per_s"]
     if greedy:
       spec["identical_to_ar"] = _identical(ar_run, run)
+    spec["round_s"] = (spec["decode_s"] or spec["wall_s"]) / max(run.row_rounds, 1)
+    records.append(spec)
+    specs.append((named, spec))
+    for tree in trees:
+      records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
+                                  base, ar_run, ar, spec, measure_ttft))
+    if not (measure_overhead and measure_ttft):
+      continue  # the overhead compares decode time per round, prefill timed apart
     # Engine overhead: a round's wall time against its model work alone.
-    spec["round_s"] = spec["decode_s"] / max(run.row_rounds, 1)
     # Baseline at the median prompt's cache size, so attention costs the same in both.
     median = sorted(len(p) for p in prompts)[len(prompts) // 2]
     _, size = plan_cache(model.cfg, [median], max_new_tokens, reserve=gamma + 1)
@@ -323,11 +339,6 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     extra = spec["round_s"] - spec["round_components_s"]
     spec["engine_overhead"] = extra / spec["round_components_s"]
     spec["engine_overhead_vs_verify"] = extra / spec["verify_forward_s"]
-    records.append(spec)
-    specs.append((named, spec))
-    for tree in trees:
-      records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
-                                  base, ar_run, ar, spec))
 
   if compare_transformers:
     target_hf = _load_transformers(model.source)

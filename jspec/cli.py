@@ -83,7 +83,9 @@ def cmd_bench(args) -> int:
   records = bench.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=args.gamma, trees=trees,
-                            compare_transformers=not args.no_transformers)
+                            compare_transformers=not args.no_transformers,
+                            measure_overhead=not args.no_overhead,
+                            measure_ttft=not args.no_ttft)
   stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
   for r in records:
     r["timestamp"] = stamp
@@ -173,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "these token trees (repeatable or comma-separated): " + TREE_HELP)
   b.add_argument("--no-transformers", action="store_true",
                  help="skip the transformers reference run")
+  b.add_argument("--no-overhead", action="store_true",
+                 help="skip the engine-overhead baseline (model work of a round timed alone)")
+  b.add_argument("--no-ttft", action="store_true",
+                 help="speculative and tree runs: skip the time-to-first-token calls (one compiled "
+                      "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   b.set_defaults(fn=cmd_bench)
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
   t.add_argument("--target", default="default", help="target model (as --model)")

@@ -138,6 +138,23 @@ def test_bench_tree_records(tiny_model, tmp_path):
     assert key in tree
 
 
+def test_bench_tau_sweep_flags(tiny_model, tmp_path):
+  """--no-ttft: one program per bucket for speculative runs, no overhead baseline; chain:D runs
+  the chain through the tree engine at the same node budget as a tree."""
+  out = tmp_path / "sweep.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+               "--max-new-tokens", "9", "--drafters", "self", "--gamma", "2", "--no-ttft",
+               "--tree", "chain:2,rsd-c:2", "--no-transformers", "--json", str(out)]) == 0
+  ar, spec, chain, tree = json.loads(out.read_text())
+  assert ar["ttft_s"] > 0 and ar["programs"] == 2 * spec["programs"]
+  for r in (spec, chain, tree):
+    assert r["ttft_s"] is None and r["decode_s"] is None and r["round_s"] > 0
+  assert "round_components_s" not in spec and "engine_overhead" not in spec
+  assert (chain["tree"], chain["tree_method"], chain["tree_nodes"]) == ("chain:2", "chain", 3)
+  assert chain["identical_to_ar"] == 1.0 and chain["accepted_per_round"] == 3.0
+  assert chain["target_calls"] == spec["target_calls"]  # the same chain, the same rounds
+
+
 def test_bench_bad_tree(tiny_model, capsys):
   assert main(["bench", "--model", str(tiny_model), "--tree", "rsd-s:2,2"]) == 2
   assert "--tree needs a drafter" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_KEEP, TINY_
                               chi_square, exact_distribution)
 
 # One small tree per method (greedy runs): depth 3, so accepted paths move KV across layers.
-TREES = {"fixed": "fixed:3-2-1", "specinfer": "specinfer:2-2-1", "rsd-c": "rsd-c:3-2-1",
+TREES = {"chain": "chain:3", "fixed": "fixed:3-2-1", "specinfer": "specinfer:2-2-1", "rsd-c": "rsd-c:3-2-1",
          "rsd-s": "rsd-s:3,3", "dynamic": "dynamic:10,3,2,3"}
 MAX_NEW = 20
 
@@ -104,7 +104,7 @@ def test_trimmed_drafter_and_stop_ids(target, drafter):
 
 # ---------------------------------------------------------------------------- losslessness
 # Depth-1 specinfer: the third token is drafted and verified on KV moved by the first round.
-SAMPLED_TREES = {"specinfer": "specinfer:3", "rsd-c": "rsd-c:2-2", "rsd-s": "rsd-s:2,2",
+SAMPLED_TREES = {"chain": "chain:2", "specinfer": "specinfer:3", "rsd-c": "rsd-c:2-2", "rsd-s": "rsd-s:2,2",
                  "dynamic": "dynamic:4"}
 SAMPLINGS = {"t1": SamplingParams(temperature=1.0),
              "t0.7-topk": SamplingParams(temperature=0.7, top_k=5)}
@@ -187,7 +187,11 @@ def test_tree_specs():
   assert parse_tree("RSD-C:3-1").method == "rsd-c"
   assert parse_tree("dynamic:60") == DynamicTree(60, depth=6, beam=8, top_k=8)
   assert parse_tree("dynamic:16,4,2,4") == DynamicTree(16, 4, 2, 4)
-  for s in ("fixed:4-2-2-1", "specinfer:2-2", "rsd-s:3,2", "dynamic:60,6,8,8"):
+  chain = parse_tree("chain:5")
+  assert chain == BranchingTree("chain", (1,) * 5) and (chain.num_nodes, chain.max_depth) == (5, 5)
+  with pytest.raises(ValueError, match="one child per depth"):
+    BranchingTree("chain", (2, 1))
+  for s in ("chain:3", "fixed:4-2-2-1", "specinfer:2-2", "rsd-s:3,2", "dynamic:60,6,8,8"):
     assert str(parse_tree(s)) == s
 
 
@@ -203,6 +207,8 @@ def test_tree_specs():
     ("dynamic:60,2", "N or N,DEPTH,BEAM,TOP_K"),
     ("dynamic:100,2,2,3", "exceeds the 9 nodes"),
     ("beam:4,4", "unknown tree method 'beam'"),
+    ("chain:2,2", "one depth"),
+    ("chain:0", "integers >= 1"),
 ])
 def test_bad_tree_specs(spec, message):
   with pytest.raises(ValueError, match=message):

@@ -10,6 +10,8 @@ exactly as the target's.
 
 Tree shapes (`parse_tree` reads the CLI strings):
 
+  chain:D            a chain of D drafts verified in the tree engine (one child per depth), for
+                     comparisons at equal node budget
   fixed:4-2-2-1      branching per depth; top-k children at temperature 0, i.i.d. children
                      (SpecInfer, 2305.09781) when sampling
   specinfer:4-2-2-1  i.i.d. children at every temperature
@@ -65,12 +67,13 @@ def _positive_ints(name: str, values: tuple) -> None:
 
 
 _BRANCHING_SIBLINGS = {"fixed": Siblings.IID, "specinfer": Siblings.IID,
-                       "rsd-c": Siblings.WITHOUT_REPLACEMENT}
+                       "rsd-c": Siblings.WITHOUT_REPLACEMENT, "chain": Siblings.IID}
 
 
 @dataclasses.dataclass(frozen=True)
 class BranchingTree:
-  """Every node at depth d - 1 gets branching[d - 1] children ("fixed", "specinfer", "rsd-c")."""
+  """Every node at depth d - 1 gets branching[d - 1] children ("fixed", "specinfer", "rsd-c";
+  "chain" is branching 1 at every depth, the chain as a tree of the same budget)."""
 
   method: str
   branching: tuple[int, ...]
@@ -82,6 +85,9 @@ class BranchingTree:
                        f"got {self.method!r}")
     object.__setattr__(self, "branching", tuple(self.branching))
     _positive_ints(f"{self.method} branching factors", self.branching)
+    if self.method == "chain" and set(self.branching) != {1}:
+      raise ValueError(f"a chain has one child per depth, got branching {self.branching}; "
+                       f"write chain:D or a tree method (specinfer:, rsd-c:)")
 
   @property
   def num_nodes(self) -> int:
@@ -110,6 +116,8 @@ class BranchingTree:
     return dataclasses.replace(tree, siblings=siblings)  # greedy verification ignores the label
 
   def __str__(self) -> str:
+    if self.method == "chain":
+      return f"chain:{len(self.branching)}"
     return f"{self.method}:" + "-".join(map(str, self.branching))
 
 
@@ -210,7 +218,7 @@ class DynamicTree:
 
 
 TreeShape = BranchingTree | BeamTree | DynamicTree
-TREE_HELP = ("fixed:B1-B2-..., specinfer:B1-B2-..., rsd-c:B1-B2-... (children per depth), "
+TREE_HELP = ("chain:D, fixed:B1-B2-..., specinfer:B1-B2-..., rsd-c:B1-B2-... (children per depth), "
              "rsd-s:W,D (beam, depth), dynamic:N or dynamic:N,DEPTH,BEAM,TOP_K (node budget)")
 
 
@@ -228,6 +236,11 @@ def parse_tree(spec: str) -> TreeShape:
 
   if not sep or not args:
     raise ValueError(f"tree {spec!r} has no shape; expected one of: {TREE_HELP}")
+  if method == "chain":
+    depth = ints(",")
+    if len(depth) != 1:
+      raise ValueError(f"tree {spec!r}: chain takes one depth D, e.g. chain:4")
+    return BranchingTree("chain", (1,) * depth[0])
   if method in _BRANCHING_SIBLINGS:
     return BranchingTree(method, ints("-"))
   if method == "rsd-s":
