@@ -146,6 +146,29 @@ def cmd_trim_vocab(args) -> int:
   return 0
 
 
+def cmd_bench_kernel(args) -> int:
+  from jspec import bench, kernel_bench
+
+  shapes = kernel_bench.select_shapes(args.shapes, args.small)
+  records = kernel_bench.bench_tree_attention(
+      shapes, args.dtype, interpret=args.interpret, backend=args.backend, block_k=args.block_k,
+      repeats=args.repeats, warmup=args.warmup)
+  stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+  for r in records:
+    r["timestamp"] = stamp
+    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+  platform = records[0]["platform"] + ("-interpret" if args.interpret else "")
+  out = args.json or Path("benchmarks") / f"kernel_tree_attention_{platform}_{stamp}.json"
+  kernel_bench.print_table(records)
+  print(f"wrote {bench.write_records(records, out)}")
+  wrong = [f"{r['name']}: {r['error']}" for r in records if "error" in r]
+  if wrong:  # timings of a wrong kernel are withheld; say so where it cannot be missed
+    print("jspec: error: wrong output, timings withheld:\n  " + "\n  ".join(wrong),
+          file=sys.stderr)
+    return 1
+  return 0
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--num-prompts", type=int, default=1024)
   p.add_argument("--max-new-tokens", type=int, default=256)
@@ -181,6 +204,25 @@ def build_parser() -> argparse.ArgumentParser:
                  help="speculative and tree runs: skip the time-to-first-token calls (one compiled "
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   b.set_defaults(fn=cmd_bench)
+  k = sub.add_parser("bench-kernel", help="time the Pallas tree-attention kernel against its jnp "
+                                          "reference and the model's XLA attention (GPU/TPU)")
+  k.add_argument("--kernel", default="tree-attention", choices=["tree-attention"])
+  k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+  k.add_argument("--interpret", action="store_true",
+                 help="run the kernel in the Pallas interpreter (CPU smoke runs: checks output, "
+                      "its timings mean nothing and no speedup is reported)")
+  k.add_argument("--backend", choices=["gpu", "tpu"], default=None,
+                 help="kernel flavour (default: this machine's; with --interpret, which kernel "
+                      "to interpret, default gpu)")
+  k.add_argument("--block-k", type=int, default=128, help="cache slots per key block")
+  k.add_argument("--repeats", type=int, default=20, help="timed calls per shape (median reported)")
+  k.add_argument("--warmup", type=int, default=3, help="untimed calls per shape after the first")
+  k.add_argument("--shapes", default=None, metavar="NAME,NAME",
+                 help="shapes by name (default: all model-sized shapes, or the tiny ones with "
+                      "--small); an unknown name lists the known ones")
+  k.add_argument("--small", action="store_true", help="tiny shapes (CPU --interpret smoke runs)")
+  k.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
+  k.set_defaults(fn=cmd_bench_kernel)
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
   t.add_argument("--target", default="default", help="target model (as --model)")
   t.add_argument("--out", type=Path, required=True,
