@@ -24,7 +24,7 @@ trees() {  # trees for budgets "$2 ..." at temperature $1
 }
 
 for run in mt-bench:1:4-8-16 mt-bench:1:32-64 humaneval:1:4-8-16 humaneval:1:32-64 \
-           mt-bench:0:4-8-16 mt-bench:0:32-64 humaneval:0:4-8-16 humaneval:0:32-64; do
+           mt-bench:0:4-8-16 humaneval:0:4-8-16 mt-bench:0:32-64 humaneval:0:32-64; do
   IFS=: read ds T budgets <<< "$run"
   out=benchmarks/trees_${ds}_t${T}_n${budgets}_cpu.json
   [ -f "$out" ] && continue

@@ -326,6 +326,10 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     for tree in trees:
       records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
                                   base, ar_run, ar, spec, measure_ttft))
+      # Each tree is its own program and is not run again: drop the compiled ones. A sweep of
+      # ten large trees in one process otherwise ran out of memory maps in LLVM ("Cannot
+      # allocate memory" with 20 GB free; vm.max_map_count is 65530 on the machine that hit it).
+      jax.clear_caches()
     if not (measure_overhead and measure_ttft):
       continue  # the overhead compares decode time per round, prefill timed apart
     # Engine overhead: a round's wall time against its model work alone.
