@@ -1,7 +1,7 @@
 """Plot issue #5's sweep: block efficiency tau (and speed vs autoregressive) against the target's
 per-call node budget N, one line per tree method, one column per (dataset, temperature).
 
-  python benchmarks/plot_trees.py [--glob 'benchmarks/trees_*_cpu.json'] [--out PNG]
+  python benchmarks/plot_trees.py [--glob 'benchmarks/trees_*_n*_cpu.json'] [--out PNG]
 
 Reads the JSON records that benchmarks/run_issue5_trees.sh writes (`jspec bench --tree ...`).
 """
@@ -37,7 +37,7 @@ def table(records: list[dict]) -> dict:
 
 def main() -> None:
   p = argparse.ArgumentParser()
-  p.add_argument("--glob", default="benchmarks/trees_*_cpu.json")
+  p.add_argument("--glob", default="benchmarks/trees_*_n*_cpu.json")
   p.add_argument("--out", type=Path, default=Path("benchmarks/trees_tau_vs_budget_cpu.png"))
   args = p.parse_args()
   import matplotlib
