@@ -257,6 +257,27 @@ class NamedDrafter:
     return self.name.split(":", 1)[1] if self.name.startswith("model:") else None
 
 
+def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,
+                        sampling: SamplingParams) -> dict:
+  """What a chain (depth = gamma) and a tree (depth = its max depth) record alike: τ, the accept
+  histogram, time per round and the comparison with the autoregressive run."""
+  summary = run.summary()
+  fields = {
+      "draft_calls_per_round": depth,
+      "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
+      # Before cuts at stop tokens or the token budget: mean accepted drafts + 1.
+      "accepted_per_round": float((run.accept_hist * np.arange(1, depth + 2)).sum()
+                                  / max(run.accept_hist.sum(), 1)),
+      "accept_hist": run.accept_hist.tolist(),
+      "ar_tokens_per_s": ar["tokens_per_s"],
+      "speedup_vs_ar": summary["tokens_per_s"] / ar["tokens_per_s"],
+      # Per round: decode time without the first token's prefill where it was timed apart.
+      "round_s": (summary["decode_s"] or summary["wall_s"]) / max(run.row_rounds, 1)}
+  if float(sampling.temperature) == 0:
+    fields["identical_to_ar"] = _identical(ar_run, run)
+  return fields
+
+
 def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,
                  named: NamedDrafter, tree: TreeShape, base: dict, ar_run: Run, ar: dict,
                  chain: dict, measure_ttft: bool = True) -> dict:
@@ -266,19 +287,9 @@ def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingP
   record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
             "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
             "tree_depth": tree.max_depth, **base, **run.summary(), **extra,
-            "draft_calls_per_round": tree.max_depth,
-            "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
-            # Before cuts at stop tokens or the token budget: mean accepted depth + 1.
-            "accepted_per_round": float((run.accept_hist * np.arange(1, tree.max_depth + 2)).sum()
-                                        / max(run.accept_hist.sum(), 1)),
-            "accept_hist": run.accept_hist.tolist(),
-            "ar_tokens_per_s": ar["tokens_per_s"], "chain_tokens_per_s": chain["tokens_per_s"]}
-  # Per round: decode time without the first token's prefill where it was timed apart.
-  record["round_s"] = (record["decode_s"] or record["wall_s"]) / max(run.row_rounds, 1)
-  record["speedup_vs_ar"] = record["tokens_per_s"] / ar["tokens_per_s"]
+            **_speculative_fields(run, tree.max_depth, ar_run, ar, sampling),
+            "chain_tokens_per_s": chain["tokens_per_s"]}
   record["speedup_vs_chain"] = record["tokens_per_s"] / chain["tokens_per_s"]
-  if float(sampling.temperature) == 0:
-    record["identical_to_ar"] = _identical(ar_run, run)
   return record
 
 
@@ -310,17 +321,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter, gamma,
                              measure_ttft=measure_ttft)
     spec = {"method": "jspec-speculative", "drafter": named.name, "gamma": gamma, **base,
-            **run.summary(), **extra, "draft_calls_per_round": gamma,
-            "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
-            # Before cuts at stop tokens or the token budget: mean accepted drafts + 1.
-            "accepted_per_round": float((run.accept_hist * np.arange(1, gamma + 2)).sum()
-                                        / max(run.accept_hist.sum(), 1)),
-            "accept_hist": run.accept_hist.tolist(),
-            "ar_tokens_per_s": ar["tokens_per_s"]}
-    spec["speedup_vs_ar"] = spec["tokens_per_s"] / ar["tokens_per_s"]
-    if greedy:
-      spec["identical_to_ar"] = _identical(ar_run, run)
-    spec["round_s"] = (spec["decode_s"] or spec["wall_s"]) / max(run.row_rounds, 1)
+            **run.summary(), **extra, **_speculative_fields(run, gamma, ar_run, ar, sampling)}
     records.append(spec)
     specs.append((named, spec))
     for tree in trees:

@@ -64,6 +64,15 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def _stamp(records: list[dict]) -> str:
+  """Mark benchmark records with the UTC time and the command that made them; returns the time."""
+  stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+  for r in records:
+    r["timestamp"] = stamp
+    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+  return stamp
+
+
 def cmd_bench(args) -> int:
   from jspec import bench, data
   from jspec.model import load, load_drafter
@@ -86,10 +95,7 @@ def cmd_bench(args) -> int:
                             compare_transformers=not args.no_transformers,
                             measure_overhead=not args.no_overhead,
                             measure_ttft=not args.no_ttft)
-  stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-  for r in records:
-    r["timestamp"] = stamp
-    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+  stamp = _stamp(records)
   # File tag per drafter: "self", "early-exit-4", "model-<directory name>".
   tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
                                          if ":" in d.name else "") for d in drafters) or "ar"
@@ -153,10 +159,7 @@ def cmd_bench_kernel(args) -> int:
   records = kernel_bench.bench_tree_attention(
       shapes, args.dtype, interpret=args.interpret, backend=args.backend, block_k=args.block_k,
       repeats=args.repeats, warmup=args.warmup)
-  stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-  for r in records:
-    r["timestamp"] = stamp
-    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+  stamp = _stamp(records)
   platform = records[0]["platform"] + ("-interpret" if args.interpret else "")
   out = args.json or Path("benchmarks") / f"kernel_tree_attention_{platform}_{stamp}.json"
   kernel_bench.print_table(records)

@@ -32,12 +32,17 @@ def target():
   return init_params(TARGET, jax.random.key(0), scale=0.3)
 
 
+def noised_drafter(target, amount: float) -> ModelDrafter:
+  """The target's own weights plus `amount` of random ones (matrices only): a draft that agrees
+  with the target often, less so the larger `amount`."""
+  noise = init_params(TARGET, jax.random.key(1), scale=0.3)
+  return ModelDrafter(jax.tree.map(lambda a, b: a + amount * b if a.ndim > 1 else a, target,
+                                   noise), TARGET)
+
+
 @pytest.fixture(scope="module")
 def drafter(target):
-  # A draft that agrees with the target often but not always: the target's own weights, noised.
-  noise = init_params(TARGET, jax.random.key(1), scale=0.3)
-  params = jax.tree.map(lambda a, b: a + 0.5 * b if a.ndim > 1 else a, target, noise)
-  return ModelDrafter(params, TARGET)
+  return noised_drafter(target, 0.5)
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.kernel_bench import random_tree_masks
 from jspec.models import llama
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 
@@ -23,19 +24,6 @@ TREE_CASES = [(64, 6, 2, 8), (64, 4, 4, 32), (64, 6, 2, 64),
               (128, 4, 4, 8), (128, 6, 2, 32), (128, 4, 4, 64)]
 
 
-def random_tree_masks(rng, B, T):
-  """Ancestor-or-self masks [B, T, T] of random trees (parent[i] < i, node 0 the root)."""
-  masks = np.zeros((B, T, T), bool)
-  for b in range(B):
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, T)]
-    for i in range(T):
-      j = i
-      while j >= 0:
-        masks[b, i, j] = True
-        j = parent[j]
-  return jnp.asarray(masks)
-
-
 def make_inputs(B, S, H, K, D, T, block_k, dtype=jnp.float32, seed=0):
   """q, k, v, lengths, tree masks; rows: empty prefix, window across a block edge, nearly full."""
   rng = np.random.default_rng(seed)
@@ -47,7 +35,8 @@ def make_inputs(B, S, H, K, D, T, block_k, dtype=jnp.float32, seed=0):
     k[b, lengths[b] + T:] = np.nan
     v[b, lengths[b] + T:] = np.nan
   cast = lambda x: jnp.asarray(x, dtype)
-  return cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), random_tree_masks(rng, B, T)
+  masks = jnp.asarray(random_tree_masks(rng, B, T))  # [B, T, T]
+  return cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32), masks
 
 
 def run_kernel(q, k, v, lengths, mask, backend, block_k):

@@ -22,7 +22,7 @@ from jspec.spec.tree_engine import (BeamTree, BranchingTree, DynamicTree, TreeSp
                                     tree_speculative_generate_tokens, tree_speculative_loop)
 from jspec.spec.vocab_trim import trim_head
 from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_KEEP, TINY_PROMPT,
-                              chi_square, exact_distribution)
+                              chi_square, exact_distribution, noised_drafter)
 
 # One small tree per method (greedy runs): depth 3, so accepted paths move KV across layers.
 TREES = {"chain": "chain:3", "fixed": "fixed:3-2-1", "specinfer": "specinfer:2-2-1", "rsd-c": "rsd-c:3-2-1",
@@ -39,9 +39,7 @@ def target():
 def drafter(target):
   # The target's weights, lightly noised: some rounds reject every root child, others accept
   # paths of depth >= 2 (so accepted nodes sit away from their final slots and must move).
-  noise = init_params(TARGET, jax.random.key(1), scale=0.3)
-  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.1 * b if a.ndim > 1 else a, target, noise),
-                      TARGET)
+  return noised_drafter(target, 0.1)
 
 
 loop_jit = jax.jit(tree_speculative_loop, static_argnums=1, static_argnames=("spec", "cache_size"))
