@@ -172,6 +172,46 @@ def cmd_bench_kernel(args) -> int:
   return 0
 
 
+def cmd_bench_tau(args) -> int:
+  from jspec import bench, data, paired_tau
+  from jspec.model import load, load_drafter
+  from jspec.spec.tree_engine import parse_trees
+
+  sampling = _sampling(args)
+  trees = [t for spec in args.tree for t in parse_trees(spec)]
+  model = load(args.model, args.dtype)
+  if args.drafter == "none":
+    raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
+                     "self|early-exit:K")
+  drafter = load_drafter(args.drafter, model, args.dtype)
+  texts = data.load_prompts(args.dataset, args.num_prompts)
+  chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
+  prompts = [model.encode(t, chat=chat) for t in texts]
+  responses = paired_tau.target_responses(model, prompts, max_new_tokens=args.max_new_tokens,
+                                          sampling=sampling, seed=args.seed)
+  contexts = paired_tau.contexts_from_responses(prompts, responses, args.stride)
+  result = paired_tau.paired_tau(model.params, model.cfg, drafter, contexts, trees,
+                                 sampling=sampling, seed=args.seed, rounds=args.rounds,
+                                 batch=args.batch)
+  records = result.records()
+  for r in records:
+    r.update(model=args.model, drafter=args.drafter, dataset=args.dataset,
+             n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
+             stride=args.stride, temperature=args.temperature, top_k=args.top_k,
+             top_p=args.top_p, seed=args.seed)
+  stamp = _stamp(records)
+  out = args.json or Path("benchmarks") / f"paired_tau_{args.dataset}_t{args.temperature:g}_{stamp}.json"
+  for r in records:
+    if r["kind"] == "paired_tau":
+      print(f"{r['tree']:<28} N={r['num_nodes']:<3} tau {r['tau']:.3f} +- {r['tau_se']:.3f} "
+            f"({r['contexts']} contexts x {r['rounds_per_context']} rounds)")
+    else:
+      print(f"  {r['tree_a']} - {r['tree_b']}: {r['tau_a_minus_b']:+.3f} +- {r['se']:.3f} "
+            + (f"(z {r['z']:+.1f})" if r["z"] is not None else ""))
+  print(f"wrote {bench.write_records(records, out)}")
+  return 0
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--num-prompts", type=int, default=1024)
   p.add_argument("--max-new-tokens", type=int, default=256)
@@ -226,6 +266,21 @@ def build_parser() -> argparse.ArgumentParser:
   k.add_argument("--small", action="store_true", help="tiny shapes (CPU --interpret smoke runs)")
   k.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
   k.set_defaults(fn=cmd_bench_kernel)
+  a = sub.add_parser("bench-tau", help="paired block efficiency: every tree scored on the same "
+                                       "contexts (the target's own responses), many rounds each")
+  _add_model_args(a)
+  a.set_defaults(max_new_tokens=96, drafter="default")
+  a.add_argument("--dataset", default="mt-bench", choices=["mt-bench", "humaneval"])
+  a.add_argument("--num-prompts", type=int, default=5)
+  a.add_argument("--tree", action="append", metavar="SPECS", required=True,
+                 help="token trees to compare (repeatable or comma-separated): " + TREE_HELP)
+  a.add_argument("--stride", type=int, default=4,
+                 help="a context after every STRIDE-th response token (--max-new-tokens: the "
+                      "response length)")
+  a.add_argument("--rounds", type=int, default=8, help="independent rounds per context")
+  a.add_argument("--batch", type=int, default=16, help="contexts per compiled call")
+  a.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
+  a.set_defaults(fn=cmd_bench_tau)
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
   t.add_argument("--target", default="default", help="target model (as --model)")
   t.add_argument("--out", type=Path, required=True,

@@ -160,3 +160,25 @@ def test_bench_bad_tree(tiny_model, capsys):
   assert "--tree needs a drafter" in capsys.readouterr().err
   assert main(["bench", "--model", str(tiny_model), "--drafters", "self", "--tree", "rsd-s:2"]) == 2
   assert "W,D" in capsys.readouterr().err
+
+
+def test_bench_tau_paired_records(tiny_model, tmp_path, capsys):
+  """bench-tau: the self drafter's every round accepts the whole depth, for every tree, at T=1
+  too (q = p), so every context scores tau = D + 1 and equal-budget pairs differ by exactly 0."""
+  out = tmp_path / "tau.json"
+  assert main(["bench-tau", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts",
+               "2", "--max-new-tokens", "6", "--stride", "3", "--rounds", "2", "--batch", "2",
+               "--temperature", "1", "--drafter", "self", "--tree", "rsd-c:2-1,specinfer:2-1",
+               "--tree", "chain:2", "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  taus = [r for r in records if r["kind"] == "paired_tau"]
+  assert [r["tree"] for r in taus] == ["rsd-c:2-1", "specinfer:2-1", "chain:2"]
+  for r in taus:
+    assert r["tau"] == 3.0 and r["contexts"] >= 2 and r["rounds_per_context"] == 2
+    assert r["dataset"] == "mt-bench" and r["temperature"] == 1.0 and "command" in r
+  (diff,) = [r for r in records if r["kind"] == "paired_difference"]
+  assert (diff["tree_a"], diff["tree_b"], diff["tau_a_minus_b"]) == ("rsd-c:2-1", "specinfer:2-1", 0)
+  assert "rsd-c:2-1 - specinfer:2-1: +0.000" in capsys.readouterr().out
+  assert main(["bench-tau", "--model", str(tiny_model), "--drafter", "none", "--tree",
+               "chain:2"]) == 2
+  assert "needs a drafter" in capsys.readouterr().err

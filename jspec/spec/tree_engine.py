@@ -328,6 +328,22 @@ def verification_mask(tree: Tree) -> Array:
   return mask.at[:, 1:, 1:].set(ancestor_mask(tree))
 
 
+def tree_round(params: Params, cfg: Config, drafter, s: SpecState, k_draft: Array,
+               k_verify: Array, sampling: SamplingParams, shape: TreeShape):
+  """One round's draft and verification from loop state `s`, nothing advanced: returns the tree,
+  the drafter's round state, the target cache holding the tree's KV, the accepted path [B, D],
+  its length n_acc [B] and the target's next token [B]."""
+  tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
+  # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
+  block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
+  start = s.seq_len - 1
+  positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
+  target_logits, _, cache = forward(params, cfg, block, positions, s.cache.with_lengths(start),
+                                    verification_mask(tree))  # [B, N + 1, V]
+  path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
+  return tree, drafted, cache, path, n_acc, nxt
+
+
 def tree_speculative_loop(params: Params, cfg: Config, drafter, prompt: Array,
                           prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
                           *, spec: TreeSpecConfig, cache_size: int) -> SpecState:
@@ -338,14 +354,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter, prompt: Array,
 
   def body(s: SpecState) -> SpecState:
     key, k_draft, k_verify = jax.random.split(s.key, 3)
-    tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
-    # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
-    block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
-    start = s.seq_len - 1
-    positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
-    target_logits, _, cache = forward(params, cfg, block, positions, s.cache.with_lengths(start),
-                                      verification_mask(tree))  # [B, N + 1, V]
-    path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
+    tree, drafted, cache, path, n_acc, nxt = tree_round(params, cfg, drafter, s, k_draft,
+                                                        k_verify, sampling, shape)
 
     # Emitted this round: the accepted path, then the target's token.
     emitted = emitted_tokens(tree, path, n_acc, nxt)  # [B, D + 1], valid up to index n_acc
@@ -380,6 +390,19 @@ _tree_jit = jax.jit(tree_speculative_generate_tokens, static_argnums=(1,),
                     static_argnames=("spec", "cache_size"))
 
 
+def check_tree_run(cfg: Config, drafter, spec: TreeSpecConfig) -> None:
+  """Host-side checks of a tree run's drafter and shape against the target config."""
+  if not isinstance(spec, TreeSpecConfig):
+    raise ValueError(f"spec must be a TreeSpecConfig, got {type(spec).__name__}")
+  if not (hasattr(drafter, "draft_tree") and hasattr(drafter, "accept_tree")):
+    raise ValueError(f"tree speculative decoding needs a drafter with draft_tree/accept_tree "
+                     f"(a ModelDrafter), got {type(drafter).__name__}")
+  check_vocab(cfg, drafter)
+  if spec.tree.widest > cfg.vocab_size:
+    raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
+                     f"but the vocabulary has {cfg.vocab_size} tokens")
+
+
 def tree_speculative_generate(params: Params, cfg: Config, drafter,
                               prompts: Sequence[Sequence[int]], *, spec: TreeSpecConfig,
                               sampling: SamplingParams = GREEDY, key: Array | int = 0,
@@ -392,15 +415,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter,
                                     spec=TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=64))
     out.sequences(), out.block_efficiency, out.tree_nodes
   """
-  if not isinstance(spec, TreeSpecConfig):
-    raise ValueError(f"spec must be a TreeSpecConfig, got {type(spec).__name__}")
-  if not (hasattr(drafter, "draft_tree") and hasattr(drafter, "accept_tree")):
-    raise ValueError(f"tree speculative decoding needs a drafter with draft_tree/accept_tree "
-                     f"(a ModelDrafter), got {type(drafter).__name__}")
-  check_vocab(cfg, drafter)
-  if spec.tree.widest > cfg.vocab_size:
-    raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
-                     f"but the vocabulary has {cfg.vocab_size} tokens")
+  check_tree_run(cfg, drafter, spec)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "

@@ -1,0 +1,156 @@
+"""Paired block efficiency: every tree shape measured on the same contexts.
+
+`jspec bench` decodes each prompt with each tree; at temperature 1 the texts diverge after the
+first round, so two trees' tau differ by the method AND by the contexts they happened to visit
+(standard error ~0.04 at a few hundred rounds, as large as the effects being compared). Here the
+contexts are fixed: the target's own sampled responses to the prompts, cut after every `stride`-th
+token. Each context is prefilled once per tree, then `rounds` independent draft + verify rounds run
+from it (nothing advanced), so every shape is scored on identical contexts and their difference is
+measured pairwise, context by context.
+
+The quantity is the expected tokens per round, E[accepted + 1], at the context distribution of
+the target's own text: the same per-round law the engine's tau averages (rounds start at contexts
+that follow the target's distribution, since the output is lossless).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jspec.generate import pad_prompts, plan_cache
+from jspec.model import Model
+from jspec.models.config import Config
+from jspec.models.llama import Params
+from jspec.sampling.processing import SamplingParams
+from jspec.spec.engine import initial_state
+from jspec.spec.tree_engine import TreeShape, TreeSpecConfig, check_tree_run, tree_round
+
+Array = jax.Array
+
+
+def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt_lengths: Array,
+                     key: Array, sampling: SamplingParams, *, shape: TreeShape, cache_size: int,
+                     rounds: int) -> Array:
+  """Accepted drafts [rounds, B] of `rounds` independent rounds of `shape` from each prompt.
+
+  Target and drafter prefill the prompt and the target samples one token (as the engine's first
+  step, from `key`'s first split: equal keys give equal contexts across shapes); every round then
+  drafts and verifies from that same state with its own key.
+  """
+  spec = TreeSpecConfig(shape, max_new_tokens=1)
+  k_start, k_rounds = jax.random.split(key)
+  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, k_start, sampling, spec,
+                        cache_size, max_accepted=shape.max_depth)
+
+  def one_round(k: Array) -> Array:
+    k_draft, k_verify = jax.random.split(k)
+    n_acc = tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape)[4]
+    return n_acc  # [B]
+
+  return jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
+
+
+_round_acceptance_jit = jax.jit(round_acceptance, static_argnums=(1,),
+                                static_argnames=("shape", "cache_size", "rounds"))
+
+
+def contexts_from_responses(prompts: Sequence[Sequence[int]],
+                            responses: Sequence[Sequence[int]], stride: int) -> list[list[int]]:
+  """prompt + response[:t] for t = 0, stride, 2 * stride, ... < len(response), every prompt."""
+  if stride < 1:
+    raise ValueError(f"stride must be a positive integer, got {stride}")
+  if len(prompts) != len(responses):
+    raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+  return [list(p) + list(r[:t]) for p, r in zip(prompts, responses)
+          for t in range(0, max(len(r), 1), stride)]
+
+
+@dataclasses.dataclass
+class PairedResult:
+  """Accepted drafts per (shape, context, round): n_acc [S, C, R]."""
+
+  shapes: list[TreeShape]
+  n_acc: np.ndarray  # [S, C, R]
+
+  def per_context_tau(self) -> np.ndarray:
+    return self.n_acc.mean(axis=2) + 1.0  # [S, C]
+
+  def records(self) -> list[dict]:
+    """One record per shape (tau with its standard error over contexts), then one per pair of
+    shapes with the same node budget (the paired difference of their tau and its error)."""
+    x = self.per_context_tau()
+    C = x.shape[1]
+    se = lambda v: float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+    out = []
+    for s, shape in enumerate(self.shapes):
+      D = shape.max_depth
+      hist = np.bincount(self.n_acc[s].ravel(), minlength=D + 1)[:D + 1]
+      out.append({"kind": "paired_tau", "tree": str(shape), "method": shape.method,
+                  "tree_nodes": shape.num_nodes + 1, "num_nodes": shape.num_nodes,
+                  "tau": float(x[s].mean()), "tau_se": se(x[s]), "contexts": C,
+                  "rounds_per_context": int(self.n_acc.shape[2]),
+                  "accept_hist": hist.tolist()})
+    for a in range(len(self.shapes)):
+      for b in range(a + 1, len(self.shapes)):
+        if self.shapes[a].num_nodes != self.shapes[b].num_nodes:
+          continue
+        d = x[a] - x[b]
+        out.append({"kind": "paired_difference", "tree_a": str(self.shapes[a]),
+                    "tree_b": str(self.shapes[b]), "num_nodes": self.shapes[a].num_nodes,
+                    "tau_a_minus_b": float(d.mean()), "se": se(d),
+                    "z": float(d.mean() / se(d)) if se(d) > 0 else None})
+    return out
+
+
+def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence[int]],
+               shapes: Sequence[TreeShape], *, sampling: SamplingParams, seed: int = 0,
+               rounds: int = 8, batch: int = 16, progress: bool = True) -> PairedResult:
+  """Score every shape on the same contexts: n_acc [S, C, R].
+
+  All contexts are padded to one prompt bucket (one compiled program per shape); batches of
+  `batch` contexts, the last one padded with repeats of the first context (dropped after).
+  """
+  if not shapes:
+    raise ValueError("paired_tau needs at least one tree shape")
+  if not contexts:
+    raise ValueError("paired_tau needs at least one context")
+  if int(rounds) != rounds or rounds < 1 or int(batch) != batch or batch < 1:
+    raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
+  sampling.validate()
+  reserve = max(TreeSpecConfig(s, max_new_tokens=1).reserve for s in shapes)
+  for s in shapes:
+    check_tree_run(cfg, drafter, TreeSpecConfig(s, max_new_tokens=1))
+  bucket, cache_size = plan_cache(cfg, [len(c) for c in contexts], 1, None, reserve,
+                                  "the largest tree's nodes")
+  C = len(contexts)
+  padded = list(contexts) + [contexts[0]] * (-C % batch)
+  tokens, lengths = pad_prompts(padded, cfg.vocab_size, bucket)
+  sampling_arrays = jax.tree.map(jnp.asarray, sampling)
+  base = jax.random.key(seed)
+  n_acc = np.zeros((len(shapes), len(padded), rounds), np.int32)
+  bar = tqdm(total=len(shapes) * len(padded) // batch, desc="paired tau", disable=not progress)
+  for s, shape in enumerate(shapes):
+    for i in range(0, len(padded), batch):
+      key = jax.random.fold_in(base, i)  # the same contexts and keys for every shape
+      out = _round_acceptance_jit(params, cfg, drafter, jnp.asarray(tokens[i:i + batch]),
+                                  jnp.asarray(lengths[i:i + batch]), key, sampling_arrays,
+                                  shape=shape, cache_size=cache_size, rounds=rounds)
+      n_acc[s, i:i + batch] = np.asarray(out).T
+      bar.update(1)
+    jax.clear_caches()  # one program per shape: drop it (LLVM memory maps, see jspec bench)
+  bar.close()
+  return PairedResult(list(shapes), n_acc[:, :C])
+
+
+def target_responses(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                     sampling: SamplingParams, seed: int) -> list[list[int]]:
+  """The target's own responses (autoregressive, stop at the chat's stop ids), one per prompt."""
+  return [model.generate_ids([p], max_new_tokens=max_new_tokens, sampling=sampling,
+                             key=seed + i).sequences()[0] for i, p in enumerate(prompts)]

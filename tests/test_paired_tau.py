@@ -1,0 +1,99 @@
+"""Paired block efficiency (jspec.paired_tau): each round equals the engine's first round from the
+same context (greedy, exactly), rounds at temperature 1 are independent draws whose mean matches
+the exactly computed acceptance of one speculative-sampling step, and the paired records."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward, init_params
+from jspec.paired_tau import PairedResult, contexts_from_responses, paired_tau
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.spec.drafters import ModelDrafter
+from jspec.spec.tree_engine import TreeSpecConfig, parse_tree, tree_speculative_generate
+from test_speculative import PROMPTS, TARGET, TINY, TINY_PROMPT, noised_drafter
+
+
+@pytest.fixture(scope="module")
+def target():
+  return init_params(TARGET, jax.random.key(0), scale=0.3)
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "rsd-c:3-2-1", "dynamic:10,3,2,3"])
+def test_greedy_rounds_equal_the_engines_first_round(target, tree):
+  drafter = noised_drafter(target, 0.1)
+  shape = parse_tree(tree)
+  contexts = [p + [11, 12][:i % 3] for i, p in enumerate(PROMPTS * 2)]  # ragged, 8 contexts
+  res = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=3,
+                   batch=3, progress=False)
+  n = res.n_acc[0]  # [C, R]
+  assert (n == n[:, :1]).all()  # greedy rounds are deterministic
+  for c, ctx in enumerate(contexts):
+    out = tree_speculative_generate(target, TARGET, drafter, [ctx],
+                                    spec=TreeSpecConfig(shape, max_new_tokens=2))
+    hist = np.asarray(out.accept_hist)  # one round (the second token ends the run)
+    assert hist.sum() == 1 and np.argmax(hist) == n[c, 0], (c, ctx, hist)
+  assert 0 < n.mean() < shape.max_depth  # rejections and acceptances both happened
+
+
+def test_sampled_rounds_match_exact_acceptance():
+  """chain:1 at T = 1: E[accepted] = E_{x1 ~ p}[sum_x min(p(x | c, x1), q(x | c, x1))], where x1 is
+  the first token the target samples (one per context row)."""
+  target = init_params(TINY, jax.random.key(10), scale=0.3)
+  noise = init_params(TINY, jax.random.key(11), scale=0.3)
+  draft = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, target, noise)
+  V = TINY.vocab_size
+  sp = SamplingParams(temperature=1.0)
+
+  def probs(params, seqs):
+    seqs = jnp.asarray(seqs)
+    n = seqs.shape[1]
+    logits = forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                     KVCache.init(TINY, seqs.shape[0], n))[0][:, -1]
+    return np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
+
+  p1 = probs(target, [TINY_PROMPT])[0]  # [V]
+  nxt = [TINY_PROMPT + [x] for x in range(V)]
+  overlap = np.minimum(probs(target, nxt), probs(draft, nxt)).sum(axis=1)  # [V]
+  want = float(p1 @ overlap)
+  res = paired_tau(target, TINY, ModelDrafter(draft, TINY), [TINY_PROMPT] * 256,
+                   [parse_tree("chain:1")], sampling=sp, rounds=40, batch=64, progress=False)
+  n = res.n_acc[0]  # [C, R]
+  assert (n != n[:, :1]).any()  # rounds from one context are different draws
+  # Standard error from the per-context means (first tokens differ between contexts).
+  se = n.mean(axis=1).std(ddof=1) / np.sqrt(n.shape[0])
+  assert abs(n.mean() - want) < 4 * se + 1e-3, (n.mean(), want, se)
+  assert 0.1 < want < 0.9  # the test can tell acceptance apart from all or nothing
+
+
+def test_records_and_paired_differences():
+  shapes = [parse_tree("rsd-c:2-1"), parse_tree("specinfer:2-1"), parse_tree("chain:2")]
+  rng = np.random.default_rng(0)
+  n_acc = rng.integers(0, 3, size=(3, 50, 4)).astype(np.int32)
+  n_acc[1] = n_acc[0]  # identical scores: difference exactly 0
+  recs = PairedResult(shapes, n_acc).records()
+  taus = [r for r in recs if r["kind"] == "paired_tau"]
+  diffs = [r for r in recs if r["kind"] == "paired_difference"]
+  assert [r["tree"] for r in taus] == [str(s) for s in shapes]
+  np.testing.assert_allclose([r["tau"] for r in taus], n_acc.mean(axis=(1, 2)) + 1)
+  assert all(sum(r["accept_hist"]) == 200 for r in taus)
+  # rsd-c:2-1 and specinfer:2-1 have 4 nodes, chain:2 has 2: one pair only.
+  assert len(diffs) == 1 and diffs[0]["tau_a_minus_b"] == 0.0
+
+
+def test_contexts_and_bad_input(target):
+  assert contexts_from_responses([[1, 2]], [[5, 6, 7]], 2) == [[1, 2], [1, 2, 5, 6]]
+  with pytest.raises(ValueError, match="stride"):
+    contexts_from_responses([[1]], [[2]], 0)
+  drafter = noised_drafter(target, 0.1)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    paired_tau(target, TARGET, drafter, [[1, 999]], [parse_tree("chain:2")], sampling=GREEDY,
+               progress=False)
+  with pytest.raises(ValueError, match="cache slots"):
+    paired_tau(target, TARGET, drafter, [[1] * 250], [parse_tree("chain:8")], sampling=GREEDY,
+               progress=False)
+  with pytest.raises(ValueError, match="rounds"):
+    paired_tau(target, TARGET, drafter, [[1]], [parse_tree("chain:2")], sampling=GREEDY,
+               rounds=0, progress=False)
