@@ -207,7 +207,7 @@ def cmd_bench_tau(args) -> int:
             f"({r['contexts']} contexts x {r['rounds_per_context']} rounds)")
     else:
       print(f"  {r['tree_a']} - {r['tree_b']}: {r['tau_a_minus_b']:+.3f} +- {r['se']:.3f} "
-            + (f"(z {r['z']:+.1f})" if r["z"] is not None else ""))
+            + (f" (z {r['z']:+.1f})" if r["z"] is not None else ""))
   print(f"wrote {bench.write_records(records, out)}")
   return 0
 
