@@ -73,8 +73,15 @@ def _stamp(records: list[dict]) -> str:
   return stamp
 
 
+def _dataset_prompts(model, dataset: str, n: int | None) -> list[list[int]]:
+  """The first n prompts of a benchmark set as token ids, chat-templated where the set is chat."""
+  from jspec import data
+  chat = data.is_chat(dataset) and model.tokenizer.chat_template is not None
+  return [model.encode(t, chat=chat) for t in data.load_prompts(dataset, n)]
+
+
 def cmd_bench(args) -> int:
-  from jspec import bench, data
+  from jspec import bench
   from jspec.model import load, load_drafter
   from jspec.spec.tree_engine import parse_trees
 
@@ -86,9 +93,7 @@ def cmd_bench(args) -> int:
   if trees and not drafters:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
-  texts = data.load_prompts(args.dataset, args.num_prompts)
-  chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
-  prompts = [model.encode(t, chat=chat) for t in texts]
+  prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
   records = bench.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=args.gamma, trees=trees,
@@ -173,7 +178,7 @@ def cmd_bench_kernel(args) -> int:
 
 
 def cmd_bench_tau(args) -> int:
-  from jspec import bench, data, paired_tau
+  from jspec import bench, paired_tau
   from jspec.model import load, load_drafter
   from jspec.spec.tree_engine import parse_trees
 
@@ -184,9 +189,7 @@ def cmd_bench_tau(args) -> int:
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")
   drafter = load_drafter(args.drafter, model, args.dtype)
-  texts = data.load_prompts(args.dataset, args.num_prompts)
-  chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
-  prompts = [model.encode(t, chat=chat) for t in texts]
+  prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
   responses = paired_tau.target_responses(model, prompts, max_new_tokens=args.max_new_tokens,
                                           sampling=sampling, seed=args.seed)
   contexts = paired_tau.contexts_from_responses(prompts, responses, args.stride)
