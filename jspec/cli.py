@@ -157,6 +157,32 @@ def cmd_trim_vocab(args) -> int:
   return 0
 
 
+def cmd_eval_drafter(args) -> int:
+  import json
+
+  from jspec.model import load, load_drafter
+  from jspec.train.recipe import heldout_acceptance
+
+  target = load(args.target, "float32")
+  names = [n for n in args.drafters.split(",") if n]
+  drafters = {n: load_drafter(n, target) for n in names}
+  if None in drafters.values():
+    raise ValueError("--drafters: 'none' is not a drafter")
+  records = heldout_acceptance(target, drafters, tuple(args.data), seq_len=args.seq_len,
+                               gamma=args.gamma)
+  print(f"{'drafter':<48} {'layers':>6} {'head':>6} {'alpha_greedy':>12} {'alpha_sampled':>13} "
+        f"{'tau_greedy_est':>14}")
+  for r in records:
+    print(f"{r['drafter']:<48} {r['draft_layers']:>6} {r['head_size']:>6} "
+          f"{r['alpha_greedy']:>12.3f} {r['alpha_sampled']:>13.3f} {r['tau_greedy_est']:>14.2f}")
+  if args.json:
+    command = " ".join(["jspec"] + sys.argv[1:])
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps([{**r, "command": command} for r in records], indent=1))
+    print(f"wrote {args.json}")
+  return 0
+
+
 def cmd_bench_kernel(args) -> int:
   from jspec import bench, kernel_bench
 
@@ -294,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--init", choices=["target", "random"], default="target")
   t.add_argument("--loss", choices=["kl", "tvd", "tvd++"], default="tvd++")
   _add_data_args(t)
-  t.add_argument("--data", action="append", metavar="DIR[:SHARDS]",
+  t.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]",
                  help="train on existing distillation data (from `jspec distill-data`; repeat "
-                      "for several; :SHARDS reads only the first SHARDS shards) instead of "
-                      "generating it under --out")
+                      "for several; :SHARDS reads only the first SHARDS shards, :A-B shards "
+                      "A..B-1) instead of generating it under --out")
   t.add_argument("--vocab-trim", type=int, default=0, metavar="M",
                  help="train a VocabTrim head over the M ids the target generates most (0: off)")
   t.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
@@ -313,6 +339,16 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep the tied embedding/LM head as initialised (from the target)")
   t.add_argument("--seed", type=int, default=0)
   t.set_defaults(fn=cmd_train_drafter)
+  e = sub.add_parser("eval-drafter", help="drafters' acceptance on held-out distillation data "
+                                          "(teacher-forced, no decode)")
+  e.add_argument("--target", default="default", help="target model (as --model)")
+  e.add_argument("--drafters", required=True, help="comma-separated: " + DRAFTER_HELP)
+  e.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", required=True,
+                 help="held-out distillation data (repeatable); :A-B reads shards A..B-1")
+  e.add_argument("--seq-len", type=int, default=384)
+  e.add_argument("--gamma", type=int, default=3, help="chain length for the tau estimate")
+  e.add_argument("--json", type=Path, default=None)
+  e.set_defaults(fn=cmd_eval_drafter)
   d = sub.add_parser("distill-data", help="generate distillation data: the target's responses to "
                                           "ShareGPT prompts with its top-k log-probs (resumable)")
   d.add_argument("--target", default="default", help="target model (as --model)")
@@ -326,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "generates most)")
   v.add_argument("--target", default="default", help="target model (as --model)")
   v.add_argument("--drafter", type=Path, required=True, help="drafter directory")
-  v.add_argument("--data", action="append", metavar="DIR[:SHARDS]", default=[],
+  v.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", default=[],
                  help="distillation data to count generated ids on (repeatable)")
   v.add_argument("--size", type=int, required=True,
                  help="M, ids kept (the full vocabulary size restores an untrimmed head)")

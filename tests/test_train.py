@@ -70,6 +70,17 @@ def test_distillation_data_resumes_identically(target, data_dir, tmp_path):
     distill.build_dataset(target, TEXTS, copy, dataclasses.replace(cfg, top_k=4), progress=False)
 
 
+def test_examples_from_a_shard_range(data_dir):
+  path, cfg = data_dir
+  every = list(distill.iter_examples(path))
+  tail = list(distill.iter_examples(path, 3, start_shard=1))
+  assert len(tail) == 2 * cfg.batch_size  # shards 1 and 2 of 3
+  for a, b in zip(tail, every[cfg.batch_size:]):
+    np.testing.assert_array_equal(a.response, b.response)
+  with pytest.raises(ValueError, match="start shard 3 is outside"):
+    list(distill.iter_examples(path, 3, start_shard=3))
+
+
 def test_corrupt_or_missing_shards_are_named(data_dir, tmp_path):
   path, _ = data_dir
   copy = tmp_path / "copy"
@@ -218,3 +229,48 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
   with pytest.raises(ValueError, match="cannot read the first 99"):
     train_drafter(target, tmp_path / "bad", dataclasses.replace(recipe, data_dirs=(f"{path}:99",)),
                   progress=False)
+
+
+def test_heldout_acceptance_of_the_target_itself_and_a_trimmed_copy(target, data_dir):
+  from jspec.model import load_drafter
+  from jspec.spec.drafters import trimmed_drafter
+  from jspec.spec.vocab_trim import trim_head
+  from jspec.train.recipe import heldout_acceptance
+
+  path, cfg = data_dir
+  examples = list(distill.iter_examples(path, 3, start_shard=1))  # 8 responses: one batch
+  argmax = np.concatenate([ex.top_ids[:, 0] for ex in examples])
+  top_mass = np.concatenate([np.exp(ex.top_logprobs).sum(-1) for ex in examples])
+  keep = np.unique(np.concatenate([argmax[::2], np.asarray(target.tokenizer.stop_token_ids)]))
+  self_draft = load_drafter("self", target)
+  drafters = {"self": self_draft,
+              "self-trimmed": trimmed_drafter(trim_head(self_draft.params, keep), target.cfg, keep)}
+  out = heldout_acceptance(target, drafters, (f"{path}:1-3",), seq_len=96, gamma=3)
+  by_name = {r["drafter"]: r for r in out}
+  assert by_name["self"]["positions"] == len(argmax) == by_name["self-trimmed"]["positions"]
+  # q = p: every argmax agrees, and sum_x min(p, q) is the stored top-k mass.
+  assert by_name["self"]["alpha_greedy"] == 1.0 and by_name["self"]["tau_greedy_est"] == 4.0
+  np.testing.assert_allclose(by_name["self"]["alpha_sampled"], top_mass.mean(), atol=2e-3)
+  # Trimmed: the argmax survives exactly where the target's argmax is a kept id.
+  np.testing.assert_allclose(by_name["self-trimmed"]["alpha_greedy"],
+                             np.isin(argmax, keep).mean(), atol=1e-6)
+  assert by_name["self-trimmed"]["head_size"] == len(keep) < target.cfg.vocab_size
+  assert by_name["self-trimmed"]["data"][0]["start_shard"] == 1
+  with pytest.raises(ValueError, match="need at least 8"):
+    heldout_acceptance(target, drafters, (f"{path}:2-3",), seq_len=96)
+
+
+def test_eval_drafter_cli(target, data_dir, tmp_path, capsys):
+  from jspec.cli import main
+
+  path, _ = data_dir
+  out = tmp_path / "eval.json"
+  assert main(["eval-drafter", "--target", str(target.source), "--drafters", "self,early-exit:1",
+               "--data", f"{path}:1-3", "--seq-len", "96", "--json", str(out)]) == 0
+  records = json.loads(out.read_text())
+  assert [r["drafter"] for r in records] == ["self", "early-exit:1"]
+  assert records[0]["alpha_greedy"] == 1.0 and records[1]["draft_layers"] == 1
+  assert "early-exit:1" in capsys.readouterr().out
+  assert main(["eval-drafter", "--target", str(target.source), "--drafters", "none",
+               "--data", f"{path}:1-3"]) == 2
+  assert "not a drafter" in capsys.readouterr().err

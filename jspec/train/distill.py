@@ -131,14 +131,19 @@ def read_manifest(data_dir: str | Path) -> dict:
   return json.loads(path.read_text())
 
 
-def iter_examples(data_dir: str | Path, num_shards: int | None = None) -> Iterator[Example]:
-  """Every (prompt, response, teacher top-k) in shard order, or those of the first `num_shards`
-  shards (a generation still under way); shards that are missing or corrupt raise a clear error."""
+def iter_examples(data_dir: str | Path, num_shards: int | None = None, start_shard: int = 0
+                  ) -> Iterator[Example]:
+  """Every (prompt, response, teacher top-k) in shard order, or those of shards
+  [start_shard, num_shards) (a generation still under way, or a held-out tail); shards that are
+  missing or corrupt raise a clear error."""
   data_dir = Path(data_dir)
   total = read_manifest(data_dir)["num_shards"]
   if num_shards is not None and not 0 < num_shards <= total:
     raise ValueError(f"{data_dir} has {total} shards; cannot read the first {num_shards}")
-  for i in range(total if num_shards is None else num_shards):
+  stop = total if num_shards is None else num_shards
+  if not 0 <= start_shard < stop:
+    raise ValueError(f"{data_dir}: start shard {start_shard} is outside [0, {stop})")
+  for i in range(start_shard, stop):
     file = data_dir / f"shard_{i:05d}.npz"
     if not file.is_file():
       raise FileNotFoundError(f"{file} is missing: the data generation did not finish; rerun it "

@@ -48,24 +48,31 @@ def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
   return texts[prompt_offset:]
 
 
-def parse_data_dir(spec: str) -> tuple[Path, int | None]:
-  """"DIR" → (DIR, None); "DIR:N" → (DIR, N) (the first N shards)."""
+def parse_data_dir(spec: str) -> tuple[Path, int, int | None]:
+  """"DIR" → (DIR, 0, None): every shard; "DIR:N" → (DIR, 0, N): the first N shards;
+  "DIR:A-B" → (DIR, A, B): shards A..B-1 (e.g. a held-out tail)."""
   head, sep, tail = spec.rpartition(":")
   if sep and tail.isdigit():
-    return Path(head).expanduser(), int(tail)
-  return Path(spec).expanduser(), None
+    return Path(head).expanduser(), 0, int(tail)
+  lo, dash, hi = tail.partition("-")
+  if sep and dash and lo.isdigit() and hi.isdigit():
+    return Path(head).expanduser(), int(lo), int(hi)
+  return Path(spec).expanduser(), 0, None
 
 
-def load_examples(sources: list[tuple[Path, int | None]]) -> tuple[list, list[dict]]:
+def load_examples(sources: list[tuple[Path, int, int | None]]) -> tuple[list, list[dict]]:
   """Examples of every source in order, and a record of what was read (for the metadata)."""
   examples, record = [], []
-  for path, shards in sources:
+  for path, start, stop in sources:
     total = distill.read_manifest(path)["num_shards"]  # names a non-data directory clearly
     n = len(examples)
-    examples += distill.iter_examples(path, shards)
+    examples += distill.iter_examples(path, stop, start_shard=start)
     digest = hashlib.sha256((path / distill.MANIFEST).read_bytes()).hexdigest()
-    record.append({"dir": str(path), "manifest_sha256": digest, "shards": shards or total,
-                   "examples": len(examples) - n})
+    entry = {"dir": str(path), "manifest_sha256": digest, "shards": (stop or total) - start,
+             "examples": len(examples) - n}
+    if start:
+      entry["start_shard"] = start
+    record.append(entry)
   return examples, record
 
 
@@ -156,3 +163,29 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
   return save_drafter(out, drafter.cfg, params, target.tokenizer, metadata, keep_ids=keep,
                       share_target_table=fmt.get("shares_target_embedding", False)
                       or shares_table(params, target.params), dtype=dtype)
+
+
+def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...], *,
+                       seq_len: int = 384, gamma: int = 3, batch_size: int = 8) -> list[dict]:
+  """`jspec eval-drafter`: each drafter's acceptance on the same teacher-forced held-out responses
+  (for instance a distillation set's last shards, which no drafter trained on), without a decode:
+  alpha_greedy = P(argmax q = argmax p), alpha_sampled = E[sum_x min(p, q)] (p from the stored
+  top-k, so a lower bound), and the chain tau they imply at `gamma` (see trainer's docstring).
+
+  `drafters` maps a name to a ModelDrafter; a VocabTrim drafter is scored in its own head's
+  vocabulary (teacher mass outside it counts as never accepted, as in decoding)."""
+  examples, record = load_examples([parse_data_dir(d) for d in data_dirs])
+  if len(examples) < batch_size:
+    raise ValueError(f"{data_dirs} hold {len(examples)} responses; need at least {batch_size}")
+  tc = trainer.TrainConfig(seq_len=seq_len, gamma=gamma)
+  results = []
+  for name, drafter in drafters.items():
+    keep = getattr(drafter, "keep_ids", None)
+    vocab_map = None if keep is None else full_to_trimmed(np.asarray(keep), target.cfg.vocab_size)
+    rows = trainer.make_rows(examples, seq_len, vocab_map)
+    stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
+    results.append({"drafter": name, "gamma": gamma, "draft_layers": drafter.cfg.num_layers,
+                    "head_size": int(target.cfg.vocab_size if keep is None else len(keep)),
+                    "data": record, **stats})
+    jax.clear_caches()  # one compiled eval per drafter shape; drop it before the next
+  return results

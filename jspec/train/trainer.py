@@ -254,6 +254,6 @@ def evaluate(params: Params, cfg: Config, rows: Rows, tc: TrainConfig,
     o, g, w = eval_fn(params, rows.take(np.arange(i, i + batch_size)))
     overlap, greedy, weight = overlap + float(o), greedy + float(g), weight + float(w)
   a_sampled, a_greedy = overlap / max(weight, 1), greedy / max(weight, 1)
-  return {"alpha_sampled": a_sampled, "alpha_greedy": a_greedy,
+  return {"alpha_sampled": a_sampled, "alpha_greedy": a_greedy, "positions": int(weight),
           "tau_sampled_est": tau_from_alpha(a_sampled, tc.gamma),
           "tau_greedy_est": tau_from_alpha(a_greedy, tc.gamma)}
