@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue #4: trained drafters (KL vs TVD++, with and without VocabTrim) on the default model,
-# MT-Bench and HumanEval, T = 0 and 1, chain gamma 3 and 5. The drafters are made by the commands
-# in benchmarks/README_drafters.md (train-drafter with --vocab-trim 8192, then trim-vocab --size
+# MT-Bench and HumanEval, T = 0 and 1, chain gamma 3 and 5. The drafters are made by
+# benchmarks/make_issue4_drafters.sh (train-drafter with --vocab-trim 8192, then trim-vocab --size
 # 49152 for the untrimmed head).
 cd "$(dirname "$0")/.."
 R=$HOME/.cache/jspec/drafter-runs
