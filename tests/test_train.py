@@ -148,7 +148,10 @@ def test_kill_and_resume_matches_an_uninterrupted_run(target, data_dir, tmp_path
   full, _ = trainer.train(params, dcfg, rows, tc, tmp_path / "full", progress=False)
   # Killed after 7 micro-steps: the last checkpoint is at micro-step 4 (optimizer step 2).
   trainer.train(params, dcfg, rows, tc, tmp_path / "cut", progress=False, stop_after=7)
+  cut_s = trainer.run_summary(tmp_path / "cut")["train_seconds_total"]
   resumed, _ = trainer.train(params, dcfg, rows, tc, tmp_path / "cut", progress=False)
+  # The resumed run's total time adds to the killed run's (time behind its checkpoint).
+  assert trainer.run_summary(tmp_path / "cut")["train_seconds_total"] > cut_s > 0
   for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params))]
@@ -206,6 +209,13 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
                            eval_every=3, checkpoint_every=3, freeze_embeddings=True)
   recipe = DrafterRecipe(num_layers=1, vocab_trim=60, data_dirs=(f"{path}:2",), train=tc)
   out = train_drafter(target, tmp_path / "run", recipe, progress=False)
+  first = json.loads((out / "jspec.json").read_text())
+  assert first["final_eval"]["step"] == 3 and first["train_seconds_total"] > 0
+  # Rerunning a finished run (a resume with nothing left) keeps what the run did.
+  again = json.loads((train_drafter(target, tmp_path / "run", recipe, progress=False)
+                      / "jspec.json").read_text())
+  assert again["final_eval"] == first["final_eval"]
+  assert again["train_seconds_total"] == first["train_seconds_total"]
   fmt = drafter_format(out)
   assert fmt == {"shares_target_embedding": True, "head_is_table": True, "trimmed_vocab": 60,
                  "dtype": "float16"}

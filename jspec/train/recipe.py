@@ -104,7 +104,7 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   if keep is not None:
     params = trim_head(params, keep)
   t1 = time.perf_counter()
-  params, log = trainer.train(params, dcfg, train_rows, recipe.train, out / "work",
+  params, _ = trainer.train(params, dcfg, train_rows, recipe.train, out / "work",
                               eval_rows=eval_rows, progress=progress)
   train_s = time.perf_counter() - t1
   tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
@@ -121,7 +121,7 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
                             * tokens_per_row),
       "data_seconds_this_run": data_s, "train_seconds_this_run": train_s,
       "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
-      "final_eval": log[-1] if log else None,
+      **trainer.run_summary(out / "work"),  # final_eval, train_seconds_total (across resumes)
   }
   share = (recipe.init == "target" and recipe.train.freeze_embeddings
            and shares_table(params, target.params))

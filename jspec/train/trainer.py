@@ -175,6 +175,20 @@ def batch_indices(n_rows: int, tc: TrainConfig, step: int) -> np.ndarray:
   return order[i * tc.batch_size: (i + 1) * tc.batch_size]
 
 
+SECONDS_FILE = "train_seconds.json"
+LOG_FILE = "log.jsonl"
+
+
+def run_summary(workdir: str | Path) -> dict:
+  """What a (possibly resumed, possibly already finished) run in `workdir` did in total: its last
+  evaluation and the training seconds behind its latest checkpoint."""
+  workdir = Path(workdir)
+  log_file, seconds_file = workdir / LOG_FILE, workdir / SECONDS_FILE
+  lines = log_file.read_text().splitlines() if log_file.exists() else []
+  seconds = json.loads(seconds_file.read_text())["seconds"] if seconds_file.exists() else None
+  return {"final_eval": json.loads(lines[-1]) if lines else None, "train_seconds_total": seconds}
+
+
 def _manager(directory: Path, keep: int = 2):
   import orbax.checkpoint as ocp
   return ocp.CheckpointManager(directory.absolute(),
@@ -202,7 +216,7 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   step_fn, eval_fn = make_step(cfg, tc, opt), make_eval(cfg, tc.gamma)
   state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
   mngr = _manager(workdir / "checkpoints")
-  log_file = workdir / "log.jsonl"
+  log_file = workdir / LOG_FILE
   if mngr.latest_step() is not None:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     try:
@@ -212,6 +226,12 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
                        f"be restored: {e}. Fix: delete that step directory to resume from an "
                        f"earlier one, or start in a new workdir") from e
   params, opt_state, start = state["params"], state["opt_state"], int(state["step"])
+  # Training seconds behind the latest checkpoint, summed over the calls that made it (a resumed
+  # run redoes the micro-steps after its last checkpoint, so their time is not counted twice).
+  seconds_file = workdir / SECONDS_FILE
+  prior_s = 0.0
+  if start and seconds_file.exists():
+    prior_s = json.loads(seconds_file.read_text())["seconds"]
   micro_total = tc.steps * tc.grad_accum
   log: list[dict] = []
   bar = tqdm(total=micro_total, initial=start, desc=f"train drafter ({tc.loss})",
@@ -227,6 +247,8 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
     if boundary and (opt_step % tc.checkpoint_every == 0 or micro + 1 == micro_total):
       mngr.save(micro + 1, args=ocp.args.StandardSave(
           {"params": params, "opt_state": opt_state, "step": jnp.int32(micro + 1)}))
+      seconds_file.write_text(json.dumps({"micro_step": micro + 1,
+                                          "seconds": prior_s + time.perf_counter() - t0}))
     if boundary and eval_rows is not None and (opt_step % tc.eval_every == 0
                                                or micro + 1 == micro_total):
       entry = {"step": opt_step, "loss": float(value), **evaluate(params, cfg, eval_rows, tc, eval_fn),
