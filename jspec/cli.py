@@ -64,12 +64,17 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def _command() -> str:
+  """The command line being run, for the records and metadata that say how they were made."""
+  return " ".join(["jspec"] + sys.argv[1:])
+
+
 def _stamp(records: list[dict]) -> str:
   """Mark benchmark records with the UTC time and the command that made them; returns the time."""
   stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
   for r in records:
     r["timestamp"] = stamp
-    r["command"] = " ".join(["jspec"] + sys.argv[1:])
+    r["command"] = _command()
   return stamp
 
 
@@ -128,7 +133,7 @@ def cmd_train_drafter(args) -> int:
                                 seed=args.seed, eval_every=args.eval_every,
                                 checkpoint_every=args.checkpoint_every,
                                 freeze_embeddings=args.freeze_embeddings))
-  out = train_drafter(target, args.out, recipe, command=" ".join(["jspec"] + sys.argv[1:]))
+  out = train_drafter(target, args.out, recipe, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
 
@@ -152,14 +157,13 @@ def cmd_trim_vocab(args) -> int:
 
   target = load(args.target, "float32")
   out = trim_drafter(target, args.drafter, tuple(args.data or ()), args.size, args.out,
-                     dtype=args.save_dtype, command=" ".join(["jspec"] + sys.argv[1:]))
+                     dtype=args.save_dtype, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
 
 
 def cmd_eval_drafter(args) -> int:
-  import json
-
+  from jspec import bench
   from jspec.model import load, load_drafter
   from jspec.train.recipe import heldout_acceptance
 
@@ -176,10 +180,8 @@ def cmd_eval_drafter(args) -> int:
     print(f"{r['drafter']:<48} {r['draft_layers']:>6} {r['head_size']:>6} "
           f"{r['alpha_greedy']:>12.3f} {r['alpha_sampled']:>13.3f} {r['tau_greedy_est']:>14.2f}")
   if args.json:
-    command = " ".join(["jspec"] + sys.argv[1:])
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps([{**r, "command": command} for r in records], indent=1))
-    print(f"wrote {args.json}")
+    _stamp(records)
+    print(f"wrote {bench.write_records(records, args.json)}")
   return 0
 
 

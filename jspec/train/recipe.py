@@ -178,11 +178,15 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   if len(examples) < batch_size:
     raise ValueError(f"{data_dirs} hold {len(examples)} responses; need at least {batch_size}")
   tc = trainer.TrainConfig(seq_len=seq_len, gamma=gamma)
+  rows_by_vocab: dict[bytes | None, trainer.Rows] = {}  # drafters with one head share their rows
   results = []
   for name, drafter in drafters.items():
-    keep = getattr(drafter, "keep_ids", None)
-    vocab_map = None if keep is None else full_to_trimmed(np.asarray(keep), target.cfg.vocab_size)
-    rows = trainer.make_rows(examples, seq_len, vocab_map)
+    keep = None if drafter.keep_ids is None else np.asarray(drafter.keep_ids)
+    vocab = None if keep is None else keep.tobytes()
+    if vocab not in rows_by_vocab:
+      vocab_map = None if keep is None else full_to_trimmed(keep, target.cfg.vocab_size)
+      rows_by_vocab[vocab] = trainer.make_rows(examples, seq_len, vocab_map)
+    rows = rows_by_vocab[vocab]
     stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
     results.append({"drafter": name, "gamma": gamma, "draft_layers": drafter.cfg.num_layers,
                     "head_size": int(target.cfg.vocab_size if keep is None else len(keep)),

@@ -229,9 +229,7 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   # Training seconds behind the latest checkpoint, summed over the calls that made it (a resumed
   # run redoes the micro-steps after its last checkpoint, so their time is not counted twice).
   seconds_file = workdir / SECONDS_FILE
-  prior_s = 0.0
-  if start and seconds_file.exists():
-    prior_s = json.loads(seconds_file.read_text())["seconds"]
+  prior_s = (run_summary(workdir)["train_seconds_total"] or 0.0) if start else 0.0
   micro_total = tc.steps * tc.grad_accum
   log: list[dict] = []
   bar = tqdm(total=micro_total, initial=start, desc=f"train drafter ({tc.loss})",
