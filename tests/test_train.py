@@ -171,6 +171,18 @@ def test_corrupted_checkpoint_is_a_clear_error(target, data_dir, tmp_path):
     trainer.train(params, dcfg, rows, tc, tmp_path, progress=False)
 
 
+def test_evaluate_scores_every_held_out_row_once(target, data_dir):
+  rows, dcfg, params, tc = _setup(target, data_dir)
+  assert len(rows) % 5  # 12 rows: batches of 5 leave a partial batch of 2
+  whole = trainer.evaluate(params, dcfg, rows, tc, batch_size=len(rows))
+  assert whole["positions"] == int(rows.mask.sum())
+  for bs in (5, 1):
+    parts = trainer.evaluate(params, dcfg, rows, tc, batch_size=bs)
+    assert parts["positions"] == whole["positions"]
+    for k in ("alpha_sampled", "alpha_greedy"):
+      assert parts[k] == pytest.approx(whole[k], rel=1e-5)
+
+
 def test_tau_from_alpha():
   assert trainer.tau_from_alpha(0.0, 4) == 1.0
   assert trainer.tau_from_alpha(1.0, 4) == 5.0

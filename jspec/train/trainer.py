@@ -270,8 +270,13 @@ def evaluate(params: Params, cfg: Config, rows: Rows, tc: TrainConfig,
   """Acceptance estimates on held-out rows (see the module docstring)."""
   eval_fn = eval_fn or make_eval(cfg, tc.gamma)
   overlap = greedy = weight = 0.0
-  for i in range(0, len(rows) - batch_size + 1, batch_size):
-    o, g, w = eval_fn(params, rows.take(np.arange(i, i + batch_size)))
+  for i in range(0, len(rows), batch_size):
+    # The last batch is padded (to keep one compiled shape) with copies of row i whose loss mask
+    # is zeroed, so every held-out row is scored exactly once.
+    real = np.arange(i, min(i + batch_size, len(rows)))
+    batch = rows.take(np.concatenate([real, np.full(batch_size - len(real), i)]))
+    batch["mask"][len(real):] = 0.0
+    o, g, w = eval_fn(params, batch)
     overlap, greedy, weight = overlap + float(o), greedy + float(g), weight + float(w)
   a_sampled, a_greedy = overlap / max(weight, 1), greedy / max(weight, 1)
   return {"alpha_sampled": a_sampled, "alpha_greedy": a_greedy, "positions": int(weight),
