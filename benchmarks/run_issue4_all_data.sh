@@ -4,7 +4,8 @@
 # responses), 850 steps (~3.5 epochs, as kl-trim8k-b36 had). Shards 88-95 of set b are held out:
 #   jspec eval-drafter --target default --drafters default,model:$R/kl-trim8k-b88/drafter \
 #     --data ~/.cache/jspec/distill/smollm2-sharegpt-b:88-96 --json benchmarks/heldout_alpha_b88-96_cpu.json
-# (default = kl-trim8k-b36 while it is the shipped drafter). LAYERS=4 trains the 4-layer variant
+# (default = kl-trim8k-b36 while it is the shipped drafter). The data: the two distill-data
+# commands at the top of benchmarks/make_issue4_drafters.sh. LAYERS=4 trains the 4-layer variant
 # (layers spread over the target's depth) into kl-trim8k-b88-4l. Resumable: rerun the same command.
 set -e
 cd "$(dirname "$0")/.."

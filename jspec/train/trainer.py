@@ -269,15 +269,15 @@ def evaluate(params: Params, cfg: Config, rows: Rows, tc: TrainConfig,
              eval_fn: Callable | None = None, batch_size: int = 8) -> dict:
   """Acceptance estimates on held-out rows (see the module docstring)."""
   eval_fn = eval_fn or make_eval(cfg, tc.gamma)
-  overlap = greedy = weight = 0.0
+  sums = jnp.zeros(3)  # overlap, greedy hits, positions: summed on device, read back once
   for i in range(0, len(rows), batch_size):
     # The last batch is padded (to keep one compiled shape) with copies of row i whose loss mask
     # is zeroed, so every held-out row is scored exactly once.
     real = np.arange(i, min(i + batch_size, len(rows)))
     batch = rows.take(np.concatenate([real, np.full(batch_size - len(real), i)]))
     batch["mask"][len(real):] = 0.0
-    o, g, w = eval_fn(params, batch)
-    overlap, greedy, weight = overlap + float(o), greedy + float(g), weight + float(w)
+    sums = sums + jnp.stack(eval_fn(params, batch))
+  overlap, greedy, weight = (float(x) for x in sums)
   a_sampled, a_greedy = overlap / max(weight, 1), greedy / max(weight, 1)
   return {"alpha_sampled": a_sampled, "alpha_greedy": a_greedy, "positions": int(weight),
           "tau_sampled_est": tau_from_alpha(a_sampled, tc.gamma),
