@@ -27,6 +27,7 @@ from jspec.models.llama import forward, param_bytes
 from jspec.profiling import CompileCounter, machine_info, memory_bandwidth
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.spec.drafters import Drafter
+from jspec.spec.engine import reads_features
 from jspec.spec.tree_engine import TreeShape, TreeSpecConfig, tree_speculative_generate
 
 
@@ -118,7 +119,14 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
   proposal, sampled as in the run, + one target forward of gamma + 1 tokens, that forward alone)."""
   cfg, params = model.cfg, model.params
   lengths = jnp.asarray([prompt_len], jnp.int32)
-  state = drafter.init(jnp.ones((1, prompt_len), jnp.int32), lengths, cache_size)
+  prompt = jnp.ones((1, prompt_len), jnp.int32)
+  features = reads_features(drafter)
+  if features:  # the state's values do not matter for timing, only its shapes
+    state = drafter.init_features(prompt, lengths, cache_size,
+                                  jnp.zeros((1, prompt_len, cfg.hidden_size), params.embed.dtype),
+                                  jnp.ones((1,), jnp.int32))
+  else:
+    state = drafter.init(prompt, lengths, cache_size)
   cache = KVCache.init(cfg, 1, cache_size, params.embed.dtype).with_lengths(lengths)
   seq_len = lengths + 1
   positions = (seq_len - 1)[:, None] + jnp.arange(gamma + 1)
@@ -132,7 +140,9 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
       drafts, q, state = drafter.propose(state, jnp.ones((1, 2), jnp.int32), seq_len,
                                          jax.random.fold_in(key, i), sampling, gamma)
       block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), drafts], axis=1)
-      logits, _, cache = forward(params, cfg, block, positions, cache)
+      logits, hidden, cache = forward(params, cfg, block, positions, cache)
+      if features:  # a feature drafter also reads the verified block (all of it accepted)
+        state = drafter.absorb(state, seq_len - 1, seq_len + gamma + 1, hidden, block)
       # Use every logit (greedy verification takes their argmax), so none of the head is pruned.
       return state, cache, acc + jnp.sum(jnp.argmax(logits, -1)) + q[0, 0, 0].astype(jnp.int32)
     return jax.lax.fori_loop(0, repeats, one, (state, cache, jnp.int32(0)))

@@ -138,6 +138,25 @@ def cmd_train_drafter(args) -> int:
   return 0
 
 
+def cmd_train_eagle(args) -> int:
+  from jspec.model import load
+  from jspec.train import trainer
+  from jspec.train.eagle import EagleLoss, EagleRecipe, train_eagle
+
+  target = load(args.target, "float32")
+  recipe = EagleRecipe(
+      data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
+      loss=EagleLoss(cls_weight=args.cls_weight, unroll=args.unroll, noise=args.noise),
+      train=trainer.TrainConfig(loss="eagle", seq_len=args.seq_len, batch_size=args.batch_size,
+                                grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
+                                warmup_steps=min(args.warmup_steps, args.steps),
+                                seed=args.seed, eval_every=args.eval_every,
+                                checkpoint_every=args.checkpoint_every))
+  out = train_eagle(target, args.out, recipe, command=_command())
+  print(f"wrote {out} (load it with --drafter model:{out})")
+  return 0
+
+
 def cmd_distill_data(args) -> int:
   from jspec.model import load
   from jspec.train import distill
@@ -341,6 +360,32 @@ def build_parser() -> argparse.ArgumentParser:
                  help="keep the tied embedding/LM head as initialised (from the target)")
   t.add_argument("--seed", type=int, default=0)
   t.set_defaults(fn=cmd_train_drafter)
+  g = sub.add_parser("train-eagle", help="train a feature-level drafter (EAGLE: one layer over "
+                                         "the target's hidden states) on distillation data")
+  g.add_argument("--target", default="default", help="target model (as --model)")
+  g.add_argument("--out", type=Path, required=True,
+                 help="output directory: features/ (the target's hidden states), work/ "
+                      "(checkpoints) and drafter/; rerunning the same command resumes")
+  g.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", required=True,
+                 help="distillation data from `jspec distill-data` (repeatable)")
+  g.add_argument("--vocab-trim", type=int, default=8192, metavar="M",
+                 help="head over the M ids the target generates most (0: the full table)")
+  g.add_argument("--cls-weight", type=float, default=0.1,
+                 help="weight of the KL term next to the feature regression")
+  g.add_argument("--unroll", type=int, choices=[1, 2], default=2,
+                 help="2: also train on the drafter's own predicted features (later drafts)")
+  g.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
+  g.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
+  g.add_argument("--seq-len", type=int, default=384)
+  g.add_argument("--batch-size", type=int, default=8)
+  g.add_argument("--grad-accum", type=int, default=1)
+  g.add_argument("--steps", type=int, default=1000)
+  g.add_argument("--lr", type=float, default=1e-3)
+  g.add_argument("--warmup-steps", type=int, default=50)
+  g.add_argument("--eval-every", type=int, default=100)
+  g.add_argument("--checkpoint-every", type=int, default=100)
+  g.add_argument("--seed", type=int, default=0)
+  g.set_defaults(fn=cmd_train_eagle)
   e = sub.add_parser("eval-drafter", help="drafters' acceptance on held-out distillation data "
                                           "(teacher-forced, no decode)")
   e.add_argument("--target", default="default", help="target model (as --model)")

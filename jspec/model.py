@@ -98,12 +98,17 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str)
                      f"{target.tokens[i]!r}); use a drafter trained with the target's tokenizer")
 
 
-def load_model_drafter(path: str | Path, target: Model, dtype: str = "float32") -> ModelDrafter:
+def load_model_drafter(path: str | Path, target: Model, dtype: str = "float32"):
   """A draft model from a .gguf file, an HF directory or a compact drafter directory (one that
   borrows the target's embedding and/or has a VocabTrim head; see jspec.io.drafter)."""
-  from jspec.io.drafter import drafter_format, load_compact
+  from jspec.io.drafter import drafter_format, is_eagle_dir, load_compact, load_eagle
 
   path = resolve_path(path)
+  if path.is_dir() and is_eagle_dir(path):
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_same_tokenizer(target.tokenizer, Tokenizer.from_hf_dir(path), str(path))
+    return load_eagle(path, target.cfg, target.params, DTYPES[dtype])
   if path.is_dir() and drafter_format(path) is not None:
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

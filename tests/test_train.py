@@ -296,3 +296,97 @@ def test_eval_drafter_cli(target, data_dir, tmp_path, capsys):
   assert main(["eval-drafter", "--target", str(target.source), "--drafters", "none",
                "--data", f"{path}:1-3"]) == 2
   assert "not a drafter" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- feature drafter
+def test_eagle_objective_is_smooth_l1_plus_weighted_kl(target):
+  from jspec.spec.eagle import init_eagle
+  from jspec.train.eagle import EagleLoss, _passes, eagle_objective
+  from jspec.train.losses import forward_kl
+  params, dcfg = init_eagle(target.params, target.cfg, jax.random.key(0))
+  B, S, E, K = 2, 6, target.cfg.hidden_size, 3
+  rng = np.random.default_rng(0)
+  batch = {"tokens": jnp.asarray(rng.integers(0, 200, (B, S)), jnp.int32),
+           "feats": jnp.asarray(rng.normal(size=(B, S, E)) * 2, jnp.float32),
+           "mask": jnp.asarray(rng.integers(0, 2, (B, S)), jnp.float32).at[:, 1:3].set(1.0),
+           "top_ids": jnp.asarray(rng.integers(0, 200, (B, S, K)), jnp.int32),
+           "top_logprobs": jnp.log(jnp.full((B, S, K), 1 / K)),
+           "embed": target.params.embed, "head": target.params.embed}
+  loss = EagleLoss(cls_weight=0.3, unroll=1)
+  (pred, logits), = _passes(params, dcfg, batch, loss, None)
+  d = np.abs(np.asarray(pred) - np.asarray(batch["feats"])[:, 1:])
+  per = np.where(d < 1, 0.5 * d ** 2, d - 0.5).mean(-1)
+  m = np.asarray(batch["mask"])[:, 1:]
+  want = (per * m).sum() / m.sum() + 0.3 * float(forward_kl(
+      logits, batch["top_ids"][:, 1:], batch["top_logprobs"][:, 1:], batch["mask"][:, 1:]))
+  np.testing.assert_allclose(float(eagle_objective(dcfg, loss)(params, batch)), want, rtol=1e-5)
+  # Unroll 2 adds a second pass whose pair j reads pass one's prediction of f_j.
+  two = _passes(params, dcfg, batch, EagleLoss(unroll=2), None)
+  assert not np.allclose(two[1][0], two[0][0])
+  np.testing.assert_allclose(two[0][0], pred, rtol=1e-6)
+
+
+def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_dir, tmp_path):
+  from jspec.generate import generate
+  from jspec.model import load_drafter
+  from jspec.spec.eagle import EagleDrafter, init_eagle
+  from jspec.spec.engine import SpecConfig, speculative_generate
+  from jspec.train.eagle import EagleLoss, EagleRecipe, eagle_objective, train_eagle
+  from jspec.train.features import cached_features
+
+  path, _ = data_dir
+  tc = trainer.TrainConfig(loss="eagle", seq_len=48, batch_size=4, steps=24, lr=3e-3,
+                           warmup_steps=1, eval_every=12, checkpoint_every=4)
+  recipe = EagleRecipe(data_dirs=(str(path),), vocab_trim=60, train=tc)
+  out = train_eagle(target, tmp_path / "run", recipe, progress=False)
+  meta = json.loads((out / "jspec.json").read_text())
+  first, last = meta["final_eval"], None
+  log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
+  assert [e["step"] for e in log] == [12, 24]
+  assert 0 <= log[-1]["alpha_greedy_draft2"] <= 1 and log[-1]["positions"] > 0
+  # Training lowered the objective on the training rows.
+  rows = trainer.make_rows(list(distill.iter_examples(path)), 48)
+  feats = cached_features(target.params, target.cfg, rows.tokens,
+                          tmp_path / "run/features/all.npy", progress=False)
+  drafter = load_drafter(f"model:{out}", target)
+  assert isinstance(drafter, EagleDrafter) and drafter.head.shape[0] == 60
+  init, dcfg = init_eagle(target.params, target.cfg, jax.random.key(0))
+  from jspec.train.eagle import with_features
+  from jspec.train.recipe import HELD_OUT  # noqa: F401
+  table = target.params.embed
+  full_rows = with_features(rows, feats, table, table)
+  batch = full_rows.take(np.arange(len(rows)))
+  objective = jax.jit(eagle_objective(dcfg, EagleLoss()))
+  trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drafter.params)
+  assert float(objective(trained, batch)) < 0.8 * float(objective(init, batch))
+  # Kill and resume: the same parameters as the uninterrupted run.
+  shutil.copytree(tmp_path / "run/features", tmp_path / "cut/features")
+  import jspec.train.trainer as tr
+  real_train = tr.train
+  calls = []
+  def killed(*a, **kw):
+    calls.append(1)
+    return real_train(*a, **kw, stop_after=10) if len(calls) == 1 else real_train(*a, **kw)
+  tr.train = killed
+  try:
+    train_eagle(target, tmp_path / "cut", recipe, progress=False)
+    cut = train_eagle(target, tmp_path / "cut", recipe, progress=False)
+  finally:
+    tr.train = real_train
+  resumed = load_drafter(f"model:{cut}", target)
+  for a, b in zip(jax.tree.leaves(drafter.params), jax.tree.leaves(resumed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Lossless greedy decoding with the trained drafter.
+  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
+  want = generate(target.params, target.cfg, prompts, max_new_tokens=12).sequences()
+  got = speculative_generate(target.params, target.cfg, drafter, prompts,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert got.sequences() == want
+  # A cache of features made for other rows is refused, not silently reused.
+  with pytest.raises(ValueError, match="other rows"):
+    cached_features(target.params, target.cfg, rows.tokens[:, :40],
+                    tmp_path / "run/features/all.npy", progress=False)
+  # A corrupt drafter file is a clear error.
+  (out / "model.safetensors").write_bytes(b"garbage")
+  with pytest.raises(ValueError, match="corrupt"):
+    load_drafter(f"model:{out}", target)

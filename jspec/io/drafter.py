@@ -147,3 +147,87 @@ def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
       raise ValueError(f"{path}: {HEAD} has shape {head.shape}, expected {expected}")
     params = dataclasses.replace(params, lm_head=jnp.asarray(head.T, dtype))
   return cfg, params, keep
+
+
+EAGLE_KIND = "eagle"
+
+
+def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[str, Any], *,
+               keep_ids: np.ndarray | None = None, dtype: str = "float16") -> Path:
+  """A feature-level drafter (jspec.spec.eagle): its own weights only (`fc`, `layer.*`, `norm`,
+  `jspec.keep_ids`); it borrows the target's embedding and output table at load time."""
+  import safetensors.numpy
+
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  cast = lambda x: np.asarray(jnp.asarray(x, DTYPES[dtype]))
+  tensors = {"fc": cast(params.fc), "norm": cast(params.norm)}
+  for f in dataclasses.fields(params.layer):
+    value = getattr(params.layer, f.name)
+    if value is not None:
+      tensors[f"layer.{f.name}"] = cast(value)
+  if keep_ids is not None:
+    tensors[KEEP_IDS] = check_keep_ids(keep_ids, cfg.vocab_size)
+  safetensors.numpy.save_file(tensors, str(path / "model.safetensors"),
+                              metadata={"format": "jspec-eagle"})
+  if tokenizer is not None:
+    save_tokenizer(path, tokenizer)
+  fmt = {"kind": EAGLE_KIND, "config": dataclasses.asdict(cfg),
+         "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype}
+  (path / "jspec.json").write_text(json.dumps({**metadata, FORMAT_KEY: fmt}, indent=2,
+                                              default=str) + "\n")
+  return path
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+  meta = Path(path) / "jspec.json"
+  if not meta.is_file():
+    return False
+  return (json.loads(meta.read_text()).get(FORMAT_KEY) or {}).get("kind") == EAGLE_KIND
+
+
+def load_eagle(path: str | Path, target_cfg: Config, target_params: Params, dtype=jnp.float32):
+  """The EagleDrafter stored in `path`, over the loaded target's tables."""
+  from safetensors import safe_open
+
+  from jspec.models.llama import LayerParams
+  from jspec.spec.eagle import EagleParams, eagle_drafter
+  from jspec.train.drafter import drafter_config
+
+  path = Path(path)
+  fmt = json.loads((path / "jspec.json").read_text())[FORMAT_KEY]
+  cfg = drafter_config(target_cfg, 1)
+  stored = {k: v for k, v in fmt["config"].items() if k in ("hidden_size", "vocab_size",
+                                                            "num_heads", "num_kv_heads",
+                                                            "head_dim", "intermediate_size")}
+  mine = {k: getattr(cfg, k) for k in stored}
+  if stored != mine:
+    raise ValueError(f"{path} is a feature drafter for a target with {stored}, but this target "
+                     f"gives {mine}: it was trained for another target model")
+  file = path / "model.safetensors"
+  if not file.is_file():
+    raise FileNotFoundError(f"{file} not found: the drafter directory is incomplete")
+  try:
+    with safe_open(str(file), framework="flax") as f:
+      tensors = {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+  except Exception as e:  # safetensors raises its own error types on truncated files
+    raise ValueError(f"{file} cannot be read ({e}): the drafter file is corrupt") from e
+  keep = tensors.pop(KEEP_IDS, None)
+  layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
+  layer = {k.split(".", 1)[1]: jnp.asarray(v, dtype) for k, v in tensors.items()
+           if k.startswith("layer.") and k.split(".", 1)[1] in layer_fields}
+  missing = [k for k in ("fc", "norm") if k not in tensors]
+  try:
+    params = EagleParams(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
+                         norm=jnp.asarray(tensors["norm"], dtype))
+  except (KeyError, TypeError) as e:
+    raise ValueError(f"{file} lacks drafter weights ({missing or e}): not a complete feature "
+                     f"drafter") from e
+  E = cfg.hidden_size
+  if params.fc.shape != (2 * E, E) or params.layer.wq.shape[0] != E:
+    raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
+                     f"not fit the target's width {E}")
+  return eagle_drafter(params, cfg, jax.tree.map(lambda x: jnp.asarray(x, dtype), target_params)
+                       if dtype != jnp.float32 else target_params, keep)

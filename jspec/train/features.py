@@ -1,0 +1,98 @@
+"""The target's hidden states on teacher-forced training rows: what a feature-level drafter reads.
+
+A feature drafter (jspec.spec.eagle) predicts the target's next final hidden state from its current
+one and the next token. Training it needs those states at every row position; computing them costs
+one target forward per row, so they are computed once and cached as a float16 .npy next to a small
+progress file (a killed run resumes at the first missing batch and writes the same array).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+
+Array = jax.Array
+
+
+def hidden_states(params: Params, cfg: Config, tokens: Array) -> Array:
+  """[B, S, E] final-normed target hidden states of teacher-forced rows `tokens` [B, S] (the same
+  `forward` decoding runs, so training sees the states verification will hand the drafter)."""
+  B, S = tokens.shape
+  cache = KVCache.init(cfg, B, S, params.embed.dtype)
+  positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  _, hidden, _ = forward(params, cfg, tokens, positions, cache,
+                         logits_indices=jnp.zeros((B, 1), jnp.int32))
+  return hidden
+
+
+_hidden_jit = jax.jit(hidden_states, static_argnums=(1,))
+
+
+def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str | Path,
+                    batch_size: int = 8, progress: bool = True) -> np.ndarray:
+  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S], computed into `path` (.npy,
+  memory-mapped) batch by batch; rerunning resumes. The rows' hash is recorded so a cache made
+  for other rows is refused instead of silently reused."""
+  path = Path(path)
+  N, S = tokens.shape
+  E = cfg.hidden_size
+  digest = _rows_digest(tokens, cfg)
+  meta_file = path.with_suffix(".json")
+  meta = json.loads(meta_file.read_text()) if meta_file.exists() and path.exists() else None
+  if meta is not None and meta["rows_sha256"] != digest:
+    raise ValueError(f"{path} holds the features of other rows (or another target); delete it "
+                     f"and {meta_file.name} to recompute")
+  if meta is None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(N, S, E))
+    meta = {"rows_sha256": digest, "rows_done": 0, "shape": [N, S, E]}
+    meta_file.write_text(json.dumps(meta))
+  else:
+    out = np.load(path, mmap_mode="r+")
+  def saved(done: int) -> None:
+    out.flush()
+    meta["rows_done"] = done
+    meta_file.write_text(json.dumps(meta))
+
+  _fill(params, cfg, tokens, out, meta["rows_done"], batch_size, progress, saved)
+  return np.load(path, mmap_mode="r")
+
+
+def features(params: Params, cfg: Config, tokens: np.ndarray, batch_size: int = 8,
+             progress: bool = False) -> np.ndarray:
+  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S], in memory (held-out sets)."""
+  out = np.zeros(tokens.shape + (cfg.hidden_size,), np.float16)
+  _fill(params, cfg, tokens, out, 0, batch_size, progress, lambda done: None)
+  return out
+
+
+def _fill(params, cfg, tokens, out, done, batch_size, progress, saved) -> None:
+  """Rows done.. of `out` from the target, batch by batch (the last batch padded to keep one
+  compiled shape); `saved(rows_done)` after each."""
+  N = tokens.shape[0]
+  bar = tqdm(total=N, initial=done, desc="target features", disable=not progress)
+  while done < N:
+    idx = np.arange(done, min(done + batch_size, N))
+    batch = tokens[np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])]
+    out[idx] = np.asarray(_hidden_jit(params, cfg, jnp.asarray(batch)))[: len(idx)].astype(
+        np.float16)
+    done += len(idx)
+    saved(done)
+    bar.update(len(idx))
+  bar.close()
+
+
+def _rows_digest(tokens: np.ndarray, cfg: Config) -> str:
+  import hashlib
+  h = hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes())
+  h.update(repr(cfg).encode())
+  return h.hexdigest()

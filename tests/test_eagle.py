@@ -1,0 +1,147 @@
+"""The feature-level drafter (EAGLE): its incremental state matches a from-scratch teacher-forced
+pass, speculative output stays exactly the target's (greedy identity, sampled distribution), one
+compiled program, and its training reduces the loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import generate, prefill
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward, init_params
+from jspec.profiling import CompileCounter
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.spec.eagle import EagleParams, eagle_drafter, eagle_forward, head_logits, init_eagle
+from jspec.spec.engine import SpecConfig, speculative_generate
+from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
+                                    exact_distribution, sample_sequences)
+
+
+def noisy_eagle(target_params, cfg, key=3, amount=0.3, keep_ids=None):
+  """init_eagle plus random weights, so the drafter's layer and fc matter in every check."""
+  params, dcfg = init_eagle(target_params, cfg, jax.random.key(0))
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(key), len(leaves))
+  leaves = [x + amount * jax.random.normal(k, x.shape) if x.ndim > 1 else x
+            for x, k in zip(leaves, keys)]
+  return eagle_drafter(jax.tree.unflatten(tree, leaves), dcfg, target_params, keep_ids)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return init_params(TARGET, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+  return noisy_eagle(target, TARGET)
+
+
+def target_hidden(params, cfg, seq):
+  n = len(seq)
+  _, hidden, _ = forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
+                         KVCache.init(cfg, 1, n))
+  return hidden  # [1, n, E]
+
+
+def teacher_forced(drafter, seq, feats):
+  """f̂ of every pair (feats[j], seq[j + 1]) from scratch: [1, n - 1, E]."""
+  n = len(seq)
+  cache = KVCache.init(drafter.cfg, 1, n)
+  pred, _ = eagle_forward(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq[1:]]),
+                          feats[:, : n - 1], jnp.arange(n - 1)[None], cache)
+  return pred
+
+
+def test_incremental_state_matches_teacher_forcing(target, drafter):
+  seq = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]
+  P, gamma = 6, 4
+  hidden = target_hidden(target, TARGET, seq)
+  want = teacher_forced(drafter, seq, hidden)  # [1, n - 1, E]
+  cache_size = 32
+  prompt = jnp.asarray([seq[:P] + [0, 0]])
+  state = drafter.init_features(prompt, jnp.asarray([P]), cache_size,
+                                jnp.pad(hidden[:, :P], ((0, 0), (0, 2), (0, 0))),
+                                jnp.asarray([seq[P]]))
+  np.testing.assert_allclose(state.next_feat, want[:, P - 1], atol=1e-5)
+  # A round drafts (its pairs land in the cache), then verification keeps 3 tokens
+  # seq[P+1 .. P+3]: the state must be as if those had been fed from the start.
+  L = P + 1
+  _, _, drafted = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, gamma)
+  count = 3
+  block = hidden[:, L - 1: L - 1 + gamma + 1]  # the verified block's states
+  emitted = jnp.asarray([seq[L: L + gamma + 1]])
+  state = drafter.absorb(drafted, jnp.asarray([L - 1]), jnp.asarray([L + count]), block, emitted)
+  L += count
+  assert int(state.cache.lengths[0]) == L - 1
+  np.testing.assert_allclose(state.next_feat, want[:, L - 2], atol=1e-5)
+  # Drafts 1 and 2 of the next round: from f̂_{L-1}, then from the pair (f̂_{L-1}, draft 1).
+  tokens, probs, _ = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, 2)
+  d1 = int(jnp.argmax(head_logits(drafter.head, want[0, L - 2])))
+  feats = hidden.at[:, L - 1].set(want[:, L - 2])
+  pred2 = teacher_forced(drafter, seq[:L] + [d1], feats)[:, L - 1]
+  d2 = int(jnp.argmax(head_logits(drafter.head, pred2[0])))
+  assert tokens.tolist() == [[d1, d2]]
+  np.testing.assert_allclose(probs[0, 1], jax.nn.one_hot(d2, TARGET.vocab_size))
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_identical_to_autoregressive(target, drafter, gamma):
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=20).sequences()
+  out = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=20))
+  assert out.sequences() == want
+  hist = np.asarray(out.accept_hist)
+  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+
+
+def test_trimmed_greedy_identical(target):
+  keep = np.arange(0, TARGET.vocab_size, 2)
+  drafter = noisy_eagle(target, TARGET, keep_ids=keep)
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=16).sequences()
+  out = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=3, max_new_tokens=16))
+  assert out.sequences() == want
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  return init_params(TINY, jax.random.key(10), scale=0.8)
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.7-topk"])
+def test_sampling_is_lossless(tiny_target, name):
+  drafter = noisy_eagle(tiny_target, TINY, amount=0.8)
+  sp = SAMPLINGS[name]
+  stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2),
+                             exact_distribution(tiny_target, sp))
+  assert ok, (name, stat, dof)
+
+
+def test_trimmed_sampling_is_lossless(tiny_target):
+  drafter = noisy_eagle(tiny_target, TINY, amount=0.8, keep_ids=[0, 1, 3, 7, 8, 12])
+  sp = SAMPLINGS["t1"]
+  stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2),
+                             exact_distribution(tiny_target, sp))
+  assert ok, (stat, dof)
+
+
+def test_one_program_no_recompile(target, drafter):
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
+      jax.block_until_ready(speculative_generate(
+          target, TARGET, drafter, [prompt], spec=spec,
+          sampling=SamplingParams(temperature=temp), key=3))
+  assert counter.compiles == 0
+
+
+def test_trees_refuse_feature_drafters(target, drafter):
+  from jspec.spec.tree_engine import TreeSpecConfig, tree_speculative_generate
+  with pytest.raises(ValueError, match="draft_tree"):
+    tree_speculative_generate(target, TARGET, drafter, [[1, 2]],
+                              spec=TreeSpecConfig("fixed:2-1", max_new_tokens=4))
+  with pytest.raises(TypeError, match="hidden states"):
+    drafter.init(jnp.zeros((1, 2), jnp.int32), jnp.asarray([2]), 8)
