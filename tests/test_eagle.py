@@ -145,3 +145,12 @@ def test_trees_refuse_feature_drafters(target, drafter):
                               spec=TreeSpecConfig("fixed:2-1", max_new_tokens=4))
   with pytest.raises(TypeError, match="hidden states"):
     drafter.init(jnp.zeros((1, 2), jnp.int32), jnp.asarray([2]), 8)
+
+
+def test_bench_round_components_time_a_feature_drafter(target, drafter):
+  import types
+  from jspec.bench import round_components_s
+  model = types.SimpleNamespace(cfg=TARGET, params=target)
+  round_s, verify_s = round_components_s(model, drafter, gamma=3, prompt_len=8, cache_size=64,
+                                         repeats=2)
+  assert round_s > 0 and verify_s > 0

@@ -98,6 +98,8 @@ def drafter_format(path: str | Path) -> dict[str, Any] | None:
   if not meta.is_file():
     return None
   fmt = json.loads(meta.read_text()).get(FORMAT_KEY)
+  if fmt is not None and fmt.get("kind") == "eagle":  # never a plain HF model
+    return fmt
   if fmt is None or (not fmt.get("shares_target_embedding") and fmt.get("trimmed_vocab") is None):
     return None
   return fmt

@@ -144,6 +144,10 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
   from jspec.model import load_model_drafter
 
   drafter = load_model_drafter(drafter_dir, target)
+  if reads_features(drafter):
+    raise ValueError(f"{drafter_dir} is a feature drafter: its head is the target's table, "
+                     f"trimmed when it is trained (`jspec train-eagle --vocab-trim M`); "
+                     f"trim-vocab rebuilds model drafters only")
   fmt = drafter_format(drafter_dir) or {}
   params, V = drafter.params, target.cfg.vocab_size
   if drafter.keep_ids is not None:
