@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.generate import generate, prefill
+from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
 from jspec.profiling import CompileCounter
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.eagle import EagleParams, eagle_drafter, eagle_forward, head_logits, init_eagle
+from jspec.spec.eagle import eagle_drafter, eagle_forward, head_logits, init_eagle
 from jspec.spec.engine import SpecConfig, speculative_generate
 from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
                                     exact_distribution, sample_sequences)

@@ -339,8 +339,6 @@ def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_d
                            warmup_steps=1, eval_every=12, checkpoint_every=4)
   recipe = EagleRecipe(data_dirs=(str(path),), vocab_trim=60, train=tc)
   out = train_eagle(target, tmp_path / "run", recipe, progress=False)
-  meta = json.loads((out / "jspec.json").read_text())
-  first, last = meta["final_eval"], None
   log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
   assert [e["step"] for e in log] == [12, 24]
   assert 0 <= log[-1]["alpha_greedy_draft2"] <= 1 and log[-1]["positions"] > 0
@@ -352,7 +350,6 @@ def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_d
   assert isinstance(drafter, EagleDrafter) and drafter.head.shape[0] == 60
   init, dcfg = init_eagle(target.params, target.cfg, jax.random.key(0))
   from jspec.train.eagle import with_features
-  from jspec.train.recipe import HELD_OUT  # noqa: F401
   table = target.params.embed
   full_rows = with_features(rows, feats, table, table)
   batch = full_rows.take(np.arange(len(rows)))

@@ -220,16 +220,14 @@ def load_eagle(path: str | Path, target_cfg: Config, target_params: Params, dtyp
   layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
   layer = {k.split(".", 1)[1]: jnp.asarray(v, dtype) for k, v in tensors.items()
            if k.startswith("layer.") and k.split(".", 1)[1] in layer_fields}
-  missing = [k for k in ("fc", "norm") if k not in tensors]
   try:
     params = EagleParams(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
                          norm=jnp.asarray(tensors["norm"], dtype))
   except (KeyError, TypeError) as e:
-    raise ValueError(f"{file} lacks drafter weights ({missing or e}): not a complete feature "
+    raise ValueError(f"{file} lacks drafter weights ({e}): not a complete feature "
                      f"drafter") from e
   E = cfg.hidden_size
   if params.fc.shape != (2 * E, E) or params.layer.wq.shape[0] != E:
     raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
                      f"not fit the target's width {E}")
-  return eagle_drafter(params, cfg, jax.tree.map(lambda x: jnp.asarray(x, dtype), target_params)
-                       if dtype != jnp.float32 else target_params, keep)
+  return eagle_drafter(params, cfg, target_params, keep)  # casts the tables it takes to `dtype`

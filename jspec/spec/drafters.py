@@ -62,6 +62,16 @@ def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tu
   return jax.lax.cond(sampling.is_greedy, greedy, sampled)
 
 
+def sample_full_vocab(key: Array, logits: Array, sampling: SamplingParams, keep_ids: Array | None,
+                      vocab_size: int) -> tuple[Array, Array]:
+  """sample_with_probs over a head's logits [B, M]; with VocabTrim's `keep_ids` [M] the draw and
+  q [B, V] are mapped back to the full vocabulary (q = 0 off the kept ids)."""
+  token, probs = sample_with_probs(key, logits, sampling)
+  if keep_ids is None:
+    return token, probs
+  return to_full_vocab(token, probs, keep_ids, vocab_size)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ModelDrafterState:
@@ -172,10 +182,7 @@ class ModelDrafter:
     return self.cfg.vocab_size
 
   def _sample(self, key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
-    token, probs = sample_with_probs(key, logits, sampling)
-    if self.keep_ids is None:
-      return token, probs
-    return to_full_vocab(token, probs, self.keep_ids, self.cfg.vocab_size)
+    return sample_full_vocab(key, logits, sampling, self.keep_ids, self.cfg.vocab_size)
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int) -> ModelDrafterState:
     B, P = prompt.shape

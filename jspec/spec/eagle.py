@@ -28,8 +28,8 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import LayerParams, _layer, attention_fn, rms_norm, rope_tables
 from jspec.sampling.processing import SamplingParams
-from jspec.spec.drafters import sample_with_probs
-from jspec.spec.vocab_trim import check_keep_ids, to_full_vocab
+from jspec.spec.drafters import sample_full_vocab
+from jspec.spec.vocab_trim import check_keep_ids
 
 Array = jax.Array
 
@@ -90,10 +90,8 @@ class EagleDrafter:
     return self.cfg.vocab_size
 
   def _sample(self, key: Array, feat: Array, sampling: SamplingParams) -> tuple[Array, Array]:
-    token, probs = sample_with_probs(key, head_logits(self.head, feat), sampling)
-    if self.keep_ids is None:
-      return token, probs
-    return to_full_vocab(token, probs, self.keep_ids, self.cfg.vocab_size)
+    return sample_full_vocab(key, head_logits(self.head, feat), sampling, self.keep_ids,
+                             self.cfg.vocab_size)
 
   def init(self, *args, **kwargs):
     raise TypeError("a feature drafter needs the target's hidden states: run it through "
@@ -163,16 +161,13 @@ def init_eagle(target_params, target_cfg: Config, key: Array, copy_layer: int | 
   """Fresh drafter params: fc passes the feature through (plus a small random token part), the
   layer is a copy of target layer `copy_layer` (default: the last) and the output norm the
   target's final norm, so training starts near "the next state is like this one"."""
-  from jspec.train.drafter import drafter_config
+  from jspec.train.drafter import drafter_config, layers_copyable
   cfg = drafter_config(target_cfg, 1)
-  copyable = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
-      target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.intermediate_size) and not (
-      target_cfg.qkv_bias or target_cfg.o_bias or target_cfg.qk_norm or target_cfg.mlp_bias)
   E = cfg.hidden_size
   k_fc, k_layer = jax.random.split(key)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   fc = jnp.concatenate([0.02 * jax.random.normal(k_fc, (E, E)), jnp.eye(E)], axis=0)
-  if copyable:
+  if layers_copyable(cfg, target_cfg):
     layer = jax.tree.map(f32, target_params.layers[target_cfg.num_layers - 1 if copy_layer is None
                                                    else copy_layer])
   else:

@@ -55,6 +55,14 @@ def spread_layers(num_target: int, num_draft: int) -> list[int]:
   return [round(i * (num_target - 1) / (num_draft - 1)) for i in range(num_draft)]
 
 
+def layers_copyable(cfg: Config, target_cfg: Config) -> bool:
+  """Can target layers be copied into a drafter of `cfg`? Shaped alike (the caller checks the
+  width) and free of extras a plain Llama layer cannot hold."""
+  return (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
+      target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.intermediate_size) and not (
+      target_cfg.qkv_bias or target_cfg.o_bias or target_cfg.qk_norm or target_cfg.mlp_bias)
+
+
 def init_drafter(target_params: Params, target_cfg: Config, cfg: Config, key: jax.Array,
                  init: str = "target") -> Params:
   """Drafter parameters for `cfg` (from `drafter_config`), float32."""
@@ -71,11 +79,8 @@ def init_drafter(target_params: Params, target_cfg: Config, cfg: Config, key: ja
   same_width = cfg.hidden_size == target_cfg.hidden_size
   if same_width:
     # Target layers fit only when shaped alike and free of extras a plain Llama cannot hold.
-    copyable = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) == (
-        target_cfg.num_heads, target_cfg.num_kv_heads, target_cfg.intermediate_size) and not (
-        target_cfg.qkv_bias or target_cfg.o_bias or target_cfg.qk_norm or target_cfg.mlp_bias)
     layers = params.layers
-    if copyable:
+    if layers_copyable(cfg, target_cfg):
       picked = spread_layers(target_cfg.num_layers, cfg.num_layers)
       layers = tuple(jax.tree.map(f32, target_params.layers[i]) for i in picked)
     return dataclasses.replace(params, embed=table, layers=layers,

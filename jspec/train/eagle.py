@@ -13,6 +13,7 @@ f̂_j in place of f_j (gradients flow through both), and its losses are added.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -53,8 +54,7 @@ class FeatureRows(Rows):
 
   def take(self, idx: np.ndarray) -> dict:
     batch = super().take(idx)
-    batch["feats"] = np.asarray(self.feats[np.sort(idx)][np.argsort(np.argsort(idx))],
-                                np.float32)
+    batch["feats"] = np.asarray(self.feats[idx], np.float32)
     batch["embed"], batch["head"] = self.embed, self.head
     return batch
 
@@ -120,9 +120,9 @@ def eagle_eval(cfg: Config, loss: EagleLoss) -> Callable:
 
 
 def evaluate_by_step(params: EagleParams, cfg: Config, rows: FeatureRows, loss: EagleLoss,
-                     batch_size: int = 8) -> dict:
+                     batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
   """Held-out acceptance of draft 1 (true target state) and, with unroll 2, draft 2 (its own)."""
-  fn = eagle_eval(cfg, loss)
+  fn = eval_fn or eagle_eval(cfg, loss)
   sums = None
   for i in range(0, len(rows), batch_size):
     real = np.arange(i, min(i + batch_size, len(rows)))
@@ -149,13 +149,12 @@ class EagleRecipe:
 
 
 def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
-                command: str = "") -> "Path":
+                command: str = "") -> Path:
   """Target hidden states of the distillation rows (cached under out/features), a drafter from
   `init_eagle`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
   out/drafter that `--drafter model:DIR` loads."""
   import json
   import time
-  from pathlib import Path
 
   from jspec.io.drafter import save_eagle
   from jspec.spec.eagle import init_eagle
@@ -185,18 +184,19 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   table = jnp.asarray(output_table(target.params), jnp.float32)
   embed = jnp.asarray(target.params.embed, jnp.float32)
   head = table if keep is None else table[jnp.asarray(keep)]
-  all_rows = with_features(rows, feats, embed, head)
-  n = len(all_rows)
+  n = len(rows)
   sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
                                                rows.top_logprobs[idx]), feats[idx], embed, head)
   # Views, not copies: the features stay memory-mapped (slices of a memmap are memmaps).
   train_rows = sub(slice(0, n - n_eval))
   eval_rows = sub(slice(n - n_eval, n))
   params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))
+  eval_fn = eagle_eval(cfg, recipe.loss)  # compiled once for every periodic evaluation
   t1 = time.perf_counter()
   params, _ = trainer.train(params, cfg, train_rows, tc, out / "work", progress=progress,
                             objective=eagle_objective(cfg, recipe.loss),
-                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss))
+                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss,
+                                                                 eval_fn=eval_fn))
   train_s = time.perf_counter() - t1
   tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
   metadata = {
