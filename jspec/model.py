@@ -123,7 +123,9 @@ def load_model_drafter(path: str | Path, target: Model, dtype: str = "float32"):
 DRAFTER_HELP = ("none | default (the distilled drafter shipped for the default model) | self (the "
                 "target drafts for itself: engine check) | early-exit:K (the target's first K "
                 "layers + its head) | model:PATH (a .gguf, HF or compact drafter directory with "
-                "the target's tokenizer)")
+                "the target's tokenizer) | ngram[:N1-N2] (n-gram lookup on the context, "
+                "longest suffix N2 down to N1, default 2-4) | ngram[:N1-N2]+DRAFTER (lookup where "
+                "it matches, the model drafter DRAFTER elsewhere, e.g. ngram+default)")
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
 DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
@@ -156,4 +158,30 @@ def load_drafter(name: str, target: Model, dtype: str = "float32") -> Drafter | 
     return early_exit_drafter(target.params, target.cfg, int(layers))
   if name.startswith("model:"):
     return load_model_drafter(name.split(":", 1)[1], target, dtype)
+  if name == "ngram" or name.startswith(("ngram:", "ngram+")):
+    return _ngram_drafter(name, target, dtype)
   raise ValueError(f"unknown drafter {name!r}; expected {DRAFTER_HELP}")
+
+
+def _ngram_drafter(name: str, target: Model, dtype: str):
+  """ngram[:N1-N2][+DRAFTER] (see DRAFTER_HELP)."""
+  from jspec.spec.ngram import ngram_drafter
+  lookup, plus, rest = name.partition("+")
+  n_min, n_max = 2, 4
+  if lookup != "ngram":
+    lo, dash, hi = lookup[len("ngram:"):].partition("-")
+    if not (lo.isdigit() and dash and hi.isdigit()):
+      raise ValueError(f"n-gram drafter {name!r}: write ngram:N1-N2 (e.g. ngram:2-4), "
+                       f"optionally +DRAFTER")
+    n_min, n_max = int(lo), int(hi)
+  fallback = None
+  if plus:
+    if not rest or rest == "none" or rest.startswith("ngram"):
+      raise ValueError(f"n-gram drafter {name!r}: after '+' name a model drafter (default, self, "
+                       f"early-exit:K, model:PATH)")
+    fallback = load_drafter(rest, target, dtype)
+    if not isinstance(fallback, ModelDrafter):
+      raise ValueError(f"n-gram drafter {name!r}: {rest} is not a plain model drafter (a "
+                       f"feature-level drafter cannot follow a lookup); use default, self, "
+                       f"early-exit:K or a plain LM")
+  return ngram_drafter(target.cfg.vocab_size, n_min, n_max, fallback)

@@ -95,13 +95,14 @@ TINY_PROMPT = [3, 7, 1]
 N_SAMPLES = 20000
 
 
-def exact_distribution(params, sp: SamplingParams, steps: int = 3) -> np.ndarray:
+def exact_distribution(params, sp: SamplingParams, steps: int = 3,
+                       prompt: list[int] = TINY_PROMPT) -> np.ndarray:
   """The target's processed distribution over the first `steps` tokens, by enumeration."""
   V = TINY.vocab_size
   joint = np.ones([1])
   for t in range(steps):
     prefixes = list(itertools.product(range(V), repeat=t))
-    seqs = jnp.asarray([TINY_PROMPT + list(p) for p in prefixes])  # [V^t, P + t]
+    seqs = jnp.asarray([prompt + list(p) for p in prefixes])  # [V^t, P + t]
     n = seqs.shape[1]
     logits, _, _ = forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
                            KVCache.init(TINY, seqs.shape[0], n))
@@ -110,10 +111,11 @@ def exact_distribution(params, sp: SamplingParams, steps: int = 3) -> np.ndarray
   return joint / joint.sum()
 
 
-def sample_sequences(params, drafter, sp: SamplingParams, gamma: int) -> np.ndarray:
+def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
+                     prompt: list[int] = TINY_PROMPT) -> np.ndarray:
   spec = SpecConfig(gamma=gamma, max_new_tokens=3)
-  prompt = jnp.asarray([TINY_PROMPT + [0] * 13])
-  lengths = jnp.asarray([len(TINY_PROMPT)])
+  lengths = jnp.asarray([len(prompt)])
+  prompt = jnp.asarray([prompt + [0] * (16 - len(prompt))])
   run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
       params, TINY, drafter, prompt, lengths, key, sp, spec=spec, cache_size=32).tokens[0]))
   tokens = np.asarray(run(jax.random.split(jax.random.key(42), N_SAMPLES)))  # [N, 3]

@@ -21,7 +21,7 @@ Tree drafters (jspec.spec.tree_engine) add two functions, implemented by ModelDr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +194,11 @@ class ModelDrafter:
     return ModelDrafterState(cache=cache.with_lengths(prompt_lengths))
 
   def propose(self, state: ModelDrafterState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int):
+              sampling: SamplingParams, gamma: int, pick: Callable | None = None):
+    """`pick(i, tokens, token, probs) -> (token, probs)` may replace draft i (e.g. by an n-gram
+    lookup, jspec.spec.ngram) given the drafts so far `tokens` [B, gamma] (valid below i); the
+    drafter then reads the replacement, so its cache follows what is proposed."""
+    pick = pick or (lambda i, tokens, token, probs: (token, probs))
     B = last2.shape[0]
     V = self.cfg.vocab_size
     keys = jax.random.split(key, gamma)
@@ -204,15 +208,16 @@ class ModelDrafter:
     logits, _, cache = forward(self.params, self.cfg, last2, positions, cache,
                                logits_indices=jnp.ones((B, 1), jnp.int32))
     cache = cache.commit(2)
-    token, probs = self._sample(keys[0], logits[:, 0], sampling)
-    tokens = jnp.zeros((B, gamma), jnp.int32).at[:, 0].set(token)
+    tokens = jnp.zeros((B, gamma), jnp.int32)
+    token, probs = pick(0, tokens, *self._sample(keys[0], logits[:, 0], sampling))
+    tokens = tokens.at[:, 0].set(token)
     all_probs = jnp.zeros((B, gamma, V), jnp.float32).at[:, 0].set(probs)
 
     def step(i, carry):
       tokens, all_probs, cache = carry
       prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)  # [B, 1]
       logits, _, cache = forward(self.params, self.cfg, prev, cache.lengths[:, None], cache)
-      token, probs = self._sample(keys[i], logits[:, 0], sampling)
+      token, probs = pick(i, tokens, *self._sample(keys[i], logits[:, 0], sampling))
       tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
       all_probs = jax.lax.dynamic_update_slice_in_dim(all_probs, probs[:, None], i, axis=1)
       return tokens, all_probs, cache.commit(1)

@@ -1,0 +1,135 @@
+"""N-gram lookup drafting (prompt lookup): draft what followed the last time the context's final
+n tokens occurred, on its own or in front of a model drafter.
+
+The drafter keeps each row's token history (prompt, accepted tokens, its own last drafts) in a
+static [B, L] buffer, rolled back implicitly like a KV cache: every round writes the two last known
+tokens at seq_len - 2 and seq_len - 1, and nothing at or past seq_len is read. A lookup tries the
+longest suffix first (n_max down to n_min) and takes the most recent earlier occurrence.
+
+A looked-up draft is deterministic given its prefix, so its q is one-hot and verification stays
+exact at any temperature: speculative sampling accepts it with probability p(x) and otherwise
+samples the residual. With a `fallback` model drafter the lookup wins wherever it finds a match
+and the model's own draw (and q) is used elsewhere; the model reads every proposed token either
+way, so its KV cache stays in step with the history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling.processing import SamplingParams
+from jspec.spec.drafters import ModelDrafter
+
+Array = jax.Array
+
+
+def lookup(history: Array, length: Array, n_min: int, n_max: int) -> tuple[Array, Array]:
+  """(token [B], found [B]): the token after the most recent earlier occurrence of the last n
+  tokens of history[b, :length[b]], for the largest n in [n_min, n_max] that occurs."""
+  B, L = history.shape
+  starts = jnp.arange(L)  # [L] candidate match starts j
+  token = jnp.zeros((B,), jnp.int32)
+  found = jnp.zeros((B,), bool)
+  for n in range(n_min, n_max + 1):  # a longer match overrides a shorter one
+    suffix = jnp.take_along_axis(
+        history, jnp.clip(length[:, None] - n + jnp.arange(n), 0, L - 1), axis=1)  # [B, n]
+    match = (starts[None] + n < length[:, None]) & (length[:, None] > n)  # [B, L]
+    for k in range(n):  # history[b, j + k] == suffix[b, k]; j + k < L wherever match can hold
+      match &= jnp.roll(history, -k, axis=1) == suffix[:, k:k + 1]
+    last = jnp.max(jnp.where(match, starts[None], -1), axis=1)  # [B]
+    hit = last >= 0
+    after = jnp.take_along_axis(history, jnp.clip(last + n, 0, L - 1)[:, None], axis=1)[:, 0]
+    token = jnp.where(hit, after, token)
+    found |= hit
+  return token, found
+
+
+def write_at(history: Array, start: Array, tokens: Array) -> Array:
+  """history [B, L] with tokens [B, W] written at start[b] + 0..W-1 (past the end dropped)."""
+  B, W = tokens.shape
+  cols = start[:, None] + jnp.arange(W, dtype=jnp.int32)
+  return history.at[jnp.arange(B)[:, None], cols].set(tokens, mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramState:
+  history: Array  # [B, L] int32: prompt, accepted tokens, last round's drafts
+  inner: Any = None  # the fallback drafter's state
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramDrafter:
+  """Prompt-lookup drafter; `fallback` (a ModelDrafter, or None) drafts where no n-gram matches.
+
+  Without a fallback an unmatched position repeats the previous token (a guess that costs
+  nothing: verification of the block is paid either way).
+  """
+
+  vocab: int = dataclasses.field(metadata=dict(static=True))
+  n_min: int = dataclasses.field(default=2, metadata=dict(static=True))
+  n_max: int = dataclasses.field(default=4, metadata=dict(static=True))
+  fallback: ModelDrafter | None = None
+
+  def __post_init__(self):
+    if not (isinstance(self.n_min, int) and isinstance(self.n_max, int)
+            and 1 <= self.n_min <= self.n_max <= 16):
+      raise ValueError(f"n-gram lookup needs integers 1 <= n_min <= n_max <= 16, got "
+                       f"n_min={self.n_min!r}, n_max={self.n_max!r}")
+    if self.fallback is not None and not isinstance(self.fallback, ModelDrafter):
+      raise ValueError(f"the n-gram lookup falls back to a model drafter (default, self, "
+                       f"early-exit:K, model:DIR of a plain LM); got {type(self.fallback).__name__}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.vocab if self.fallback is None else self.fallback.vocab_size
+
+  def init(self, prompt: Array, prompt_lengths: Array, cache_size: int) -> NgramState:
+    B, P = prompt.shape
+    history = jnp.zeros((B, max(cache_size, P)), jnp.int32)
+    history = jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
+    inner = None if self.fallback is None else self.fallback.init(prompt, prompt_lengths,
+                                                                  cache_size)
+    return NgramState(history=history, inner=inner)
+
+  def propose(self, state: NgramState, last2: Array, seq_len: Array, key: Array,
+              sampling: SamplingParams, gamma: int) -> tuple[Array, Array, NgramState]:
+    V = self.vocab_size
+    history = write_at(state.history, seq_len - 2, last2)
+
+    def looked_up(i, tokens):  # the lookup for draft i, given drafts 0..i-1 in `tokens` [B, G]
+      return lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min, self.n_max)
+
+    if self.fallback is None:
+      def step(i, tokens):
+        token, found = looked_up(i, tokens)
+        previous = jnp.take_along_axis(write_at(history, seq_len, tokens),
+                                       (seq_len + i - 1)[:, None], axis=1)[:, 0]
+        token = jnp.where(found, token, previous)
+        return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+      B = last2.shape[0]
+      tokens = jax.lax.fori_loop(0, gamma, step, jnp.zeros((B, gamma), jnp.int32))
+      probs = jax.nn.one_hot(tokens, V, dtype=jnp.float32)  # [B, G, V]
+      inner = None
+    else:
+      def pick(i, tokens, token, probs):
+        guess, found = looked_up(i, tokens)
+        return (jnp.where(found, guess, token),
+                jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype), probs))
+      tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
+                                                   gamma, pick=pick)
+    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
+
+  def update(self, state: NgramState, seq_len: Array) -> NgramState:
+    inner = None if self.fallback is None else self.fallback.update(state.inner, seq_len)
+    return NgramState(history=state.history, inner=inner)
+
+
+def ngram_drafter(vocab_size: int, n_min: int = 2, n_max: int = 4,
+                  fallback: ModelDrafter | None = None) -> NgramDrafter:
+  return NgramDrafter(vocab=int(vocab_size), n_min=n_min, n_max=n_max, fallback=fallback)

@@ -1,0 +1,167 @@
+"""N-gram lookup drafting: the lookup equals a plain-Python prompt lookup, the engine accepts
+exactly what an offline replay of that lookup predicts, output stays the target's (greedy
+identity, sampled distribution), one compiled program, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import generate
+from jspec.models.llama import init_params
+from jspec.profiling import CompileCounter
+from jspec.sampling.processing import SamplingParams
+from jspec.spec.drafters import ModelDrafter
+from jspec.spec.engine import SpecConfig, speculative_generate
+from jspec.spec.ngram import lookup, ngram_drafter
+from jspec.train.trainer import student_logits
+from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
+                                    exact_distribution, noised_drafter, sample_sequences)
+
+# Prompts that repeat themselves, so the lookup has something to find.
+REPEATING = [[5, 17, 3, 5, 17, 3, 5, 17], [8, 1, 8, 1, 8], PROMPTS[2] + PROMPTS[2][:6], [7, 7, 7]]
+
+
+def python_lookup(ctx: list[int], n_min: int, n_max: int) -> int | None:
+  """What follows the most recent earlier occurrence of ctx's longest matching suffix."""
+  i = len(ctx)
+  for n in range(n_max, n_min - 1, -1):
+    for j in range(i - n - 1, -1, -1):
+      if ctx[j:j + n] == ctx[i - n:i]:
+        return ctx[j + n]
+  return None
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (2, 4), (1, 3)])
+def test_lookup_matches_python(n_min, n_max):
+  rng = np.random.default_rng(0)
+  B, L = 64, 24
+  history = rng.integers(0, 4, (B, L))  # a 4-token alphabet: many matches of every length
+  length = rng.integers(0, L + 1, B)
+  token, found = lookup(jnp.asarray(history, jnp.int32), jnp.asarray(length, jnp.int32),
+                        n_min, n_max)
+  for b in range(B):
+    want = python_lookup(list(history[b, :length[b]]), n_min, n_max)
+    assert bool(found[b]) == (want is not None), b
+    if want is not None:
+      assert int(token[b]) == want, b
+
+
+def test_lookup_ignores_tokens_past_length():
+  history = jnp.asarray([[1, 2, 3, 9, 9, 1, 2, 3, 4]], jnp.int32)
+  token, found = lookup(history, jnp.asarray([5], jnp.int32), 1, 3)  # context [1, 2, 3, 9, 9]
+  assert bool(found[0]) and int(token[0]) == 9  # "9" follows the earlier 9, not the later 4
+  token, found = lookup(history, jnp.asarray([3], jnp.int32), 1, 3)  # context [1, 2, 3]
+  assert not bool(found[0])
+
+
+@pytest.fixture(scope="module")
+def target():
+  return init_params(TARGET, jax.random.key(0), scale=0.3)
+
+
+def replayed_accept_hist(target, drafter_logits, prompts, gamma, n_tokens, n_min, n_max):
+  """accept_hist of a greedy chain, replayed offline: draft i of a round is right exactly when
+  the lookup (else the model drafter's argmax, else the previous token) on the true context
+  names the target's next token, and a round accepts the run of right drafts."""
+  want = generate(target, TARGET, prompts, max_new_tokens=n_tokens + gamma + 1).sequences()
+  hist = np.zeros(gamma + 1, np.int64)
+  for prompt, out in zip(prompts, want):
+    ctx = list(prompt) + list(out)
+    argmax = None if drafter_logits is None else drafter_logits(ctx)
+    right = []
+    for i in range(len(prompt) + 1, len(ctx)):
+      guess = python_lookup(ctx[:i], n_min, n_max)
+      if guess is None:
+        guess = ctx[i - 1] if argmax is None else argmax[i - 1]
+      right.append(guess == ctx[i])
+    emitted, i = 1, 0  # the prefill emitted the first token
+    while emitted < n_tokens:
+      run = 0
+      while run < gamma and right[i + run]:
+        run += 1
+      hist[run] += 1
+      emitted += run + 1
+      i += run + 1
+  return hist
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_pure_lookup_greedy_identity_and_replay(target, gamma):
+  drafter = ngram_drafter(TARGET.vocab_size, 1, 3)
+  out = speculative_generate(target, TARGET, drafter, REPEATING,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=24))
+  assert out.sequences() == generate(target, TARGET, REPEATING, max_new_tokens=24).sequences()
+  hist = np.asarray(out.accept_hist)
+  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+  np.testing.assert_array_equal(
+      hist, replayed_accept_hist(target, None, REPEATING, gamma, 24, 1, 3))
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_hybrid_greedy_identity_and_replay(target, gamma):
+  model = noised_drafter(target, 0.5)
+  drafter = ngram_drafter(TARGET.vocab_size, 2, 3, fallback=model)
+
+  def model_argmax(ctx):
+    return np.asarray(student_logits(model.params, TARGET, jnp.asarray([ctx]))[0].argmax(-1))
+
+  out = speculative_generate(target, TARGET, drafter, REPEATING,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=24))
+  assert out.sequences() == generate(target, TARGET, REPEATING, max_new_tokens=24).sequences()
+  np.testing.assert_array_equal(
+      np.asarray(out.accept_hist),
+      replayed_accept_hist(target, model_argmax, REPEATING, gamma, 24, 2, 3))
+  # The lookup changed what was accepted: the model drafter alone accepts differently.
+  alone = speculative_generate(target, TARGET, model, REPEATING,
+                               spec=SpecConfig(gamma=gamma, max_new_tokens=24))
+  assert not np.array_equal(np.asarray(alone.accept_hist), np.asarray(out.accept_hist))
+
+
+TINY_REPEATING = [3, 7, 1, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  return init_params(TINY, jax.random.key(10), scale=0.8)
+
+
+def test_tiny_prompt_has_matches():  # else the statistical tests below would not test a lookup
+  _, found = lookup(jnp.asarray([TINY_REPEATING]), jnp.asarray([len(TINY_REPEATING)]), 1, 2)
+  assert bool(found[0])
+
+
+@pytest.mark.parametrize("name", ["t1", "t0.7-topk"])
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_sampling_is_lossless(tiny_target, name, hybrid):
+  sp = SAMPLINGS[name]
+  fallback = ModelDrafter(init_params(TINY, jax.random.key(11), scale=0.8), TINY) if hybrid else None
+  drafter = ngram_drafter(TINY.vocab_size, 1, 2, fallback=fallback)
+  stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, 2, TINY_REPEATING),
+                             exact_distribution(tiny_target, sp, prompt=TINY_REPEATING))
+  assert ok, (name, hybrid, stat, dof)
+
+
+def test_one_program_no_recompile(target):
+  drafter = ngram_drafter(TARGET.vocab_size, 2, 4, fallback=noised_drafter(target, 0.5))
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 4, 5], 0.0), ([9] * 11, 1.0), ([2, 2], 0.7)):
+      jax.block_until_ready(speculative_generate(
+          target, TARGET, drafter, [prompt], spec=spec,
+          sampling=SamplingParams(temperature=temp), key=3).tokens)
+  assert counter.compiles == 0
+
+
+def test_bad_input(target):
+  with pytest.raises(ValueError, match="n_min <= n_max"):
+    ngram_drafter(TARGET.vocab_size, 3, 2)
+  with pytest.raises(ValueError, match="n_min <= n_max"):
+    ngram_drafter(TARGET.vocab_size, 0, 2)
+  with pytest.raises(ValueError, match="model drafter"):
+    ngram_drafter(TARGET.vocab_size, 2, 4, fallback=ngram_drafter(TARGET.vocab_size))
+  with pytest.raises(ValueError, match="draft_tree"):
+    from jspec.spec.tree_engine import TreeSpecConfig, tree_speculative_generate
+    tree_speculative_generate(target, TARGET, ngram_drafter(TARGET.vocab_size), [[1, 2]],
+                              spec=TreeSpecConfig("fixed:2-1", max_new_tokens=4))
