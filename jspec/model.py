@@ -124,8 +124,9 @@ DRAFTER_HELP = ("none | default (the distilled drafter shipped for the default m
                 "target drafts for itself: engine check) | early-exit:K (the target's first K "
                 "layers + its head) | model:PATH (a .gguf, HF or compact drafter directory with "
                 "the target's tokenizer) | ngram[:N1-N2] (n-gram lookup on the context, "
-                "longest suffix N2 down to N1, default 2-4) | ngram[:N1-N2]+DRAFTER (lookup where "
-                "it matches, the model drafter DRAFTER elsewhere, e.g. ngram+default)")
+                "longest suffix N2 down to N1, default 1-4) | ngram[:N1-N2]+DRAFTER (lookup where "
+                "it matches, the model drafter DRAFTER elsewhere, default 2-4; e.g. "
+                "ngram+default)")
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
 DEFAULT_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
@@ -167,7 +168,7 @@ def _ngram_drafter(name: str, target: Model, dtype: str):
   """ngram[:N1-N2][+DRAFTER] (see DRAFTER_HELP)."""
   from jspec.spec.ngram import ngram_drafter
   lookup, plus, rest = name.partition("+")
-  n_min, n_max = 2, 4
+  n_min, n_max = None, 4
   if lookup != "ngram":
     lo, dash, hi = lookup[len("ngram:"):].partition("-")
     if not (lo.isdigit() and dash and hi.isdigit()):

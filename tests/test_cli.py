@@ -105,6 +105,23 @@ def test_drafter_tokenizer_must_match(tiny_model, tmp_path):
   assert drafter.vocab_size == target.cfg.vocab_size
 
 
+def test_ngram_drafter_names(tiny_model):
+  from jspec.model import load, load_drafter
+  from jspec.spec.drafters import ModelDrafter
+  target = load(tiny_model)
+  alone = load_drafter("ngram", target)
+  assert (alone.n_min, alone.n_max, alone.fallback) == (1, 4, None)
+  assert alone.vocab_size == target.cfg.vocab_size
+  hybrid = load_drafter(f"ngram:3-5+model:{tiny_model}", target)
+  assert (hybrid.n_min, hybrid.n_max) == (3, 5) and isinstance(hybrid.fallback, ModelDrafter)
+  assert load_drafter("ngram+self", target).n_min == 2
+  for bad, match in (("ngram:3", "ngram:N1-N2"), ("ngram:a-b", "ngram:N1-N2"),
+                     ("ngram:4-2", "n_min <= n_max"), ("ngram+", "after '\\+'"),
+                     ("ngram+ngram", "after '\\+'"), ("ngram+bogus", "unknown drafter")):
+    with pytest.raises(ValueError, match=match):
+      load_drafter(bad, target)
+
+
 def test_bench_several_drafters_with_transformers_assisted(tiny_model, tmp_path):
   out = tmp_path / "multi.json"
   assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
