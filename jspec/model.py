@@ -180,9 +180,5 @@ def _ngram_drafter(name: str, target: Model, dtype: str):
     if not rest or rest == "none" or rest.startswith("ngram"):
       raise ValueError(f"n-gram drafter {name!r}: after '+' name a model drafter (default, self, "
                        f"early-exit:K, model:PATH)")
-    fallback = load_drafter(rest, target, dtype)
-    if not isinstance(fallback, ModelDrafter):
-      raise ValueError(f"n-gram drafter {name!r}: {rest} is not a plain model drafter (a "
-                       f"feature-level drafter cannot follow a lookup); use default, self, "
-                       f"early-exit:K or a plain LM")
+    fallback = load_drafter(rest, target, dtype)  # NgramDrafter refuses a non-model drafter
   return ngram_drafter(target.cfg.vocab_size, n_min, n_max, fallback)

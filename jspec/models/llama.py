@@ -251,6 +251,17 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   return lm_head(params, picked), hidden, cache
 
 
+def forward_rows(params: Params, cfg: Config, tokens: Array,
+                 logits_indices: Optional[Array] = None) -> tuple[Array, Array]:
+  """(logits, hidden) of whole rows tokens [B, S] read from position 0 with a fresh cache: the
+  teacher-forced pass training uses, through the same `forward` decoding runs."""
+  B, S = tokens.shape
+  cache = KVCache.init(cfg, B, S, params.embed.dtype)
+  positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  logits, hidden, _ = forward(params, cfg, tokens, positions, cache, logits_indices=logits_indices)
+  return logits, hidden
+
+
 def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
                slots: Array, visible: Array) -> tuple[Array, KVCache]:
   """`forward` for new tokens [B, T] written at any cache `slots` [B, T], each seeing exactly the

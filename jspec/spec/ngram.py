@@ -32,14 +32,16 @@ def lookup(history: Array, length: Array, n_min: int, n_max: int) -> tuple[Array
   tokens of history[b, :length[b]], for the largest n in [n_min, n_max] that occurs."""
   B, L = history.shape
   starts = jnp.arange(L)  # [L] candidate match starts j
+  # shifted[k][b, j] = history[b, j + k]; j + k < L wherever a match can hold.
+  shifted = [jnp.roll(history, -k, axis=1) for k in range(n_max)]
   token = jnp.zeros((B,), jnp.int32)
   found = jnp.zeros((B,), bool)
   for n in range(n_min, n_max + 1):  # a longer match overrides a shorter one
     suffix = jnp.take_along_axis(
         history, jnp.clip(length[:, None] - n + jnp.arange(n), 0, L - 1), axis=1)  # [B, n]
-    match = (starts[None] + n < length[:, None]) & (length[:, None] > n)  # [B, L]
-    for k in range(n):  # history[b, j + k] == suffix[b, k]; j + k < L wherever match can hold
-      match &= jnp.roll(history, -k, axis=1) == suffix[:, k:k + 1]
+    match = starts[None] + n < length[:, None]  # [B, L]: an earlier occurrence, not the suffix
+    for k in range(n):
+      match &= shifted[k] == suffix[:, k:k + 1]
     last = jnp.max(jnp.where(match, starts[None], -1), axis=1)  # [B]
     hit = last >= 0
     after = jnp.take_along_axis(history, jnp.clip(last + n, 0, L - 1)[:, None], axis=1)[:, 0]
@@ -102,32 +104,34 @@ class NgramDrafter:
     V = self.vocab_size
     history = write_at(state.history, seq_len - 2, last2)
 
-    def looked_up(i, tokens):  # the lookup for draft i, given drafts 0..i-1 in `tokens` [B, G]
-      return lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min, self.n_max)
-
     if self.fallback is None:
-      def step(i, tokens):
-        token, found = looked_up(i, tokens)
-        previous = jnp.take_along_axis(write_at(history, seq_len, tokens),
-                                       (seq_len + i - 1)[:, None], axis=1)[:, 0]
-        token = jnp.where(found, token, previous)
-        return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+      def step(i, carry):  # draft i reads the history with drafts 0..i-1 written
+        tokens, history = carry
+        at = seq_len + i
+        guess, found = lookup(history, at, self.n_min, self.n_max)
+        previous = jnp.take_along_axis(history, (at - 1)[:, None], axis=1)[:, 0]
+        token = jnp.where(found, guess, previous)
+        return (jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1),
+                write_at(history, at, token[:, None]))
       B = last2.shape[0]
-      tokens = jax.lax.fori_loop(0, gamma, step, jnp.zeros((B, gamma), jnp.int32))
+      tokens, history = jax.lax.fori_loop(0, gamma, step,
+                                          (jnp.zeros((B, gamma), jnp.int32), history))
       probs = jax.nn.one_hot(tokens, V, dtype=jnp.float32)  # [B, G, V]
-      inner = None
-    else:
-      def pick(i, tokens, token, probs):
-        guess, found = looked_up(i, tokens)
-        return (jnp.where(found, guess, token),
-                jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype), probs))
-      tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
-                                                   gamma, pick=pick)
+      return tokens, probs, NgramState(history=history, inner=None)
+
+    def pick(i, tokens, token, probs):  # draft i, given drafts 0..i-1 in `tokens` [B, G]
+      guess, found = lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min,
+                            self.n_max)
+      return (jnp.where(found, guess, token),
+              jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype), probs))
+    tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
+                                                 gamma, pick=pick)
     return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
 
   def update(self, state: NgramState, seq_len: Array) -> NgramState:
-    inner = None if self.fallback is None else self.fallback.update(state.inner, seq_len)
-    return NgramState(history=state.history, inner=inner)
+    if self.fallback is None:
+      return state
+    return dataclasses.replace(state, inner=self.fallback.update(state.inner, seq_len))
 
 
 def ngram_drafter(vocab_size: int, n_min: int | None = None, n_max: int = 4,

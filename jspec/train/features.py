@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params, forward_rows
 
 Array = jax.Array
 
@@ -26,12 +25,8 @@ Array = jax.Array
 def hidden_states(params: Params, cfg: Config, tokens: Array) -> Array:
   """[B, S, E] final-normed target hidden states of teacher-forced rows `tokens` [B, S] (the same
   `forward` decoding runs, so training sees the states verification will hand the drafter)."""
-  B, S = tokens.shape
-  cache = KVCache.init(cfg, B, S, params.embed.dtype)
-  positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  _, hidden, _ = forward(params, cfg, tokens, positions, cache,
-                         logits_indices=jnp.zeros((B, 1), jnp.int32))
-  return hidden
+  # One logit row keeps the LM head cheap; only the hidden states are wanted.
+  return forward_rows(params, cfg, tokens, jnp.zeros((tokens.shape[0], 1), jnp.int32))[1]
 
 
 _hidden_jit = jax.jit(hidden_states, static_argnums=(1,))

@@ -26,9 +26,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params, forward_rows
 from jspec.train.distill import Example
 from jspec.train.losses import loss_fn
 
@@ -99,11 +98,7 @@ def make_rows(examples: Sequence[Example], seq_len: int, vocab_map: np.ndarray |
 
 def student_logits(params: Params, cfg: Config, tokens: Array) -> Array:
   """Teacher-forced logits [B, S, V] of the drafter, through the same `forward` decoding uses."""
-  B, S = tokens.shape
-  cache = KVCache.init(cfg, B, S, params.embed.dtype)
-  positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  logits, _, _ = forward(params, cfg, tokens, positions, cache)
-  return logits
+  return forward_rows(params, cfg, tokens)[0]
 
 
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
