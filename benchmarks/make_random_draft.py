@@ -6,7 +6,8 @@ import jax
 from jspec.io.fetch import cache_dir
 from jspec.io.save import save_hf
 from jspec.model import load
-from jspec.train.drafter import drafter_config, init_drafter
+from jspec.models.drafter import drafter_config
+from jspec.train.drafter import init_drafter
 
 target = load("default")
 cfg = drafter_config(target.cfg, num_layers=2, hidden_size=128)

@@ -21,7 +21,8 @@ import numpy as np
 
 from jspec import data
 from jspec.generate import generate
-from jspec.model import load, load_drafter
+from jspec.drafting.registry import load_drafter
+from jspec.model import load
 from jspec.train.trainer import student_logits
 
 

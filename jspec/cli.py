@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-from jspec.model import DRAFTER_HELP  # noqa: E402  (light import: no JAX work at import time)
-from jspec.spec.tree_engine import TREE_HELP  # noqa: E402
+from jspec.drafting.registry import drafter_help
+from jspec.tree.shapes import TREE_HELP
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + DRAFTER_HELP)
+  p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
   p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
 
 
@@ -34,8 +34,9 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
   import jax
-  from jspec.model import load, load_drafter
-  from jspec.profiling import CompileCounter
+  from jspec.bench.profiling import CompileCounter
+  from jspec.drafting.registry import load_drafter
+  from jspec.model import load
 
   sampling = _sampling(args)
   start = time.perf_counter()
@@ -86,20 +87,21 @@ def _dataset_prompts(model, dataset: str, n: int | None) -> list[list[int]]:
 
 
 def cmd_bench(args) -> int:
-  from jspec import bench
-  from jspec.model import load, load_drafter
-  from jspec.spec.tree_engine import parse_trees
+  from jspec.bench import speed
+  from jspec.drafting.registry import load_drafter
+  from jspec.model import load
+  from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
-  drafters = [bench.NamedDrafter(name, load_drafter(name, model, args.dtype))
+  drafters = [speed.NamedDrafter(name, load_drafter(name, model, args.dtype))
               for name in args.drafter.split(",") if name != "none"]
-  trees = [t for spec in args.tree or () for t in parse_trees(spec)]
+  trees = [t for text in args.tree or () for t in parse_trees(text)]
   if trees and not drafters:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
-  records = bench.run_bench(model, args.model, args.dataset, prompts,
+  records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=args.gamma, trees=trees,
                             compare_transformers=not args.no_transformers,
@@ -111,8 +113,8 @@ def cmd_bench(args) -> int:
                                          if ":" in d.name else "") for d in drafters) or "ar"
   tag += "+trees" if trees else ""
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
-  bench.print_table(records)
-  print(f"wrote {bench.write_records(records, out)}")
+  speed.print_table(records)
+  print(f"wrote {speed.write_records(records, out)}")
   return 0
 
 
@@ -182,8 +184,9 @@ def cmd_trim_vocab(args) -> int:
 
 
 def cmd_eval_drafter(args) -> int:
-  from jspec import bench
-  from jspec.model import load, load_drafter
+  from jspec.bench.speed import write_records
+  from jspec.drafting.registry import load_drafter
+  from jspec.model import load
   from jspec.train.recipe import heldout_acceptance
 
   target = load(args.target, "float32")
@@ -200,22 +203,22 @@ def cmd_eval_drafter(args) -> int:
           f"{r['alpha_greedy']:>12.3f} {r['alpha_sampled']:>13.3f} {r['tau_greedy_est']:>14.2f}")
   if args.json:
     _stamp(records)
-    print(f"wrote {bench.write_records(records, args.json)}")
+    print(f"wrote {write_records(records, args.json)}")
   return 0
 
 
 def cmd_bench_kernel(args) -> int:
-  from jspec import bench, kernel_bench
+  from jspec.bench import kernel, speed
 
-  shapes = kernel_bench.select_shapes(args.shapes, args.small)
-  records = kernel_bench.bench_tree_attention(
+  shapes = kernel.select_shapes(args.shapes, args.small)
+  records = kernel.bench_tree_attention(
       shapes, args.dtype, interpret=args.interpret, backend=args.backend, block_k=args.block_k,
       repeats=args.repeats, warmup=args.warmup)
   stamp = _stamp(records)
   platform = records[0]["platform"] + ("-interpret" if args.interpret else "")
   out = args.json or Path("benchmarks") / f"kernel_tree_attention_{platform}_{stamp}.json"
-  kernel_bench.print_table(records)
-  print(f"wrote {bench.write_records(records, out)}")
+  kernel.print_table(records)
+  print(f"wrote {speed.write_records(records, out)}")
   wrong = [f"{r['name']}: {r['error']}" for r in records if "error" in r]
   if wrong:  # timings of a wrong kernel are withheld; say so where it cannot be missed
     print("jspec: error: wrong output, timings withheld:\n  " + "\n  ".join(wrong),
@@ -225,12 +228,13 @@ def cmd_bench_kernel(args) -> int:
 
 
 def cmd_bench_tau(args) -> int:
-  from jspec import bench, paired_tau
-  from jspec.model import load, load_drafter
-  from jspec.spec.tree_engine import parse_trees
+  from jspec.bench import paired_tau, speed
+  from jspec.drafting.registry import load_drafter
+  from jspec.model import load
+  from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
-  trees = [t for spec in args.tree for t in parse_trees(spec)]
+  trees = [t for text in args.tree for t in parse_trees(text)]
   model = load(args.model, args.dtype)
   if args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
@@ -258,7 +262,7 @@ def cmd_bench_tau(args) -> int:
     else:
       print(f"  {r['tree_a']} - {r['tree_b']}: {r['tau_a_minus_b']:+.3f} +- {r['se']:.3f} "
             + (f" (z {r['z']:+.1f})" if r["z"] is not None else ""))
-  print(f"wrote {bench.write_records(records, out)}")
+  print(f"wrote {speed.write_records(records, out)}")
   return 0
 
 
@@ -286,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
   b.add_argument("--drafters", dest="drafter", metavar="NAMES",
                  help="comma-separated drafters, each benchmarked against the same baseline runs")
-  b.add_argument("--tree", action="append", metavar="SPECS",
+  b.add_argument("--tree", action="append", metavar="TREES",
                  help="also benchmark tree speculative decoding with each drafter and each of "
                       "these token trees (repeatable or comma-separated): " + TREE_HELP)
   b.add_argument("--no-transformers", action="store_true",
@@ -322,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
   a.set_defaults(max_new_tokens=96, drafter="default")
   a.add_argument("--dataset", default="mt-bench", choices=["mt-bench", "humaneval"])
   a.add_argument("--num-prompts", type=int, default=5)
-  a.add_argument("--tree", action="append", metavar="SPECS", required=True,
+  a.add_argument("--tree", action="append", metavar="TREES", required=True,
                  help="token trees to compare (repeatable or comma-separated): " + TREE_HELP)
   a.add_argument("--stride", type=int, default=4,
                  help="a context after every STRIDE-th response token (--max-new-tokens: the "
@@ -389,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
   e = sub.add_parser("eval-drafter", help="drafters' acceptance on held-out distillation data "
                                           "(teacher-forced, no decode)")
   e.add_argument("--target", default="default", help="target model (as --model)")
-  e.add_argument("--drafters", required=True, help="comma-separated: " + DRAFTER_HELP)
+  e.add_argument("--drafters", required=True, help="comma-separated: " + drafter_help())
   e.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", required=True,
                  help="held-out distillation data (repeatable); :A-B reads shards A..B-1")
   e.add_argument("--seq-len", type=int, default=384)

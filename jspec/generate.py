@@ -1,8 +1,8 @@
 """Autoregressive generation as one XLA program: jitted prefill, then a `lax.while_loop` decode.
 
 `generate_tokens` is pure and jit-compatible (users may wrap it in their own `jax.jit`);
-`generate` validates host-side inputs, pads prompts to a length bucket and calls a cached jitted
-`generate_tokens`, so every prompt of a bucket reuses one compiled program.
+`generate` validates host-side inputs, pads prompts to a length bucket (jspec.decode) and calls a
+cached jitted `generate_tokens`, so every prompt of a bucket reuses one compiled program.
 """
 
 from __future__ import annotations
@@ -12,17 +12,14 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 
 Array = jax.Array
-PAD = -1  # output slots past a row's length
-MIN_BUCKET = 16
-CACHE_ALIGN = 64
 
 
 @jax.tree_util.register_dataclass
@@ -42,10 +39,6 @@ class GenerateOutput:
     return trimmed_rows(self.tokens, self.lengths)
 
 
-def trimmed_rows(tokens: Array, lengths: Array) -> list[list[int]]:
-  """Host-side: row b of tokens [B, N] cut to lengths[b]."""
-  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  return [tokens[b, : lengths[b]].tolist() for b in range(tokens.shape[0])]
 
 
 @jax.tree_util.register_dataclass
@@ -68,22 +61,6 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
   logits = logits.astype(jnp.float32)
   values, ids = jax.lax.top_k(logits, k)
   return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
-  if not stop_ids:
-    return jnp.zeros(tokens.shape, bool)
-  return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
-
-
-def prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
-            cache: KVCache) -> tuple[Array, Array, KVCache]:
-  """Run padded prompts [B, P] through an empty cache; logits [B, V] at each row's last token."""
-  B, P = prompt.shape
-  positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-  logits, hidden, cache = forward(params, cfg, prompt, positions, cache.with_lengths(
-      jnp.zeros((B,), jnp.int32)), logits_indices=(prompt_lengths - 1)[:, None])
-  return logits[:, 0], hidden, cache.with_lengths(prompt_lengths)
 
 
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
@@ -144,99 +121,6 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
 _generate_jit = jax.jit(generate_tokens, static_argnums=(1,),
                         static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype",
                                          "record_top_k"))
-
-
-def prompt_bucket(length: int) -> int:
-  """Padded prompt length: the next of 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x them).
-
-  Two buckets per octave bound the padding waste to a third, with few compiled programs.
-  """
-  if length <= MIN_BUCKET:
-    return MIN_BUCKET
-  power = 1 << (length - 1).bit_length()  # next power of two >= length
-  three_quarters = power // 2 + power // 4
-  return three_quarters if length <= three_quarters else power
-
-
-def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
-               cache_size: int | None = None, reserve: int = 0,
-               reserve_for: str = "") -> tuple[int, int]:
-  """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit.
-
-  `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`) must fit too.
-  """
-  limit = cache_size or cfg.max_position_embeddings
-  longest = max(prompt_lengths)
-  need = longest + max_new_tokens + reserve
-  if need > limit:
-    what = f"cache_size={cache_size}" if cache_size else (
-        f"the model's max_position_embeddings={cfg.max_position_embeddings}")
-    reserved = f" + {reserve} slots reserved for {reserve_for}" if reserve else ""
-    raise ValueError(
-        f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{reserved} needs {need} "
-        f"cache slots, more than {what}. Fix: shorten the prompt, lower max_new_tokens"
-        + (f", lower {reserve_for.split()[0]}" if reserve else "")
-        + (", or raise cache_size." if cache_size else "."))
-  bucket = prompt_bucket(longest)
-  if cache_size:
-    return bucket, cache_size
-  size = -(-(bucket + max_new_tokens + reserve) // CACHE_ALIGN) * CACHE_ALIGN
-  return bucket, min(size, limit)
-
-
-def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-  """Validate token-id prompts and right-pad them to [B, bucket]; returns (tokens, lengths)."""
-  if len(prompts) == 0:
-    raise ValueError("no prompts given: pass a non-empty list of token-id lists")
-  lengths = np.array([len(p) for p in prompts], np.int32)
-  out = np.zeros((len(prompts), bucket), np.int32)
-  for b, p in enumerate(prompts):
-    if len(p) == 0:
-      raise ValueError(f"prompt {b} is empty: every prompt needs at least one token "
-                       f"(e.g. the BOS token)")
-    arr = np.asarray(p)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"prompt {b} must be a flat sequence of integer token ids, "
-                       f"got dtype {arr.dtype} and shape {arr.shape}")
-    bad = arr[(arr < 0) | (arr >= vocab_size)]
-    if bad.size:
-      raise ValueError(f"prompt {b} has token ids outside the vocabulary [0, {vocab_size}): "
-                       f"{bad[:5].tolist()}. Fix: tokenize with this model's tokenizer.")
-    out[b, : len(p)] = arr
-  return out, lengths
-
-
-@dataclasses.dataclass
-class Batch:
-  """Validated, padded inputs of one jitted call."""
-
-  tokens: Array  # [B, bucket] int32, right-padded
-  lengths: Array  # [B] int32
-  key: Array
-  sampling: SamplingParams  # fields as arrays: traced, so new values do not recompile
-  stop_ids: tuple[int, ...]
-  cache_size: int
-
-
-def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                  sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
-                  cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
-  """Host-side checks and padding shared by every generate entry point."""
-  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-  sampling.validate()
-  stop = tuple(int(s) for s in stop_ids)
-  if any(not 0 <= s < cfg.vocab_size for s in stop):
-    raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
-  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
-    prompts = [prompts]
-  bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size,
-                            reserve, reserve_for)
-  tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
-  return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
-               key=jax.random.key(key) if isinstance(key, int) else key,
-               sampling=jax.tree.map(jnp.asarray, sampling), stop_ids=stop, cache_size=size)
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,

@@ -89,7 +89,9 @@ def test_bad_drafter(tiny_model, capsys):
 def test_drafter_tokenizer_must_match(tiny_model, tmp_path):
   import copy
 
-  from jspec.model import check_same_tokenizer, load, load_drafter
+  from jspec.drafting.registry import load_drafter
+  from jspec.io.load import check_same_tokenizer
+  from jspec.model import load
   target = load(tiny_model)
   same = copy.deepcopy(target.tokenizer)
   check_same_tokenizer(target.tokenizer, same, "copy")  # identical: accepted
@@ -106,8 +108,9 @@ def test_drafter_tokenizer_must_match(tiny_model, tmp_path):
 
 
 def test_ngram_drafter_names(tiny_model):
-  from jspec.model import load, load_drafter
-  from jspec.spec.drafters import ModelDrafter
+  from jspec.drafting.registry import load_drafter
+  from jspec.model import load
+  from jspec.drafting.model import ModelDrafter
   target = load(tiny_model)
   alone = load_drafter("ngram", target)
   assert (alone.n_min, alone.n_max, alone.fallback) == (1, 4, None)

@@ -65,7 +65,7 @@ def test_prefill_logits_match_transformers(model, hf_model):
 def test_default_drafter_is_lossless_and_accepts(model):
   """The shipped distilled drafter: greedy output identical to autoregressive, and it accepts
   drafts (a broken or untrained drafter would give block efficiency ~1)."""
-  from jspec.model import DEFAULT_DRAFTER, load_drafter
+  from jspec.drafting.registry import DEFAULT_DRAFTER, load_drafter
   size = sum(f.stat().st_size for f in DEFAULT_DRAFTER.iterdir())
   assert size < 20 * 2**20
   drafter = load_drafter("default", model)

@@ -10,10 +10,12 @@ import pytest
 from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
-from jspec.profiling import CompileCounter
+from jspec.bench.profiling import CompileCounter
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.eagle import eagle_drafter, eagle_forward, head_logits, init_eagle
-from jspec.spec.engine import SpecConfig, speculative_generate
+from jspec.drafting.base import Features
+from jspec.drafting.feature import eagle_drafter
+from jspec.models.eagle import eagle_forward, head_logits, init_eagle
+from jspec.speculative.chain import SpecConfig, speculative_generate
 from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
                                     exact_distribution, sample_sequences)
 
@@ -61,9 +63,11 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   want = teacher_forced(drafter, seq, hidden)  # [1, n - 1, E]
   cache_size = 32
   prompt = jnp.asarray([seq[:P] + [0, 0]])
-  state = drafter.init_features(prompt, jnp.asarray([P]), cache_size,
-                                jnp.pad(hidden[:, :P], ((0, 0), (0, 2), (0, 0))),
-                                jnp.asarray([seq[P]]))
+  # The prefill's features: each prompt position's state and the token after it (the target's
+  # first sample, seq[P], after the last).
+  state = drafter.init(prompt, jnp.asarray([P]), cache_size, Features(
+      hidden=jnp.pad(hidden[:, :P], ((0, 0), (0, 2), (0, 0))),
+      tokens=jnp.asarray([seq[1:P + 1] + [0, 0]]), start=jnp.asarray([0])))
   np.testing.assert_allclose(state.next_feat, want[:, P - 1], atol=1e-5)
   # A round drafts (its pairs land in the cache), then verification keeps 3 tokens
   # seq[P+1 .. P+3]: the state must be as if those had been fed from the start.
@@ -72,7 +76,8 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   count = 3
   block = hidden[:, L - 1: L - 1 + gamma + 1]  # the verified block's states
   emitted = jnp.asarray([seq[L: L + gamma + 1]])
-  state = drafter.absorb(drafted, jnp.asarray([L - 1]), jnp.asarray([L + count]), block, emitted)
+  state = drafter.update(drafted, jnp.asarray([L + count]),
+                         Features(hidden=block, tokens=emitted, start=jnp.asarray([L - 1])))
   L += count
   assert int(state.cache.lengths[0]) == L - 1
   np.testing.assert_allclose(state.next_feat, want[:, L - 2], atol=1e-5)
@@ -138,18 +143,9 @@ def test_one_program_no_recompile(target, drafter):
   assert counter.compiles == 0
 
 
-def test_trees_refuse_feature_drafters(target, drafter):
-  from jspec.spec.tree_engine import TreeSpecConfig, tree_speculative_generate
-  with pytest.raises(ValueError, match="draft_tree"):
-    tree_speculative_generate(target, TARGET, drafter, [[1, 2]],
-                              spec=TreeSpecConfig("fixed:2-1", max_new_tokens=4))
-  with pytest.raises(TypeError, match="hidden states"):
-    drafter.init(jnp.zeros((1, 2), jnp.int32), jnp.asarray([2]), 8)
-
-
 def test_bench_round_components_time_a_feature_drafter(target, drafter):
   import types
-  from jspec.bench import round_components_s
+  from jspec.bench.speed import round_components_s
   model = types.SimpleNamespace(cfg=TARGET, params=target)
   round_s, verify_s = round_components_s(model, drafter, gamma=3, prompt_len=8, cache_size=64,
                                          repeats=2)

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.generate import PAD, generate, generate_tokens, prompt_bucket
+from jspec.decode import PAD, prompt_bucket
+from jspec.generate import generate, generate_tokens
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
-from jspec.profiling import CompileCounter
+from jspec.bench.profiling import CompileCounter
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,

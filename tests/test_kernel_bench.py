@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec import kernel_bench
+from jspec.bench import kernel as kernel_bench
 from jspec.cli import main
 from jspec.models import llama
 
@@ -78,7 +78,7 @@ def _zeros(q, *args, **kwargs):
 
 def _reads_every_slot(q, k, v, lengths, mask, **kwargs):
   """The model's XLA attention straight on the NaN-poisoned cache: 0 * NaN leaks."""
-  return llama._attend(q, k, v, llama.attention_mask(lengths, k.shape[1], mask, q.shape[1]))
+  return llama.masked_attention(q, k, v, llama.attention_mask(lengths, k.shape[1], mask, q.shape[1]))
 
 
 @pytest.mark.parametrize("wrong", [_zeros, _reads_every_slot])

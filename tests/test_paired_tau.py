@@ -1,4 +1,4 @@
-"""Paired block efficiency (jspec.paired_tau): each round equals the engine's first round from the
+"""Paired block efficiency (jspec.bench.paired_tau): each round equals the engine's first round from the
 same context (greedy, exactly), rounds at temperature 1 are independent draws whose mean matches
 the exactly computed acceptance of one speculative-sampling step, and the paired records."""
 
@@ -9,10 +9,11 @@ import pytest
 
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
-from jspec.paired_tau import PairedResult, contexts_from_responses, paired_tau
+from jspec.bench.paired_tau import PairedResult, contexts_from_responses, paired_tau
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.drafters import ModelDrafter
-from jspec.spec.tree_engine import TreeSpecConfig, parse_tree, tree_speculative_generate
+from jspec.drafting.model import ModelDrafter
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.tree.shapes import parse_tree
 from test_speculative import PROMPTS, TARGET, TINY, TINY_PROMPT, noised_drafter
 
 

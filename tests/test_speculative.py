@@ -12,13 +12,13 @@ from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
-from jspec.profiling import CompileCounter
+from jspec.bench.profiling import CompileCounter
 from jspec.sampling.processing import SamplingParams, processed_logprobs
-from jspec.spec import engine
-from jspec.spec import drafters as drafters_module
-from jspec.spec.drafters import ModelDrafter, self_drafter, trimmed_drafter
-from jspec.spec.vocab_trim import trim_head
-from jspec.spec.engine import SpecConfig, speculative_generate, speculative_generate_tokens
+from jspec.speculative import chain as engine
+from jspec.drafting import base as drafters_module
+from jspec.drafting.model import ModelDrafter, self_drafter, trimmed_drafter
+from jspec.models.vocab_trim import trim_head
+from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
 
 TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)

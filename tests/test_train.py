@@ -18,7 +18,8 @@ from jspec.model import load  # noqa: E402
 from jspec.models.llama import forward  # noqa: E402
 from jspec.models.cache import KVCache  # noqa: E402
 from jspec.train import distill, trainer  # noqa: E402
-from jspec.train.drafter import drafter_config, init_drafter, spread_layers  # noqa: E402
+from jspec.models.drafter import drafter_config, spread_layers  # noqa: E402
+from jspec.train.drafter import init_drafter  # noqa: E402
 
 TEXTS = [f"Tell me about token{i} and layer{i}." for i in range(12)]
 
@@ -213,7 +214,7 @@ def test_drafter_init_from_target_and_hf_round_trip(target, tmp_path):
 def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_it(
     target, data_dir, tmp_path):
   from jspec.io.drafter import drafter_format
-  from jspec.model import load_model_drafter
+  from jspec.drafting.registry import load_model_drafter
   from jspec.train.recipe import DrafterRecipe, train_drafter, trim_drafter
 
   path, _ = data_dir
@@ -254,9 +255,9 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
 
 
 def test_heldout_acceptance_of_the_target_itself_and_a_trimmed_copy(target, data_dir):
-  from jspec.model import load_drafter
-  from jspec.spec.drafters import trimmed_drafter
-  from jspec.spec.vocab_trim import trim_head
+  from jspec.drafting.registry import load_drafter
+  from jspec.drafting.model import trimmed_drafter
+  from jspec.models.vocab_trim import trim_head
   from jspec.train.recipe import heldout_acceptance
 
   path, cfg = data_dir
@@ -300,7 +301,7 @@ def test_eval_drafter_cli(target, data_dir, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- feature drafter
 def test_eagle_objective_is_smooth_l1_plus_weighted_kl(target):
-  from jspec.spec.eagle import init_eagle
+  from jspec.models.eagle import init_eagle
   from jspec.train.eagle import EagleLoss, _passes, eagle_objective
   from jspec.train.losses import forward_kl
   params, dcfg = init_eagle(target.params, target.cfg, jax.random.key(0))
@@ -328,9 +329,10 @@ def test_eagle_objective_is_smooth_l1_plus_weighted_kl(target):
 
 def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_dir, tmp_path):
   from jspec.generate import generate
-  from jspec.model import load_drafter
-  from jspec.spec.eagle import EagleDrafter, init_eagle
-  from jspec.spec.engine import SpecConfig, speculative_generate
+  from jspec.drafting.registry import load_drafter
+  from jspec.drafting.feature import EagleDrafter
+  from jspec.models.eagle import init_eagle
+  from jspec.speculative.chain import SpecConfig, speculative_generate
   from jspec.train.eagle import EagleLoss, EagleRecipe, eagle_objective, train_eagle
   from jspec.train.features import cached_features
 

@@ -11,16 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.generate import generate, prepare_batch, trimmed_rows
+from jspec.decode import prepare_batch, trimmed_rows
+from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
-from jspec.profiling import CompileCounter
+from jspec.bench.profiling import CompileCounter
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.drafters import ModelDrafter, trimmed_drafter
-from jspec.spec.tree_engine import (BeamTree, BranchingTree, DynamicTree, TreeSpecConfig,
-                                    parse_tree, tree_speculative_generate,
+from jspec.drafting.model import ModelDrafter, trimmed_drafter
+from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_tokens, tree_speculative_loop)
-from jspec.spec.vocab_trim import trim_head
+from jspec.tree.shapes import BeamTree, BranchingTree, DynamicTree, parse_tree
+from jspec.models.vocab_trim import trim_head
 from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_KEEP, TINY_PROMPT,
                               chi_square, exact_distribution, noised_drafter)
 
@@ -233,7 +234,7 @@ def test_bad_tree_specs(spec, message):
 def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="max_new_tokens"):
     TreeSpecConfig("fixed:2", max_new_tokens=0)
-  with pytest.raises(ValueError, match="tree spec string"):
+  with pytest.raises(ValueError, match="tree string"):
     TreeSpecConfig(("fixed", 2), max_new_tokens=4)
   with pytest.raises(ValueError, match="branching tree's method"):
     BranchingTree("rsd-s", (2, 2))
@@ -243,7 +244,7 @@ def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="distinct children"):
     tree_speculative_generate(target, TARGET, drafter, [[1]],
                               spec=TreeSpecConfig("rsd-c:65", max_new_tokens=4))
-  with pytest.raises(ValueError, match="draft_tree"):
+  with pytest.raises(ValueError, match="must implement"):
     tree_speculative_generate(target, TARGET, object(), [[1]], spec=spec)
   with pytest.raises(ValueError, match="temperature"):
     tree_speculative_generate(target, TARGET, drafter, [[1]], spec=spec,

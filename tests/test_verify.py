@@ -175,7 +175,7 @@ def _simulator(accept_rule, residual_rule):
 def simulate(target_logits, draft_logits, sp, seed):
   """Per draw: n_accepted and the first two emitted tokens, a second step filling in after an
   immediate rejection."""
-  run = _simulator(verify_mod._accept, verify_mod._residual)
+  run = _simulator(verify_mod.accept_draw, verify_mod.residual_distribution)
   return [np.asarray(a) for a in run(jax.random.key(seed), target_logits, draft_logits, sp)]
 
 
@@ -222,8 +222,8 @@ def _accept_q_over_p(u, p_x, q_x):
 
 
 @pytest.mark.parametrize("wrong", [
-    ("_residual", _resample_from_p),  # on rejection sample p instead of max(p − q, 0)
-    ("_accept", _accept_q_over_p),  # accept with min(1, q/p) instead of min(1, p/q)
+    ("residual_distribution", _resample_from_p),  # on rejection sample p instead of max(p − q, 0)
+    ("accept_draw", _accept_q_over_p),  # accept with min(1, q/p) instead of min(1, p/q)
 ], ids=["resample_from_p", "accept_q_over_p"])
 @pytest.mark.parametrize("name", ["t1", "t0.7_k4"])
 def test_wrong_rule_fails_the_same_test(monkeypatch, wrong, name):

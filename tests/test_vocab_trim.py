@@ -13,13 +13,15 @@ pytest.importorskip("transformers")
 
 import ggufutil  # noqa: E402
 from jspec.io.drafter import drafter_format, save_drafter, shares_table  # noqa: E402
-from jspec.model import load, load_model_drafter  # noqa: E402
+from jspec.drafting.registry import load_model_drafter  # noqa: E402
+from jspec.model import load  # noqa: E402
 from jspec.models.config import Config  # noqa: E402
 from jspec.models.llama import init_params  # noqa: E402
 from jspec.sampling.processing import GREEDY, SamplingParams  # noqa: E402
-from jspec.spec.drafters import ModelDrafter, trimmed_drafter  # noqa: E402
-from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head  # noqa: E402
-from jspec.train.drafter import drafter_config, init_drafter  # noqa: E402
+from jspec.drafting.model import ModelDrafter, trimmed_drafter  # noqa: E402
+from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head  # noqa: E402
+from jspec.models.drafter import drafter_config  # noqa: E402
+from jspec.train.drafter import init_drafter  # noqa: E402
 
 CFG = Config(arch="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=1,
              num_heads=2, num_kv_heads=1, head_dim=16, tie_embeddings=True)
@@ -40,7 +42,7 @@ def test_most_frequent_ids():
 def _propose(drafter, sampling, key=0, gamma=3):
   prompt = jnp.asarray([[5, 9, 11, 2], [7, 3, 0, 0]], jnp.int32)
   lengths = jnp.asarray([4, 2], jnp.int32)
-  state = drafter.init(prompt, lengths, 32)
+  state = drafter.init(prompt, lengths, 32, features=None)  # a model drafter reads no features
   last2 = jnp.stack([prompt[jnp.arange(2), lengths - 2], prompt[jnp.arange(2), lengths - 1]], 1)
   return drafter.propose(state, last2, lengths, jax.random.key(key), sampling, gamma)
 
@@ -165,6 +167,6 @@ def test_compact_drafter_errors(target, tmp_path):
 
 
 def test_default_drafter_refuses_another_target(target):
-  from jspec.model import load_drafter
+  from jspec.drafting.registry import load_drafter
   with pytest.raises(ValueError, match="distilled from the default model"):
     load_drafter("default", target)

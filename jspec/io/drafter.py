@@ -11,8 +11,11 @@ HF layout at all. The compact form stores only what the drafter owns:
   jspec.json           {"drafter_format": {"shares_target_embedding": bool, "trimmed_vocab": M or
                        null, "dtype": ...}, ...recipe and measurements}
 
-`load_drafter_dir` rebuilds the drafter from it and the loaded target. A drafter that is neither
-trimmed nor sharing is written as a plain HF directory that transformers loads as well.
+`read_drafter_dir` is the one reader of a directory's jspec.json: it says which kind of drafter
+directory it is ("hf", "compact" or "feature", see DrafterDir); `load_compact` and `load_feature`
+rebuild the weights with the loaded target (jspec.drafting.registry turns them into drafters). A
+drafter that is neither trimmed nor sharing is written as a plain HF directory that transformers
+loads as well.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import numpy as np
 
 from jspec.io.save import config_to_hf, params_to_hf, save_hf, save_tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params
-from jspec.spec.vocab_trim import check_keep_ids, output_table
+from jspec.models.drafter import drafter_config
+from jspec.models.eagle import EagleParams
+from jspec.models.llama import LayerParams, Params
+from jspec.models.vocab_trim import check_keep_ids, output_table
 
 FORMAT_KEY = "drafter_format"
 KEEP_IDS = "jspec.keep_ids"
@@ -92,17 +97,32 @@ def save_drafter(path: str | Path, cfg: Config, params: Params, tokenizer, metad
   return path
 
 
-def drafter_format(path: str | Path) -> dict[str, Any] | None:
-  """The compact-format record of a drafter directory, None for a plain model directory."""
-  meta = Path(path) / "jspec.json"
-  if not meta.is_file():
-    return None
-  fmt = json.loads(meta.read_text()).get(FORMAT_KEY)
-  if fmt is not None and fmt.get("kind") == "eagle":  # never a plain HF model
-    return fmt
+@dataclasses.dataclass(frozen=True)
+class DrafterDir:
+  """What a drafter directory's jspec.json says it holds."""
+
+  path: Path
+  kind: str  # "hf": a plain HF model (transformers loads it too); "compact"; "feature"
+  format: dict[str, Any] | None  # the drafter_format record; None for "hf"
+  metadata: dict[str, Any]  # all of jspec.json: recipe, command, measurements
+
+
+def read_drafter_dir(path: str | Path) -> DrafterDir:
+  """The one reader of a drafter directory's jspec.json (a directory without one is "hf")."""
+  path = Path(path)
+  meta = path / "jspec.json"
+  metadata = json.loads(meta.read_text()) if meta.is_file() else {}
+  fmt = metadata.get(FORMAT_KEY)
+  if fmt is not None and fmt.get("kind") == FEATURE_KIND:
+    return DrafterDir(path, "feature", fmt, metadata)
   if fmt is None or (not fmt.get("shares_target_embedding") and fmt.get("trimmed_vocab") is None):
-    return None
-  return fmt
+    return DrafterDir(path, "hf", None, metadata)
+  return DrafterDir(path, "compact", fmt, metadata)
+
+
+def drafter_format(path: str | Path) -> dict[str, Any] | None:
+  """The format record of a compact or feature drafter directory, None for a plain HF one."""
+  return read_drafter_dir(path).format
 
 
 def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
@@ -114,8 +134,8 @@ def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
   from jspec.models.config import config_from_hf
 
   path = Path(path)
-  fmt = drafter_format(path)
-  if fmt is None:
+  fmt = read_drafter_dir(path).format
+  if fmt is None or fmt.get("kind") == FEATURE_KIND:
     raise ValueError(f"{path} is not a compact drafter directory (no {FORMAT_KEY} in jspec.json)")
   cfg = config_from_hf(json.loads((path / "config.json").read_text()))
   file = path / "model.safetensors"
@@ -151,12 +171,12 @@ def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
   return cfg, params, keep
 
 
-EAGLE_KIND = "eagle"
+FEATURE_KIND = "eagle"  # the format record's "kind" of a feature-level drafter
 
 
 def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[str, Any], *,
                keep_ids: np.ndarray | None = None, dtype: str = "float16") -> Path:
-  """A feature-level drafter (jspec.spec.eagle): its own weights only (`fc`, `layer.*`, `norm`,
+  """A feature-level drafter (jspec.models.eagle): its own weights only (`fc`, `layer.*`, `norm`,
   `jspec.keep_ids`); it borrows the target's embedding and output table at load time."""
   import safetensors.numpy
 
@@ -176,30 +196,21 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
                               metadata={"format": "jspec-eagle"})
   if tokenizer is not None:
     save_tokenizer(path, tokenizer)
-  fmt = {"kind": EAGLE_KIND, "config": dataclasses.asdict(cfg),
+  fmt = {"kind": FEATURE_KIND, "config": dataclasses.asdict(cfg),
          "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype}
   (path / "jspec.json").write_text(json.dumps({**metadata, FORMAT_KEY: fmt}, indent=2,
                                               default=str) + "\n")
   return path
 
 
-def is_eagle_dir(path: str | Path) -> bool:
-  meta = Path(path) / "jspec.json"
-  if not meta.is_file():
-    return False
-  return (json.loads(meta.read_text()).get(FORMAT_KEY) or {}).get("kind") == EAGLE_KIND
-
-
-def load_eagle(path: str | Path, target_cfg: Config, target_params: Params, dtype=jnp.float32):
-  """The EagleDrafter stored in `path`, over the loaded target's tables."""
+def load_feature(path: str | Path, target_cfg: Config, dtype=jnp.float32
+                 ) -> tuple[Config, EagleParams, np.ndarray | None]:
+  """(cfg, params, keep_ids or None) of the feature-level drafter stored in `path`; it borrows
+  the target's tables when it is built (jspec.drafting.feature.eagle_drafter)."""
   from safetensors import safe_open
 
-  from jspec.models.llama import LayerParams
-  from jspec.spec.eagle import EagleParams, eagle_drafter
-  from jspec.train.drafter import drafter_config
-
   path = Path(path)
-  fmt = json.loads((path / "jspec.json").read_text())[FORMAT_KEY]
+  fmt = read_drafter_dir(path).format
   cfg = drafter_config(target_cfg, 1)
   stored = {k: v for k, v in fmt["config"].items() if k in ("hidden_size", "vocab_size",
                                                             "num_heads", "num_kv_heads",
@@ -230,4 +241,4 @@ def load_eagle(path: str | Path, target_cfg: Config, target_params: Params, dtyp
   if params.fc.shape != (2 * E, E) or params.layer.wq.shape[0] != E:
     raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
                      f"not fit the target's width {E}")
-  return eagle_drafter(params, cfg, target_params, keep)  # casts the tables it takes to `dtype`
+  return cfg, params, keep

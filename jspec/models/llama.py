@@ -146,7 +146,7 @@ def attention_mask(lengths: Array, size: int, mask: Optional[Array], T: int) -> 
   return (rel < 0) | in_block
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
   """GQA attention. q [B, T, H, D]; k, v [B, S, K, D]; mask [B, T, S] → [B, T, H, D]."""
   B, T, H, D = q.shape
   K = k.shape[2]
@@ -168,8 +168,7 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
   """
   if cfg.attention_impl == "xla":
     full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
-    return lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
-                                             v_all[i].astype(q.dtype), full_mask)
+    return visible_attention(full_mask)
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
   block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
   if block_k is None:
@@ -181,8 +180,15 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
                                                    block_sizes=blocks, interpret=interpret)
 
 
-def _layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array, v_cache: Array,
-           cos: Array, sin: Array, slots: Array, attend: Callable):
+def visible_attention(visible: Array) -> Callable:
+  """attend(q, k_all, v_all, layer) in XLA where each new token sees exactly the cache slots
+  `visible` [B, T, S] marks."""
+  return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
+                                                     v_all[i].astype(q.dtype), visible)
+
+
+def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
+                  v_cache: Array, cos: Array, sin: Array, slots: Array, attend: Callable):
   """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`."""
   B, T, _ = x.shape
   with jax.named_scope("attention"):
@@ -270,9 +276,8 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   Tree drafting needs it: a frontier node sees its ancestors' slots but not their siblings', which
   forward's [B, T, T] mask over consecutive new tokens cannot express.
   """
-  attend = lambda q, k_all, v_all, i: _attend(q, k_all[i].astype(q.dtype),
-                                             v_all[i].astype(q.dtype), visible)
-  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
+                           visible_attention(visible))
   return lm_head(params, hidden), cache
 
 
@@ -284,7 +289,7 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
     with jax.named_scope(f"layer_{i}"):
-      x, k_all, v_all = _layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
+      x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
   return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
 

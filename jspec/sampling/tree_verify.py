@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, processed_logprobs
-from jspec.sampling.verify import _accept, _residual
+from jspec.sampling.verify import accept_draw, residual_distribution
 from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_tokens, take
 
 Array = jax.Array
@@ -91,9 +91,9 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
     x = at(tree.tokens, n)  # [B]
     child = at(tree.valid, n) & (at(tree.parents, n) == cur)
     q_i = proposal(q_cur, excluded, x)  # [B, V]
-    accept = child & _accept(at(u, n), target[rows, x], q_i[rows, x])
+    accept = child & accept_draw(at(u, n), target[rows, x], q_i[rows, x])
     reject = child & ~accept
-    residual = _residual(target, q_i)
+    residual = residual_distribution(target, q_i)
     residual = residual / jnp.sum(residual, axis=-1, keepdims=True)
     target = jnp.where(accept[:, None], at(p, n + 1),
                        jnp.where(reject[:, None], residual, target))

@@ -40,7 +40,7 @@ def verify_greedy(draft_tokens: Array, target_logits: Array) -> tuple[Array, Arr
   return n_accepted, next_token
 
 
-def _accept(u: Array, p_x: Array, q_x: Array) -> Array:
+def accept_draw(u: Array, p_x: Array, q_x: Array) -> Array:
   """Accept with probability min(1, p/q): u < p/q written as u*q < p, so q == 0 cannot give NaN.
 
   q(x) == 0 (impossible for a correct drafter) then accepts iff p(x) > 0; p(x) == 0 never accepts.
@@ -48,7 +48,7 @@ def _accept(u: Array, p_x: Array, q_x: Array) -> Array:
   return u * q_x < p_x
 
 
-def _residual(p: Array, q: Array) -> Array:
+def residual_distribution(p: Array, q: Array) -> Array:
   """Unnormalised rejection distribution max(p − q, 0) [B, V]; p itself where that is all zero.
 
   The residual vanishes only when p == q, where rejection has probability 0; falling back to p
@@ -76,14 +76,14 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
   p_x = jnp.take_along_axis(p[:, :G], draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
   q_x = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
   u = jax.random.uniform(k_accept, (B, G), jnp.float32)
-  n_accepted = _prefix_length(_accept(u, p_x, q_x))
+  n_accepted = _prefix_length(accept_draw(u, p_x, q_x))
   # Zero q at the bonus position so one residual formula covers both cases: max(p_G − 0, 0) = p_G.
   q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # [B, G+1, V]
   idx = n_accepted[:, None, None]
   p_j = jnp.take_along_axis(p, idx, axis=1)[:, 0]  # [B, V]
   q_j = jnp.take_along_axis(q_pad, idx, axis=1)[:, 0]  # [B, V]
   # log(0) = -inf drops a token from the categorical; the residual keeps at least one positive entry.
-  next_token = jax.random.categorical(k_next, jnp.log(_residual(p_j, q_j)), axis=-1)
+  next_token = jax.random.categorical(k_next, jnp.log(residual_distribution(p_j, q_j)), axis=-1)
   return n_accepted, next_token.astype(jnp.int32)
 
 

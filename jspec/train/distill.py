@@ -176,3 +176,34 @@ def token_counts(examples: Iterable[Example], vocab_size: int) -> np.ndarray:
   for ex in examples:
     counts += np.bincount(ex.response, minlength=vocab_size)
   return counts
+
+
+HELD_OUT = 0.05  # fraction of the distillation examples kept for the tau estimate
+
+
+def parse_data_dir(spec: str) -> tuple[Path, int, int | None]:
+  """"DIR" → (DIR, 0, None): every shard; "DIR:N" → (DIR, 0, N): the first N shards;
+  "DIR:A-B" → (DIR, A, B): shards A..B-1 (e.g. a held-out tail)."""
+  head, sep, tail = spec.rpartition(":")
+  if sep and tail.isdigit():
+    return Path(head).expanduser(), 0, int(tail)
+  lo, dash, hi = tail.partition("-")
+  if sep and dash and lo.isdigit() and hi.isdigit():
+    return Path(head).expanduser(), int(lo), int(hi)
+  return Path(spec).expanduser(), 0, None
+
+
+def load_examples(sources: list[tuple[Path, int, int | None]]) -> tuple[list, list[dict]]:
+  """Examples of every source in order, and a record of what was read (for the metadata)."""
+  examples, record = [], []
+  for path, start, stop in sources:
+    total = read_manifest(path)["num_shards"]  # names a non-data directory clearly
+    n = len(examples)
+    examples += iter_examples(path, stop, start_shard=start)
+    digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+    entry = {"dir": str(path), "manifest_sha256": digest, "shards": (stop or total) - start,
+             "examples": len(examples) - n}
+    if start:
+      entry["start_shard"] = start
+    record.append(entry)
+  return examples, record

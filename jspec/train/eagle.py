@@ -13,6 +13,8 @@ f̂_j in place of f_j (gradients flow through both), and its losses are added.
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -20,11 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.io.drafter import save_eagle
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.spec.eagle import EagleParams, eagle_forward, head_logits
+from jspec.models.eagle import EagleParams, eagle_forward, head_logits, init_eagle
+from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, output_table
+from jspec.train import distill, trainer
+from jspec.train.features import cached_features
 from jspec.train.losses import forward_kl
-from jspec.train import trainer
 from jspec.train.trainer import Rows
 
 Array = jax.Array
@@ -153,24 +158,15 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   """Target hidden states of the distillation rows (cached under out/features), a drafter from
   `init_eagle`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
   out/drafter that `--drafter model:DIR` loads."""
-  import json
-  import time
-
-  from jspec.io.drafter import save_eagle
-  from jspec.spec.eagle import init_eagle
-  from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, output_table
-  from jspec.train import distill, recipe as recipe_mod, trainer
-  from jspec.train.features import cached_features
-
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
   if not recipe.data_dirs:
     raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
                      "(make it with `jspec distill-data`)")
-  examples, data_record = recipe_mod.load_examples(
-      [recipe_mod.parse_data_dir(d) for d in recipe.data_dirs])
-  n_eval = max(1, int(len(examples) * recipe_mod.HELD_OUT))
+  examples, data_record = distill.load_examples(
+      [distill.parse_data_dir(d) for d in recipe.data_dirs])
+  n_eval = max(1, int(len(examples) * distill.HELD_OUT))
   keep, vocab_map = None, None
   if recipe.vocab_trim:
     counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)

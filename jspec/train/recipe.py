@@ -8,7 +8,6 @@ Every stage resumes: the data shards and the orbax checkpoints live under the ou
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -16,18 +15,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jspec.io.drafter import save_drafter, shares_table
+from jspec.drafting.feature import EagleDrafter
+from jspec.drafting.registry import load_model_drafter
+from jspec.io.drafter import read_drafter_dir, save_drafter, shares_table
 from jspec.model import Model
-from jspec.spec.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
+from jspec.models.drafter import drafter_config
+from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
 from jspec.train import distill, trainer
-from jspec.train.drafter import drafter_config, init_drafter
-from jspec.spec.engine import reads_features
-from jspec.train.eagle import with_features
+from jspec.train.distill import HELD_OUT, load_examples, parse_data_dir
+from jspec.train.drafter import init_drafter
+from jspec.train.eagle import EagleLoss, evaluate_by_step, with_features
 from jspec.train.features import features
 from jspec.train.prompts import training_prompts
-
-HELD_OUT = 0.05  # fraction of the distillation examples kept for the tau estimate
-
 
 @dataclasses.dataclass(frozen=True)
 class DrafterRecipe:
@@ -49,34 +48,6 @@ def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
   made with growing offsets never share a prompt."""
   texts = training_prompts(prompt_offset + 2 * cfg.num_prompts, seed=cfg.seed)
   return texts[prompt_offset:]
-
-
-def parse_data_dir(spec: str) -> tuple[Path, int, int | None]:
-  """"DIR" → (DIR, 0, None): every shard; "DIR:N" → (DIR, 0, N): the first N shards;
-  "DIR:A-B" → (DIR, A, B): shards A..B-1 (e.g. a held-out tail)."""
-  head, sep, tail = spec.rpartition(":")
-  if sep and tail.isdigit():
-    return Path(head).expanduser(), 0, int(tail)
-  lo, dash, hi = tail.partition("-")
-  if sep and dash and lo.isdigit() and hi.isdigit():
-    return Path(head).expanduser(), int(lo), int(hi)
-  return Path(spec).expanduser(), 0, None
-
-
-def load_examples(sources: list[tuple[Path, int, int | None]]) -> tuple[list, list[dict]]:
-  """Examples of every source in order, and a record of what was read (for the metadata)."""
-  examples, record = [], []
-  for path, start, stop in sources:
-    total = distill.read_manifest(path)["num_shards"]  # names a non-data directory clearly
-    n = len(examples)
-    examples += distill.iter_examples(path, stop, start_shard=start)
-    digest = hashlib.sha256((path / distill.MANIFEST).read_bytes()).hexdigest()
-    entry = {"dir": str(path), "manifest_sha256": digest, "shards": (stop or total) - start,
-             "examples": len(examples) - n}
-    if start:
-      entry["start_shard"] = start
-    record.append(entry)
-  return examples, record
 
 
 def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
@@ -140,15 +111,13 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
   The head's rows come from the drafter's own head when it is a full one; a drafter whose head is
   already trimmed can only be re-trimmed when that head is the target's table (a frozen head).
   """
-  from jspec.io.drafter import drafter_format
-  from jspec.model import load_model_drafter
-
   drafter = load_model_drafter(drafter_dir, target)
-  if reads_features(drafter):
+  if isinstance(drafter, EagleDrafter):
     raise ValueError(f"{drafter_dir} is a feature drafter: its head is the target's table, "
                      f"trimmed when it is trained (`jspec train-eagle --vocab-trim M`); "
                      f"trim-vocab rebuilds model drafters only")
-  fmt = drafter_format(drafter_dir) or {}
+  stored = read_drafter_dir(drafter_dir)
+  fmt = stored.format or {}
   params, V = drafter.params, target.cfg.vocab_size
   if drafter.keep_ids is not None:
     if not fmt.get("head_is_table"):
@@ -162,8 +131,7 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
     counts = distill.token_counts(examples, V)
     keep = most_frequent_ids(counts, size, always=target.tokenizer.stop_token_ids)
     params = trim_head(params, keep)
-  meta_file = Path(drafter_dir) / "jspec.json"
-  metadata = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+  metadata = dict(stored.metadata)
   metadata.pop("drafter_format", None)
   metadata["vocab_trim"] = {"size": size, "data": list(data_dirs), "from": str(drafter_dir),
                             "command": command}
@@ -197,7 +165,7 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
       vocab_map = None if keep is None else full_to_trimmed(keep, target.cfg.vocab_size)
       rows_by_vocab[vocab] = trainer.make_rows(examples, seq_len, vocab_map)
     rows = rows_by_vocab[vocab]
-    if reads_features(drafter):
+    if isinstance(drafter, EagleDrafter):
       if feats is None:
         feats = features(target.params, target.cfg, rows.tokens, batch_size)
       stats = eagle_stats(drafter, with_features(rows, feats, drafter.embed, drafter.head), gamma,
@@ -215,7 +183,6 @@ def eagle_stats(drafter, rows, gamma: int, batch_size: int) -> dict:
   """heldout_acceptance's record for a feature drafter: the first draft's acceptance (from the
   target's own state) as alpha_*, the second's (from its own prediction) as alpha_*_draft2, and
   the chain tau 1 + a1 (1 + a2 + ... + a2^(gamma-1)) they imply."""
-  from jspec.train.eagle import EagleLoss, evaluate_by_step
   s = evaluate_by_step(drafter.params, drafter.cfg, rows, EagleLoss(unroll=2), batch_size)
   tau = lambda a1, a2: 1 + a1 * sum(a2 ** i for i in range(gamma))
   return {"alpha_sampled": s["alpha_sampled_draft1"], "alpha_greedy": s["alpha_greedy_draft1"],

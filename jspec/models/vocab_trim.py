@@ -81,3 +81,11 @@ def to_full_vocab(tokens: Array, probs: Array, keep_ids: Array, vocab_size: int
   """
   full = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype)
   return keep_ids[tokens], full.at[..., keep_ids].set(probs)
+
+
+def full_vocab_logits(logits: Array, keep_ids: Array | None, vocab_size: int) -> Array:
+  """Head logits [..., M] in the full vocabulary [..., V]: -inf off the kept ids."""
+  if keep_ids is None:
+    return logits
+  full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
+  return full.at[..., keep_ids].set(logits)

@@ -2,8 +2,8 @@
 
 Each shape is timed three ways on the same inputs: the kernel, the pure-jnp reference
 (`tree_attention_reference`, jitted) and the XLA attention the model runs otherwise
-(`llama._attend` under a precomputed `llama.attention_mask`, as `attention_fn` builds it once per
-forward). Inputs are what a tree-verification step sees: ragged committed lengths, random draft
+(`llama.masked_attention` under a precomputed `llama.attention_mask`, as `attention_fn` builds it
+once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random draft
 trees, and NaN in every cache slot at or past lengths + T, so a kernel that reads a slot it should
 skip is caught rather than timed.
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from jspec.models import llama
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
-from jspec.profiling import machine_info
+from jspec.bench.profiling import machine_info
 
 Array = jax.Array
 
@@ -74,7 +74,7 @@ TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
 # Jitted once at import: the reference and the model's attention core (mask precomputed, as the
 # model computes it once per forward for all layers).
 _reference = jax.jit(tree_attention_reference)
-_xla_attention = jax.jit(llama._attend)
+_xla_attention = jax.jit(llama.masked_attention)
 
 
 def select_shapes(names: Optional[str], small: bool) -> list[KernelShape]:
@@ -191,7 +191,8 @@ def bench_tree_attention(shapes: Sequence[KernelShape], dtype: str = "bfloat16",
     want = jax.block_until_ready(_reference(*args))  # [B, T, H, D]
     if not bool(jnp.isfinite(want.astype(jnp.float32)).all()):
       raise RuntimeError(f"{shape.name}: the reference is not finite; the inputs are broken.")
-    # The model's cache holds zeros, not NaN, past lengths + T, and _attend reads every slot.
+    # The model's cache holds zeros, not NaN, past lengths + T, and masked_attention reads
+    # every slot.
     used = jnp.arange(shape.S)[None, :] < (lengths + shape.T)[:, None]  # [B, S]
     k0 = jnp.where(used[:, :, None, None], k, 0).astype(k.dtype)  # [B, S, K, D]
     v0 = jnp.where(used[:, :, None, None], v, 0).astype(v.dtype)

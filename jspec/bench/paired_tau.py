@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jspec.generate import pad_prompts, plan_cache
+from jspec.decode import pad_prompts, plan_cache
 from jspec.model import Model
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import SamplingParams
-from jspec.spec.engine import initial_state
-from jspec.spec.tree_engine import TreeShape, TreeSpecConfig, check_tree_run, tree_round
+from jspec.speculative.loop import initial_state
+from jspec.speculative.tree import TreeSpecConfig, check_tree_run, tree_round
+from jspec.tree.shapes import TreeShape
 
 Array = jax.Array
 
@@ -51,8 +52,7 @@ def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt
 
   def one_round(k: Array) -> Array:
     k_draft, k_verify = jax.random.split(k)
-    n_acc = tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape)[4]
-    return n_acc  # [B]
+    return tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape).n_acc
 
   return jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
 

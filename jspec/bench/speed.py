@@ -20,15 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jspec.generate import plan_cache, prompt_bucket
+from jspec.bench.profiling import CompileCounter, machine_info, memory_bandwidth
+from jspec.decode import plan_cache, prompt_bucket
+from jspec.drafting.base import Drafter, Features
 from jspec.model import Model
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
-from jspec.profiling import CompileCounter, machine_info, memory_bandwidth
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.spec.drafters import Drafter
-from jspec.spec.engine import reads_features
-from jspec.spec.tree_engine import TreeShape, TreeSpecConfig, tree_speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.tree.shapes import TreeShape
 
 
 @dataclasses.dataclass
@@ -120,13 +120,10 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
   cfg, params = model.cfg, model.params
   lengths = jnp.asarray([prompt_len], jnp.int32)
   prompt = jnp.ones((1, prompt_len), jnp.int32)
-  features = reads_features(drafter)
-  if features:  # the state's values do not matter for timing, only its shapes
-    state = drafter.init_features(prompt, lengths, cache_size,
-                                  jnp.zeros((1, prompt_len, cfg.hidden_size), params.embed.dtype),
-                                  jnp.ones((1,), jnp.int32))
-  else:
-    state = drafter.init(prompt, lengths, cache_size)
+  # The state's values do not matter for timing, only its shapes.
+  state = drafter.init(prompt, lengths, cache_size, Features(
+      hidden=jnp.zeros((1, prompt_len, cfg.hidden_size), params.embed.dtype), tokens=prompt,
+      start=jnp.zeros((1,), jnp.int32)))
   cache = KVCache.init(cfg, 1, cache_size, params.embed.dtype).with_lengths(lengths)
   seq_len = lengths + 1
   positions = (seq_len - 1)[:, None] + jnp.arange(gamma + 1)
@@ -141,8 +138,9 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
                                          jax.random.fold_in(key, i), sampling, gamma)
       block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), drafts], axis=1)
       logits, hidden, cache = forward(params, cfg, block, positions, cache)
-      if features:  # a feature drafter also reads the verified block (all of it accepted)
-        state = drafter.absorb(state, seq_len - 1, seq_len + gamma + 1, hidden, block)
+      # The drafter reads the verified block as in a round that accepted all of it.
+      state = drafter.update(state, seq_len + gamma + 1,
+                             Features(hidden=hidden, tokens=block, start=seq_len - 1))
       # Use every logit (greedy verification takes their argmax), so none of the head is pruned.
       return state, cache, acc + jnp.sum(jnp.argmax(logits, -1)) + q[0, 0, 0].astype(jnp.int32)
     return jax.lax.fori_loop(0, repeats, one, (state, cache, jnp.int32(0)))
@@ -246,7 +244,7 @@ def _identical(a: Run, b: Run) -> float:
 
 @dataclasses.dataclass
 class NamedDrafter:
-  """A drafter to benchmark with its CLI name (see `jspec.model.load_drafter`)."""
+  """A drafter to benchmark with its CLI name (see jspec.drafting.registry)."""
 
   name: str
   drafter: Drafter
@@ -255,10 +253,10 @@ class NamedDrafter:
   def transformers_equivalent(self) -> bool:
     """Whether transformers' assisted generation can run the same pair (not for compact jspec
     drafter directories: a borrowed embedding or a VocabTrim head is not an HF model)."""
-    from jspec.io.drafter import drafter_format
+    from jspec.io.drafter import read_drafter_dir
     if self.name.startswith("model:"):
       path = Path(self.name.split(":", 1)[1]).expanduser()
-      return not (path.is_dir() and drafter_format(path) is not None)
+      return not path.is_dir() or read_drafter_dir(path).kind == "hf"
     return self.name == "self"
 
   @property

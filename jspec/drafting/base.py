@@ -1,0 +1,177 @@
+"""The drafter protocol: everything the speculative engines know of a drafter.
+
+A drafter is a pytree (weights as data, configuration static) with a typed loop state, so any
+drafter runs inside the same jitted `lax.while_loop`. The engines call, and never ask what kind of
+drafter they hold:
+
+  init(prompt, prompt_lengths, cache_size, features) -> state       after the target's prefill
+  propose(state, last2, seq_len, key, sampling, gamma, pick=None)   each chain round
+      -> (tokens [B, G] int32, q [B, G, V] float32, state)
+  update(state, seq_len, features) -> state                         after a chain verification
+  draft_tree(state, last2, seq_len, key, sampling, shape)           each tree round
+      -> (Tree, drafted state)
+  accept_tree(drafted, path, n_accepted, seq_len, features) -> state   after a tree verification
+
+`last2` [B, 2] holds each row's last two known tokens, `seq_len` [B] how many tokens the row knows
+(prompt plus generated). `q` are the *processed* distributions (temperature, top-k, top-p, exactly
+as the verifier processes the target's) the tokens were drawn from. `features` is what the target
+computed for the tokens that just became known (its hidden states); drafters that do not read the
+target ignore it. `pick` lets a wrapper replace each draw (the n-gram lookup does); the drafter
+then reads the replacement, so its own cache follows what is proposed.
+
+Trees come from one generic adapter: `draft_tree` runs the shape's schedule (jspec.tree.shapes)
+over a `TreeFeeder`, which each drafter makes with `tree_feeder`; a drafter only says how it scores
+a frontier of tree nodes.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from jspec.models.vocab_trim import to_full_vocab
+from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.tree.structure import Tree
+
+Array = jax.Array
+# pick(i, drafts so far [B, G] (valid below i), token [B], q [B, V]) -> (token, q) for draft i.
+Pick = Callable[[Array, Array, Array, Array], tuple[Array, Array]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Features:
+  """The target's view of tokens that just became known: `hidden` [B, W, E] (final-normed) at
+  positions start + i, and `tokens` [B, W], the token that follows position start + i. Entries
+  i < seq_len - 1 - start are known (seq_len: the row's new length); the rest are padding."""
+
+  hidden: Array  # [B, W, E]
+  tokens: Array  # [B, W] int32
+  start: Array  # [B] int32
+
+
+class DraftState:
+  """Base of every drafter's loop state; each drafter's state is a registered-dataclass pytree."""
+
+
+class TreeFeeder(Protocol):
+  """`next_logits(tree, frontier)` of jspec.tree.draft over one drafter, for one round."""
+
+  def __call__(self, tree: Tree, frontier: Array) -> Array:
+    """Next-token logits [B, W, V] (full vocabulary) at the frontier nodes' contexts."""
+
+  def result(self, tree: Tree, reindexed: bool) -> DraftState:
+    """The drafter's state holding the final `tree` (`reindexed`: pruned after drafting)."""
+
+
+class Drafter(abc.ABC):
+  """The protocol (see the module docstring); `draft_tree` is shared by every drafter."""
+
+  @property
+  @abc.abstractmethod
+  def vocab_size(self) -> int:
+    """The vocabulary the drafter proposes in (it must be the target's)."""
+
+  @abc.abstractmethod
+  def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
+           features: Features) -> DraftState:
+    """The state after the prompt; features: the target's prefill (start 0, tokens = the prompt
+    shifted by one, the target's first sampled token at prompt_lengths - 1)."""
+
+  @abc.abstractmethod
+  def propose(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None
+              ) -> tuple[Array, Array, DraftState]:
+    """A chain of `gamma` drafts with their q."""
+
+  @abc.abstractmethod
+  def update(self, state: DraftState, seq_len: Array, features: Features) -> DraftState:
+    """After a chain verification that left each row knowing seq_len tokens."""
+
+  @abc.abstractmethod
+  def tree_feeder(self, state: DraftState, last2: Array, seq_len: Array) -> TreeFeeder:
+    """A feeder that scores tree frontiers below the last known token for one round."""
+
+  @abc.abstractmethod
+  def accept_tree(self, drafted: DraftState, path: Array, n_accepted: Array, seq_len: Array,
+                  features: Features) -> DraftState:
+    """After a tree verification accepting path [B, D] (n_accepted [B] nodes) from a round that
+    started at seq_len; features hold the root and the accepted path."""
+
+  def draft_tree(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
+                 sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
+    """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in
+    the full vocabulary. When `shape.greedy_variant`, a lax.cond drafts the temperature-0 variant.
+    """
+    B = last2.shape[0]
+
+    def run(greedy: bool) -> tuple[Tree, DraftState]:
+      feeder = self.tree_feeder(state, last2, seq_len)
+      tree = shape.draft(key, feeder, B, self.vocab_size, sampling, greedy=greedy)
+      return tree, feeder.result(tree, shape.reindexes)
+
+    if shape.greedy_variant:
+      return jax.lax.cond(sampling.is_greedy, lambda: run(True), lambda: run(False))
+    return run(False)
+
+
+def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
+  """(token [B], processed probs [B, V]); greedy gives the argmax and a one-hot distribution."""
+  def greedy():
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return token, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32)
+
+  def sampled():
+    logprobs = processed_logprobs(logits, sampling)
+    token = jax.random.categorical(key, logprobs, axis=-1).astype(jnp.int32)
+    return token, jnp.exp(logprobs)
+
+  return jax.lax.cond(sampling.is_greedy, greedy, sampled)
+
+
+def sample_full_vocab(key: Array, logits: Array, sampling: SamplingParams, keep_ids: Array | None,
+                      vocab_size: int) -> tuple[Array, Array]:
+  """sample_with_probs over a head's logits [B, M]; with VocabTrim's `keep_ids` [M] the draw and
+  q [B, V] are mapped back to the full vocabulary (q = 0 off the kept ids)."""
+  token, probs = sample_with_probs(key, logits, sampling)
+  if keep_ids is None:
+    return token, probs
+  return to_full_vocab(token, probs, keep_ids, vocab_size)
+
+
+def keep_draw(i, tokens: Array, token: Array, probs: Array) -> tuple[Array, Array]:
+  """The identity `pick`: every draw stands."""
+  return token, probs
+
+
+def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callable,
+                sample: Callable, pick: Pick | None = None):
+  """The token-by-token draft loop every autoregressive drafter shares.
+
+  first_logits [B, M]: the logits of draft 0; step(carry, token [B]) -> (logits [B, M], carry)
+  feeds draft i - 1 and scores draft i; sample(key, logits) -> (token [B], q [B, V]) draws in the
+  full vocabulary; `pick` may replace each draw before it is fed. Returns (tokens [B, gamma],
+  q [B, gamma, V], carry).
+  """
+  pick = pick or keep_draw
+  keys = jax.random.split(key, gamma)
+  B = first_logits.shape[0]
+  tokens = jnp.zeros((B, gamma), jnp.int32)
+  token, probs = pick(0, tokens, *sample(keys[0], first_logits))
+  tokens = tokens.at[:, 0].set(token)
+  all_probs = jnp.zeros((B, gamma, probs.shape[-1]), jnp.float32).at[:, 0].set(probs)
+
+  def body(i, loop):
+    tokens, all_probs, carry = loop
+    prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)[:, 0]  # [B]
+    logits, carry = step(carry, prev)
+    token, probs = pick(i, tokens, *sample(keys[i], logits))
+    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
+    all_probs = jax.lax.dynamic_update_slice_in_dim(all_probs, probs[:, None], i, axis=1)
+    return tokens, all_probs, carry
+
+  return jax.lax.fori_loop(1, gamma, body, (tokens, all_probs, carry))

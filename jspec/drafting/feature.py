@@ -1,0 +1,145 @@
+"""The feature-level drafter (EAGLE, arXiv 2401.15077): one decoder layer that reads the target's
+hidden states (the network: jspec.models.eagle).
+
+Its cache holds pair j = (f_j, t_{j+1}) at slot j for every position whose target feature is known
+(lengths = seq_len - 1); `next_feat` is f̂ at the last known position, which scores the next token.
+Past the verified tokens it feeds its own predictions back: (f̂_{j+1}, draft) -> f̂_{j+2} -> ...
+The target's features arrive through the protocol's `features` (the prefill at `init`, each
+verified block at `update` / `accept_tree`), which replace the drafted pairs. The drafter's q is
+the distribution it sampled from, so the usual verification keeps the output the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafting.base import (DraftState, Drafter, Features, Pick, draft_chain,
+                                 sample_full_vocab)
+from jspec.drafting.frontier import KVFrontierFeeder
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.eagle import EagleParams, eagle_forward, head_logits
+from jspec.models.llama import Params
+from jspec.models.vocab_trim import check_keep_ids, full_vocab_logits, output_table
+from jspec.sampling.processing import SamplingParams
+from jspec.tree.structure import Tree, parent_of, take
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EagleState(DraftState):
+  cache: KVCache  # lengths = seq_len - 1: pairs 0 .. seq_len - 2 hold target features
+  next_feat: Array  # [B, E] f̂ of the last known token (position seq_len - 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EagleDrafter(Drafter):
+  """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table,
+  `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd)."""
+
+  params: EagleParams
+  embed: Array
+  head: Array
+  cfg: Config = dataclasses.field(metadata=dict(static=True))
+  keep_ids: Array | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def _pairs(self, state: EagleState, features: Features, known: Array) -> EagleState:
+    """Pairs (features.hidden[:, i], features.tokens[:, i]) at positions start + i written over
+    the drafted ones; rows keep i < known [B] of them (rows that kept nothing stay as they were)."""
+    W = features.tokens.shape[1]
+    start = features.start
+    cache = state.cache.with_lengths(start)
+    positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)
+    pred, cache = eagle_forward(self.params, self.cfg, self.embed, features.tokens,
+                                features.hidden.astype(self.params.fc.dtype), positions, cache)
+    last = jnp.take_along_axis(pred, jnp.maximum(known - 1, 0)[:, None, None], axis=1)[:, 0]
+    kept = known > 0
+    return EagleState(cache=cache.with_lengths(jnp.where(kept, start + known,
+                                                         state.cache.lengths)),
+                      next_feat=jnp.where(kept[:, None], last, state.next_feat))
+
+  def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
+           features: Features) -> EagleState:
+    """Ingest pairs (f_j, t_{j+1}) for j < P (t_P = the target's first sampled token)."""
+    B = prompt.shape[0]
+    cache = KVCache.init(self.cfg, B, cache_size, self.params.fc.dtype)
+    empty = EagleState(cache=cache.with_lengths(jnp.zeros((B,), jnp.int32)),
+                       next_feat=jnp.zeros((B, self.cfg.hidden_size), self.params.fc.dtype))
+    return self._pairs(empty, features, prompt_lengths)
+
+  def propose(self, state: EagleState, last2: Array, seq_len: Array, key: Array,
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+    cache = state.cache.with_lengths(seq_len - 1)
+
+    def step(carry, prev: Array):
+      feat, cache = carry
+      pred, cache = eagle_forward(self.params, self.cfg, self.embed, prev[:, None],
+                                  feat[:, None], cache.lengths[:, None], cache)
+      feat = pred[:, 0]
+      return head_logits(self.head, feat), (feat, cache.commit(1))
+
+    sample = lambda k, logits: sample_full_vocab(k, logits, sampling, self.keep_ids,
+                                                 self.cfg.vocab_size)
+    tokens, probs, (_, cache) = draft_chain(key, gamma, head_logits(self.head, state.next_feat),
+                                            (state.next_feat, cache), step, sample, pick)
+    return tokens, probs, EagleState(cache=cache, next_feat=state.next_feat)
+
+  def update(self, state: EagleState, seq_len: Array, features: Features) -> EagleState:
+    """The verified block's pairs replace the drafted ones: those of the tokens kept this round
+    (accepted drafts and the target's), seq_len - 1 - start of them."""
+    return self._pairs(state, features, seq_len - 1 - features.start)
+
+  def tree_feeder(self, state: EagleState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
+    """Node n (depth d) is fed as the pair (f̂ of its parent, its token) at position seq_len - 2 + d;
+    the root's children are scored by next_feat. The cache's committed prefix is seq_len - 1."""
+    B, N_feat = seq_len.shape[0], {}
+    full = lambda feats: full_vocab_logits(head_logits(self.head, feats), self.keep_ids,
+                                           self.cfg.vocab_size)
+
+    def run(tree: Tree, frontier: Array, slots: Array, visible: Array, cache: KVCache):
+      node_feat = N_feat.get("f")
+      if node_feat is None:  # f̂ of every node once it is fed: [B, N, E]
+        node_feat = jnp.zeros(tree.tokens.shape + (self.cfg.hidden_size,), state.next_feat.dtype)
+      parent = parent_of(tree, frontier)  # [B, W]
+      feats = jnp.where((parent >= 0)[..., None], take(node_feat, parent),
+                        state.next_feat[:, None])  # [B, W, E]
+      positions = seq_len[:, None] - 2 + take(tree.depth, frontier)
+      pred, cache = eagle_forward(self.params, self.cfg, self.embed, take(tree.tokens, frontier),
+                                  feats, positions, cache, slots=slots, visible=visible)
+      rows = jnp.arange(B)[:, None]
+      N_feat["f"] = node_feat.at[rows, frontier].set(pred, mode="drop")
+      return full(pred), cache
+
+    cache = state.cache.with_lengths(seq_len - 1)
+    return KVFrontierFeeder(cache, full(state.next_feat)[:, None], seq_len - 1, run,
+                            lambda cache, kv_slot: EagleState(cache=cache,
+                                                              next_feat=state.next_feat))
+
+  def accept_tree(self, drafted: EagleState, path: Array, n_accepted: Array, seq_len: Array,
+                  features: Features) -> EagleState:
+    """The accepted path's target features replace the drafted pairs, as after a chain."""
+    return self._pairs(drafted, features, n_accepted + 1)
+
+
+def eagle_drafter(params: EagleParams, cfg: Config, target_params: Params,
+                  keep_ids=None) -> EagleDrafter:
+  """The drafter over the target's tables (`keep_ids`: VocabTrim head rows)."""
+  dtype = params.fc.dtype
+  embed = jnp.asarray(target_params.embed, dtype)
+  table = jnp.asarray(output_table(target_params), dtype)  # [V, E]
+  if keep_ids is None:
+    return EagleDrafter(params=params, embed=embed, head=table, cfg=cfg)
+  keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
+  return EagleDrafter(params=params, embed=embed, head=table[jnp.asarray(keep)], cfg=cfg,
+                      keep_ids=jnp.asarray(keep))

@@ -1,0 +1,147 @@
+"""Model drafters: an independent LM with the target's tokenizer and its own KV cache, and the
+drafters built from the target itself (self, early-exit) or with a VocabTrim head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.drafting.base import (DraftState, Drafter, Features, Pick, draft_chain,
+                                 sample_full_vocab)
+from jspec.drafting.frontier import KVFrontierFeeder
+from jspec.models.cache import KVCache, move_kv
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward, forward_at
+from jspec.models.vocab_trim import check_keep_ids, full_vocab_logits
+from jspec.sampling.processing import SamplingParams
+from jspec.tree.structure import Tree, take
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelDraftState(DraftState):
+  cache: KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelTreeState(DraftState):
+  """The drafter's cache right after drafting a tree, and where each node's KV went."""
+
+  cache: KVCache  # lengths = seq_len; fed nodes' KV at slots seq_len + kv_slot
+  kv_slot: Array  # [B, N] int32 slot offset past seq_len of each node's KV; -1: never fed (leaf)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelDrafter(Drafter):
+  """An independent (smaller) LM sharing the target's tokenizer, with its own KV cache.
+
+  Each round it re-reads the row's last two tokens (the second is new; the first is new when the
+  previous block was accepted whole and the draft never saw its last token), then drafts the rest
+  one token at a time. Rollback is implicit: the cache length is set from `seq_len` every round.
+
+  `keep_ids` [M] (VocabTrim, build with `trimmed_drafter`): the LM head emits only these ids
+  (params.lm_head is [E, M]); draws and probabilities are mapped back to the full vocabulary,
+  q = 0 elsewhere.
+  """
+
+  params: Params
+  cfg: Config = dataclasses.field(metadata=dict(static=True))
+  keep_ids: Array | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
+           features: Features) -> ModelDraftState:
+    B, P = prompt.shape
+    cache = KVCache.init(self.cfg, B, cache_size, self.params.embed.dtype)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    # Only the cache matters here; logits at one position keep the LM head cheap.
+    _, _, cache = forward(self.params, self.cfg, prompt, positions, cache,
+                          logits_indices=(prompt_lengths - 1)[:, None])
+    return ModelDraftState(cache=cache.with_lengths(prompt_lengths))
+
+  def _read_last2(self, state: ModelDraftState, last2: Array, seq_len: Array
+                  ) -> tuple[Array, KVCache]:
+    """Feed the last two known tokens at seq_len - 2, seq_len - 1: (logits [B, 1, M] for the next
+    token, the cache holding seq_len entries)."""
+    B = last2.shape[0]
+    start = seq_len - 2
+    positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
+    logits, _, cache = forward(self.params, self.cfg, last2, positions,
+                               state.cache.with_lengths(start),
+                               logits_indices=jnp.ones((B, 1), jnp.int32))
+    return logits, cache.commit(2)
+
+  def propose(self, state: ModelDraftState, last2: Array, seq_len: Array, key: Array,
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+    logits, cache = self._read_last2(state, last2, seq_len)
+
+    def step(cache: KVCache, prev: Array):
+      logits, _, cache = forward(self.params, self.cfg, prev[:, None], cache.lengths[:, None],
+                                 cache)
+      return logits[:, 0], cache.commit(1)
+
+    sample = lambda k, logits: sample_full_vocab(k, logits, sampling, self.keep_ids,
+                                                 self.cfg.vocab_size)
+    tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step, sample, pick)
+    return tokens, probs, ModelDraftState(cache=cache)
+
+  def update(self, state: ModelDraftState, seq_len: Array, features: Features
+             ) -> ModelDraftState:
+    return state  # the next propose() sets the cache length from seq_len
+
+  def tree_feeder(self, state: ModelDraftState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
+    """The last two known tokens are fed as in `propose`; a frontier at depth d sits at positions
+    seq_len - 1 + d, its KV past the seq_len committed slots."""
+    logits, cache = self._read_last2(state, last2, seq_len)
+    full = lambda logits: full_vocab_logits(logits, self.keep_ids, self.cfg.vocab_size)
+
+    def run(tree: Tree, frontier: Array, slots: Array, visible: Array, cache: KVCache):
+      positions = seq_len[:, None] - 1 + take(tree.depth, frontier)  # [B, W]
+      logits, cache = forward_at(self.params, self.cfg, take(tree.tokens, frontier), positions,
+                                 cache, slots, visible)
+      return full(logits), cache
+
+    return KVFrontierFeeder(cache, full(logits), seq_len, run,
+                            lambda cache, kv_slot: ModelTreeState(cache=cache, kv_slot=kv_slot))
+
+  def accept_tree(self, drafted: ModelTreeState, path: Array, n_accepted: Array, seq_len: Array,
+                  features: Features) -> ModelDraftState:
+    """Keep the accepted path's draft KV: node path[j] moves to slot seq_len + j for j < n - 1
+    (the last accepted token and the target's next one are fed next round, as in `propose`)."""
+    src = jnp.where(path >= 0, take(drafted.kv_slot, path), -1)  # [B, D]
+    return ModelDraftState(cache=move_kv(drafted.cache, seq_len, src, n_accepted - 1))
+
+
+def self_drafter(params: Params, cfg: Config) -> ModelDrafter:
+  """The target as its own draft: the engine's sanity check (greedy accepts every token)."""
+  return ModelDrafter(params=params, cfg=cfg)
+
+
+def early_exit_drafter(params: Params, cfg: Config, num_layers: int) -> ModelDrafter:
+  """The target's first `num_layers` layers, final norm and LM head as an independent draft.
+
+  Costs no training and shares the weights (not the KV cache) with the target.
+  """
+  draft_cfg = dataclasses.replace(cfg, num_layers=num_layers)
+  return ModelDrafter(dataclasses.replace(params, layers=params.layers[:num_layers]), draft_cfg)
+
+
+def trimmed_drafter(params: Params, cfg: Config, keep_ids) -> ModelDrafter:
+  """A ModelDrafter whose head [E, M] emits only `keep_ids` [M] (see jspec.models.vocab_trim)."""
+  keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
+  head = params.lm_head
+  if head is None or head.shape[-1] != len(keep):
+    raise ValueError(f"a trimmed drafter needs an LM head [E, {len(keep)}] for its {len(keep)} "
+                     f"kept ids, got {None if head is None else tuple(head.shape)}; build the "
+                     f"params with jspec.models.vocab_trim.trim_head")
+  return ModelDrafter(params=params, cfg=cfg, keep_ids=jnp.asarray(keep))

@@ -1,0 +1,212 @@
+"""N-gram lookup drafting (prompt lookup): draft what followed the last time the context's final
+n tokens occurred, on its own or in front of a model drafter.
+
+The drafter keeps each row's token history (prompt, accepted tokens, its own last drafts) in a
+static [B, L] buffer, rolled back implicitly like a KV cache: every round writes the two last known
+tokens at seq_len - 2 and seq_len - 1, and nothing at or past seq_len is read. A lookup tries the
+longest suffix first (n_max down to n_min) and takes the most recent earlier occurrence.
+
+A looked-up draft is deterministic given its prefix, so its q is one-hot and verification stays
+exact at any temperature: speculative sampling accepts it with probability p(x) and otherwise
+samples the residual. With a `fallback` drafter (any drafter but another lookup) the lookup wins
+wherever it finds a match and the fallback's own draw (and q) is used elsewhere; the fallback reads
+every proposed token either way (the protocol's `pick`), so its cache stays in step with the
+history. Trees work the same way: each frontier node's context is the history plus its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.drafting.base import DraftState, Drafter, Features, Pick, keep_draw
+from jspec.sampling.processing import SamplingParams
+from jspec.tree.structure import Tree, parent_of, take
+
+Array = jax.Array
+
+
+def lookup(history: Array, length: Array, n_min: int, n_max: int) -> tuple[Array, Array]:
+  """(token [B], found [B]): the token after the most recent earlier occurrence of the last n
+  tokens of history[b, :length[b]], for the largest n in [n_min, n_max] that occurs."""
+  B, L = history.shape
+  starts = jnp.arange(L)  # [L] candidate match starts j
+  # shifted[k][b, j] = history[b, j + k]; j + k < L wherever a match can hold.
+  shifted = [jnp.roll(history, -k, axis=1) for k in range(n_max)]
+  token = jnp.zeros((B,), jnp.int32)
+  found = jnp.zeros((B,), bool)
+  for n in range(n_min, n_max + 1):  # a longer match overrides a shorter one
+    suffix = jnp.take_along_axis(
+        history, jnp.clip(length[:, None] - n + jnp.arange(n), 0, L - 1), axis=1)  # [B, n]
+    match = starts[None] + n < length[:, None]  # [B, L]: an earlier occurrence, not the suffix
+    for k in range(n):
+      match &= shifted[k] == suffix[:, k:k + 1]
+    last = jnp.max(jnp.where(match, starts[None], -1), axis=1)  # [B]
+    hit = last >= 0
+    after = jnp.take_along_axis(history, jnp.clip(last + n, 0, L - 1)[:, None], axis=1)[:, 0]
+    token = jnp.where(hit, after, token)
+    found |= hit
+  return token, found
+
+
+def write_at(history: Array, start: Array, tokens: Array) -> Array:
+  """history [B, L] with tokens [B, W] written at start[b] + 0..W-1 (past the end dropped)."""
+  B, W = tokens.shape
+  cols = start[:, None] + jnp.arange(W, dtype=jnp.int32)
+  return history.at[jnp.arange(B)[:, None], cols].set(tokens, mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramState(DraftState):
+  history: Array  # [B, L] int32: prompt, accepted tokens, last round's drafts
+  inner: DraftState | None = None  # the fallback drafter's state
+
+
+def one_hot_logits(token: Array, vocab: int) -> Array:
+  """Logits [..., V] of a point mass on token [...]: 0 there, -inf elsewhere (q stays one-hot
+  under any temperature, top-k or top-p)."""
+  return jnp.where(jax.nn.one_hot(token, vocab, dtype=bool), 0.0, -jnp.inf)
+
+
+class _LookupFeeder:
+  """A TreeFeeder: each frontier node's next token is looked up on the history followed by the
+  node's root-to-node path; the fallback's feeder scores the nodes without a match (without a
+  fallback such a node repeats its own token)."""
+
+  def __init__(self, drafter: "NgramDrafter", history: Array, last: Array, seq_len: Array,
+               inner):
+    self.drafter, self.history, self.last, self.seq_len, self.inner = (drafter, history, last,
+                                                                       seq_len, inner)
+
+  def __call__(self, tree: Tree, frontier: Array) -> Array:
+    B, W = frontier.shape
+    L = self.history.shape[1]
+    d = self.drafter
+    # Write each frontier node's path (the node and its ancestors) after the known tokens.
+    contexts = jnp.broadcast_to(self.history[:, None], (B, W, L))
+    rows, cols = jnp.arange(B)[:, None], jnp.arange(W)[None, :]
+    node = frontier
+    for _ in range(tree.max_depth):
+      at = jnp.where(node >= 0, self.seq_len[:, None] + take(tree.depth, node) - 1, L)  # [B, W]
+      contexts = contexts.at[rows, cols, at].set(take(tree.tokens, node), mode="drop")
+      node = parent_of(tree, node)
+    depth = jnp.where(frontier >= 0, take(tree.depth, frontier), 0)  # [B, W]
+    guess, found = lookup(contexts.reshape(B * W, L), (self.seq_len[:, None] + depth).reshape(-1),
+                          d.n_min, d.n_max)
+    guess, found = guess.reshape(B, W), found.reshape(B, W)
+    if self.inner is None:
+      own = jnp.where(frontier >= 0, take(tree.tokens, frontier), self.last[:, None])
+      return one_hot_logits(jnp.where(found, guess, own), d.vocab_size)
+    logits = self.inner(tree, frontier)
+    return jnp.where(found[..., None], one_hot_logits(guess, logits.shape[-1]), logits)
+
+  def result(self, tree: Tree, reindexed: bool) -> NgramState:
+    inner = None if self.inner is None else self.inner.result(tree, reindexed)
+    return NgramState(history=self.history, inner=inner)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NgramDrafter(Drafter):
+  """Prompt-lookup drafter; `fallback` (any drafter but another lookup, or None) drafts where no
+  n-gram matches.
+
+  Without a fallback an unmatched position repeats the previous token (a guess that costs
+  nothing: verification of the block is paid either way).
+  """
+
+  vocab: int = dataclasses.field(metadata=dict(static=True))
+  n_min: int = dataclasses.field(default=2, metadata=dict(static=True))
+  n_max: int = dataclasses.field(default=4, metadata=dict(static=True))
+  fallback: Drafter | None = None
+
+  def __post_init__(self):
+    if not (isinstance(self.n_min, int) and isinstance(self.n_max, int)
+            and 1 <= self.n_min <= self.n_max <= 16):
+      raise ValueError(f"n-gram lookup needs integers 1 <= n_min <= n_max <= 16, got "
+                       f"n_min={self.n_min!r}, n_max={self.n_max!r}")
+    if isinstance(self.fallback, NgramDrafter) or not (
+        self.fallback is None or isinstance(self.fallback, Drafter)):
+      raise ValueError(f"the n-gram lookup falls back to a drafter that is not itself a lookup "
+                       f"(default, self, early-exit:K, model:DIR); got "
+                       f"{type(self.fallback).__name__}")
+
+  @property
+  def vocab_size(self) -> int:
+    return self.vocab if self.fallback is None else self.fallback.vocab_size
+
+  def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
+           features: Features) -> NgramState:
+    B, P = prompt.shape
+    history = jnp.zeros((B, max(cache_size, P)), jnp.int32)
+    history = jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
+    inner = None if self.fallback is None else self.fallback.init(prompt, prompt_lengths,
+                                                                  cache_size, features)
+    return NgramState(history=history, inner=inner)
+
+  def propose(self, state: NgramState, last2: Array, seq_len: Array, key: Array,
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None
+              ) -> tuple[Array, Array, NgramState]:
+    V = self.vocab_size
+    history = write_at(state.history, seq_len - 2, last2)
+
+    if self.fallback is None:
+      outer = pick or keep_draw
+
+      def step(i, carry):  # draft i reads the history with drafts 0..i-1 written
+        tokens, probs, history = carry
+        at = seq_len + i
+        guess, found = lookup(history, at, self.n_min, self.n_max)
+        previous = jnp.take_along_axis(history, (at - 1)[:, None], axis=1)[:, 0]
+        token = jnp.where(found, guess, previous)
+        token, q = outer(i, tokens, token, jax.nn.one_hot(token, V, dtype=jnp.float32))
+        return (jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], i, axis=1),
+                write_at(history, at, token[:, None]))
+      B = last2.shape[0]
+      tokens, probs, history = jax.lax.fori_loop(
+          0, gamma, step, (jnp.zeros((B, gamma), jnp.int32),
+                           jnp.zeros((B, gamma, V), jnp.float32), history))
+      return tokens, probs, NgramState(history=history, inner=None)
+
+    def mine(i, tokens, token, probs):  # draft i, given drafts 0..i-1 in `tokens` [B, G]
+      guess, found = lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min,
+                            self.n_max)
+      token, probs = (jnp.where(found, guess, token),
+                      jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype),
+                                probs))
+      return (pick or keep_draw)(i, tokens, token, probs)
+    tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
+                                                 gamma, pick=mine)
+    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
+
+  def update(self, state: NgramState, seq_len: Array, features: Features) -> NgramState:
+    if self.fallback is None:
+      return state
+    return dataclasses.replace(state, inner=self.fallback.update(state.inner, seq_len, features))
+
+  def tree_feeder(self, state: NgramState, last2: Array, seq_len: Array) -> _LookupFeeder:
+    inner = None if self.fallback is None else self.fallback.tree_feeder(state.inner, last2,
+                                                                         seq_len)
+    return _LookupFeeder(self, write_at(state.history, seq_len - 2, last2), last2[:, 1], seq_len,
+                         inner)
+
+  def accept_tree(self, drafted: NgramState, path: Array, n_accepted: Array, seq_len: Array,
+                  features: Features) -> NgramState:
+    """The accepted path and the target's token follow the known tokens in the history."""
+    inner = None if self.fallback is None else self.fallback.accept_tree(
+        drafted.inner, path, n_accepted, seq_len, features)
+    return NgramState(history=write_at(drafted.history, seq_len, features.tokens), inner=inner)
+
+
+def ngram_drafter(vocab_size: int, n_min: int | None = None, n_max: int = 4,
+                  fallback: Drafter | None = None) -> NgramDrafter:
+  """n_min defaults to 1 alone (any guess beats none: the block is verified anyway) and to 2 in
+  front of another drafter (a one-token match is right less often than a model; measured by
+  benchmarks/probe_ngram_hybrid.py)."""
+  if n_min is None:
+    n_min = 1 if fallback is None else 2
+  return NgramDrafter(vocab=int(vocab_size), n_min=n_min, n_max=n_max, fallback=fallback)

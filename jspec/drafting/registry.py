@@ -1,0 +1,175 @@
+"""Drafters by name: one table from the CLI/API names to constructors.
+
+A name is KIND or KIND:ARG (`self`, `default`, `early-exit:4`, `model:path/to/dir`, `ngram:2-4`);
+a kind that drafts in front of another drafter takes `+NAME` (`ngram+default`). Adding a kind is
+one `@register` here. `model:PATH` dispatches on what the path holds (a .gguf file, or a
+directory whose kind jspec.io.drafter.read_drafter_dir reports).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Callable, Protocol
+
+from jspec.drafting.base import Drafter
+from jspec.drafting.feature import eagle_drafter
+from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
+from jspec.drafting.ngram import ngram_drafter
+from jspec.io.drafter import load_compact, load_feature, read_drafter_dir
+from jspec.io.fetch import default_model_path
+from jspec.io.load import check_same_tokenizer, dtype_by_name, load_checkpoint, resolve_path
+from jspec.io.tokenizer import Tokenizer
+from jspec.models.config import Config
+from jspec.models.llama import Params
+
+# Made by the command recorded in its jspec.json (see README, "The default drafter").
+DEFAULT_DRAFTER = Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct"
+
+
+class Target(Protocol):
+  """What building a drafter reads of the loaded target (jspec.model.Model has it)."""
+
+  cfg: Config
+  params: Params
+  tokenizer: Tokenizer
+  source: str
+
+
+# build(target, arg, dtype, fallback) -> a drafter; arg is the text after "KIND:" (None without
+# one), fallback the drafter named after "+" (kinds with `takes_fallback` only).
+Build = Callable[[Target, "str | None", str, "Drafter | None"], Drafter]
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterKind:
+  name: str
+  usage: str  # how the name is written, e.g. "early-exit:K"
+  help: str
+  build: Build
+  takes_fallback: bool = False
+
+
+KINDS: dict[str, DrafterKind] = {}
+
+
+def register(name: str, usage: str, help: str, takes_fallback: bool = False):
+  """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
+  def add(build: Build) -> Build:
+    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback)
+    return build
+  return add
+
+
+def drafter_help() -> str:
+  return " | ".join(["none"] + [f"{k.usage} ({k.help})" for k in KINDS.values()])
+
+
+def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter | None:
+  """The drafter called `name` for `target`; None for "none". See drafter_help()."""
+  if name == "none":
+    return None
+  match = re.fullmatch(r"([a-z][a-z-]*)(.*)", name, flags=re.DOTALL)
+  kind = KINDS.get(match.group(1)) if match else None
+  if kind is None:
+    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
+  rest, fallback = match.group(2), None
+  if kind.takes_fallback and "+" in rest:
+    rest, _, inner = rest.partition("+")
+    if not inner or inner == "none" or KINDS.get(inner.split(":")[0].split("+")[0]) is kind:
+      raise ValueError(f"drafter {name!r}: after '+' name another kind of drafter (default, "
+                       f"self, early-exit:K, model:PATH)")
+    fallback = load_drafter(inner, target, dtype)
+  if rest and not rest.startswith(":"):
+    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
+  return kind.build(target, rest[1:] if rest else None, dtype, fallback)
+
+
+def _no_arg(kind: str, arg: str | None) -> None:
+  if arg is not None:
+    raise ValueError(f"drafter {kind!r} takes no ':' argument, got {kind}:{arg}")
+
+
+@register("default", "default", "the distilled drafter shipped for the default model")
+def _default(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  _no_arg("default", arg)
+  return load_model_drafter(default_drafter_path(target), target, dtype)
+
+
+@register("self", "self", "the target drafts for itself: engine check")
+def _self(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  _no_arg("self", arg)
+  return self_drafter(target.params, target.cfg)
+
+
+@register("early-exit", "early-exit:K", "the target's first K layers + its head")
+def _early_exit(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  if arg is None or not arg.isdigit() or not 1 <= int(arg) < target.cfg.num_layers:
+    raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got "
+                     f"{'early-exit' + ('' if arg is None else ':' + arg)!r}")
+  return early_exit_drafter(target.params, target.cfg, int(arg))
+
+
+@register("model", "model:PATH", "a .gguf, HF, compact or feature-level drafter directory with "
+                                 "the target's tokenizer")
+def _model(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  if not arg:
+    raise ValueError("model:PATH needs a path to a drafter (a .gguf file or a directory)")
+  return load_model_drafter(arg, target, dtype)
+
+
+@register("ngram", "ngram[:N1-N2][+DRAFTER]",
+          "n-gram lookup on the context, longest suffix N2 down to N1, default 1-4; with "
+          "+DRAFTER the lookup where it matches and DRAFTER elsewhere, default 2-4, e.g. "
+          "ngram+default", takes_fallback=True)
+def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  n_min, n_max = None, 4
+  if arg is not None:
+    lo, dash, hi = arg.partition("-")
+    if not (lo.isdigit() and dash and hi.isdigit()):
+      raise ValueError(f"n-gram drafter 'ngram:{arg}': write ngram:N1-N2 (e.g. ngram:2-4), "
+                       f"optionally +DRAFTER")
+    n_min, n_max = int(lo), int(hi)
+  return ngram_drafter(target.cfg.vocab_size, n_min, n_max, fallback)
+
+
+def default_drafter_path(target: Target) -> Path:
+  """The shipped drafter directory; it is trained for the default model only."""
+  if Path(target.source) != default_model_path():
+    raise ValueError(f"--drafter default is distilled from the default model; the target is "
+                     f"{target.source}. Train one for it with `jspec train-drafter --target ...` "
+                     f"and pass --drafter model:DIR")
+  if not (DEFAULT_DRAFTER / "model.safetensors").is_file():
+    raise FileNotFoundError(f"the default drafter is missing from {DEFAULT_DRAFTER}: reinstall "
+                            f"jspec, or pass --drafter model:DIR")
+  return DEFAULT_DRAFTER
+
+
+def _compact_dir(path: Path, target: Target, dtype: str) -> Drafter:
+  cfg, params, keep = load_compact(path, target.cfg, target.params, dtype_by_name(dtype))
+  return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)
+
+
+def _feature_dir(path: Path, target: Target, dtype: str) -> Drafter:
+  cfg, params, keep = load_feature(path, target.cfg, dtype_by_name(dtype))
+  return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype
+
+
+# Drafter directories that borrow from the target, by read_drafter_dir's kind.
+_BORROWING_DIRS = {"compact": _compact_dir, "feature": _feature_dir}
+
+
+def load_model_drafter(path: str | Path, target: Target, dtype: str = "float32") -> Drafter:
+  """A draft model from a .gguf file, an HF directory, a compact drafter directory (one that
+  borrows the target's embedding and/or has a VocabTrim head) or a feature-level drafter
+  directory (see jspec.io.drafter)."""
+  path = resolve_path(path)
+  load_dir = _BORROWING_DIRS.get(read_drafter_dir(path).kind) if path.is_dir() else None
+  if load_dir is not None:
+    dtype_by_name(dtype)
+    check_same_tokenizer(target.tokenizer, Tokenizer.from_hf_dir(path), str(path))
+    return load_dir(path, target, dtype)
+  cfg, params, tokenizer, source = load_checkpoint(path, dtype)
+  check_same_tokenizer(target.tokenizer, tokenizer, str(source))
+  return ModelDrafter(params, cfg)

@@ -1,0 +1,62 @@
+"""Weights and tokenizer from a name or a local path, with the checks every loader shares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jspec.io.checkpoint import load_model
+from jspec.io.fetch import default_model_path
+from jspec.io.tokenizer import Tokenizer
+from jspec.models.config import Config
+from jspec.models.llama import Params
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DEFAULT = "default"
+
+
+def dtype_by_name(name: str):
+  """The compute dtype called `name` ("float32" or "bfloat16")."""
+  if name not in DTYPES:
+    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+  return DTYPES[name]
+
+
+def resolve_path(name_or_path: str | Path) -> Path:
+  """"default" → the fetched default GGUF; anything else must be a local GGUF or HF directory."""
+  if str(name_or_path) == DEFAULT:
+    return default_model_path()
+  path = Path(name_or_path).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(
+        f"model {str(name_or_path)!r} not found: pass 'default', a local .gguf file or a local "
+        f"Hugging Face directory (config.json + *.safetensors + tokenizer.json). jspec never "
+        f"downloads from a model hub.")
+  return path
+
+
+def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
+                    ) -> tuple[Config, Params, Tokenizer, Path]:
+  """(cfg, params, tokenizer, path) from "default", a .gguf file or an HF directory."""
+  compute_dtype = dtype_by_name(dtype)
+  path = resolve_path(name_or_path)
+  cfg, params = load_model(path, compute_dtype)
+  tokenizer = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_hf_dir(path)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                     f"vocabulary is {cfg.vocab_size}")
+  return cfg, params, tokenizer, path
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str) -> None:
+  """A draft must tokenize exactly like the target, or its proposals mean other strings."""
+  if target.vocab_size != draft.vocab_size:
+    raise ValueError(f"drafter {draft_source} has a vocabulary of {draft.vocab_size} tokens, the "
+                     f"target {target.vocab_size}: speculative decoding needs the target's tokenizer")
+  diff = [i for i, (a, b) in enumerate(zip(target.tokens, draft.tokens)) if a != b]
+  if diff:
+    i = diff[0]
+    raise ValueError(f"drafter {draft_source} tokenizes differently from the target: {len(diff)} "
+                     f"token strings differ (first at id {i}: {draft.tokens[i]!r} vs "
+                     f"{target.tokens[i]!r}); use a drafter trained with the target's tokenizer")

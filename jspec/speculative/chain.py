@@ -1,0 +1,99 @@
+"""Speculative generation with a chain of drafts, as one XLA program.
+
+Prefill target and drafter, then one `lax.while_loop` whose body drafts G tokens, verifies them
+with ONE target forward over G + 1 positions, accepts a prefix plus one target token, writes the
+accepted tokens, and rolls back rejected KV entries of both caches by setting lengths (no copies).
+Rows accept different numbers of tokens; everything is expressed with per-row lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jspec.decode import prepare_batch
+from jspec.drafting.base import Drafter, Features
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.verify import verify
+from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Static settings of a speculative run."""
+
+  gamma: int  # draft tokens per round
+  max_new_tokens: int
+  stop_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if int(self.gamma) != self.gamma or self.gamma < 1:
+      raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {self.gamma}")
+    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+
+
+def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                                prompt_lengths: Array, key: Array,
+                                sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
+                                cache_size: int) -> SpecOutput:
+  """Pure, jit-friendly speculative generation; `cfg`, `spec` and `cache_size` are static."""
+  G, N = spec.gamma, spec.max_new_tokens
+  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                        cache_size, max_accepted=G)
+
+  def body(s: SpecState) -> SpecState:
+    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
+    # Verify [last token, d_1 .. d_G] in one forward; the cache holds everything before it.
+    block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
+    start = s.seq_len - 1
+    positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
+    target_logits, hidden, cache = forward(params, cfg, block, positions,
+                                           s.cache.with_lengths(start))
+    n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
+
+    # Emitted this round: d_1 .. d_n, then the target's token.
+    idx = jnp.arange(G + 1)
+    emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                        nxt[:, None])  # [B, G + 1], valid up to index n_acc
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
+    return dataclasses.replace(new, draft=drafter.update(
+        draft, new.seq_len, Features(hidden=hidden, tokens=emitted, start=start)))
+
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  return SpecOutput(
+      tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
+      row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
+
+
+_spec_jit = jax.jit(speculative_generate_tokens, static_argnums=(1,),
+                    static_argnames=("spec", "cache_size"))
+
+
+def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
+                         prompts: Sequence[Sequence[int]], *, spec: SpecConfig,
+                         sampling: SamplingParams = GREEDY, key: Array | int = 0,
+                         cache_size: int | None = None) -> SpecOutput:
+  """Validated, bucketed, jitted speculative generation from token-id prompts.
+
+  Example:
+    drafter = ModelDrafter(draft_params, draft_cfg)
+    out = speculative_generate(params, cfg, drafter, [[1, 2, 3]], spec=SpecConfig(gamma=4,
+                               max_new_tokens=64), sampling=SamplingParams(temperature=1.0))
+    out.sequences(), out.block_efficiency
+  """
+  check_drafter(cfg, drafter)
+  # Verification writes up to gamma + 1 entries past the last kept one.
+  b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
+                    stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
+                    reserve_for="gamma + 1 (the draft block)")
+  return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                   cache_size=b.cache_size)

@@ -1,0 +1,152 @@
+"""What the chain and tree engines share: the loop state, the first step (prefill target and
+drafter), and the bookkeeping after a verification round (emit, cut at stops and the budget,
+counters, the target cache's rollback by lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.decode import PAD, is_stop, prefill, trimmed_rows
+from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import Params
+from jspec.sampling.processing import SamplingParams, sample
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecOutput:
+  tokens: Array  # [B, N] int32, PAD after each row's length
+  lengths: Array  # [B] int32
+  rounds: Array  # [] int32
+  round_tokens: Array  # [] int32: tokens emitted by verification rounds, summed over rows
+  row_rounds: Array  # [] int32: (row, round) pairs in which the row was still generating
+  accept_hist: Array  # [G + 1] int32: rounds (per row) that accepted k draft tokens
+  accepted_at: Array  # [G] int32: how often draft position i was accepted
+
+  @property
+  def target_calls(self) -> Array:
+    """Target forwards: the prefill and one verification per round."""
+    return self.rounds + 1
+
+  @property
+  def draft_calls(self) -> Array:
+    """Drafter forwards: the prefill and gamma per round."""
+    return 1 + self.accepted_at.shape[0] * self.rounds
+
+  @property
+  def block_efficiency(self) -> float:
+    """τ: tokens emitted per target verification call (γ + 1 at most)."""
+    return float(self.round_tokens) / max(int(self.row_rounds), 1)
+
+  @property
+  def acceptance_rate(self) -> np.ndarray:
+    """Per draft position, the fraction of verified drafts accepted (every active row verifies
+    every position each round)."""
+    return np.asarray(self.accepted_at) / max(int(self.row_rounds), 1)
+
+  def sequences(self) -> list[list[int]]:
+    """Generated ids per row, trimmed to each row's length (host-side)."""
+    return trimmed_rows(self.tokens, self.lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+  done: Array  # [B] bool
+  tokens: Array  # [B, N + G + 1] output buffer
+  lengths: Array  # [B] generated so far
+  seq_len: Array  # [B] prompt + generated
+  last2: Array  # [B, 2] the last two known tokens
+  key: Array
+  cache: KVCache  # target cache: holds every known token but the last
+  draft: DraftState
+  rounds: Array
+  round_tokens: Array
+  row_rounds: Array
+  accept_hist: Array
+  accepted_at: Array
+
+
+def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                  prompt_lengths: Array, key: Array, sampling: SamplingParams, spec,
+                  cache_size: int, *, max_accepted: int) -> SpecState:
+  """Prefill target and drafter, sample the first token: the loop state before round one.
+
+  `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
+  """
+  B, P = prompt.shape
+  N = spec.max_new_tokens
+  cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
+  logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  key, sub = jax.random.split(key)
+  first = sample(sub, logits, sampling)  # [B]
+  # The token after each prompt position: the prompt shifted by one, then the first sample.
+  following = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
+  following = following.at[jnp.arange(B), prompt_lengths - 1].set(first)  # [B, P]
+  draft_state = drafter.init(prompt, prompt_lengths, cache_size, Features(
+      hidden=hidden, tokens=following, start=jnp.zeros((B,), jnp.int32)))
+  prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
+  zeros = lambda n: jnp.zeros((n,), jnp.int32)
+  return SpecState(
+      done=is_stop(first, spec.stop_ids) | (N <= 1),
+      tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
+      lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
+      last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
+      rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
+      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted))
+
+
+def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
+            cache: KVCache) -> SpecState:
+  """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
+  index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
+  two tokens and counters updated; `cache` gets lengths seq_len - 1. The drafter state is left as
+  it was: the caller updates it from the new seq_len."""
+  B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
+  N = spec.max_new_tokens
+  active = ~s.done
+  idx = jnp.arange(W)
+  valid = idx[None] <= n_acc[:, None]
+  stops = is_stop(emitted, spec.stop_ids) & valid
+  first_stop = jnp.where(stops.any(axis=1), jnp.argmax(stops, axis=1), W)
+  count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), N - s.lengths)
+  count = jnp.where(active, count, 0)
+  cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], s.tokens.shape[1])
+  tokens = s.tokens.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
+  lengths = s.lengths + count
+  done = s.done | (first_stop < count) | (lengths >= N)
+  # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
+  ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, W + 1]
+  last2 = jnp.stack([jnp.take_along_axis(ext, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0],
+                     jnp.take_along_axis(ext, count[:, None], 1)[:, 0]], axis=1)
+  last2 = jnp.where(count[:, None] > 0, last2, s.last2)
+  seq_len = s.seq_len + count
+  act = active.astype(jnp.int32)
+  return SpecState(
+      done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
+      cache=cache.with_lengths(seq_len - 1), draft=s.draft,
+      rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
+      row_rounds=s.row_rounds + jnp.sum(act),
+      accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)
+                                          * act[:, None], axis=0),
+      accepted_at=s.accepted_at + jnp.sum((idx[None, :W - 1] < n_acc[:, None]) * act[:, None], 0))
+
+
+def check_drafter(cfg: Config, drafter: Drafter) -> None:
+  """Host-side: a drafter implementing the protocol, in the target's vocabulary."""
+  if not isinstance(drafter, Drafter):
+    raise ValueError(f"the drafter must implement jspec.drafting.base.Drafter (init, propose, "
+                     f"update, tree_feeder, accept_tree), got {type(drafter).__name__}")
+  if drafter.vocab_size != cfg.vocab_size:
+    raise ValueError(
+        f"draft vocabulary ({drafter.vocab_size} tokens) differs from the target's "
+        f"({cfg.vocab_size}): speculative decoding needs a drafter with the target's tokenizer")

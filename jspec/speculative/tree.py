@@ -1,0 +1,203 @@
+"""Tree speculative decoding as one XLA program.
+
+Prefill target and drafter, then one `lax.while_loop` whose body drafts a token tree of N nodes
+below each row's last known token (one drafter forward per depth, jspec.tree.draft schedules),
+verifies it with ONE target forward over [root, node_1 .. node_N] under the tree-attention mask
+(jspec.sampling.tree_verify), emits the accepted path plus the target's next token, and compacts
+the accepted path's KV entries of both caches into consecutive slots (the rest is dropped by
+setting lengths). Greedy output equals the target's greedy decoding; sampled output is distributed
+exactly as the target's.
+
+Tree shapes: jspec.tree.shapes.
+
+Slot layout of a round, for a row that knows seq_len tokens (the target cache holds seq_len - 1):
+the target writes the root (the last known token) at slot seq_len - 1 and node n at slot
+seq_len + n; the drafter re-feeds the last two known tokens at seq_len - 2, seq_len - 1 and writes
+the nodes it expands at seq_len + 0, 1, ... After verification accepting path[0 .. n-1], slot
+seq_len + j receives the entry of path[j] in both caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jspec.decode import prepare_batch
+from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.models.cache import KVCache, move_kv
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.tree_verify import emitted_tokens, verify_tree
+from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
+from jspec.tree.shapes import (TREE_HELP, BeamTree, BranchingTree, DynamicTree, TreeShape,
+                               parse_tree)
+from jspec.tree.structure import Tree, ancestor_mask, take
+from jspec.tree.structure import positions as node_positions
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpecConfig:
+  """Static settings of a tree speculative run; `tree` is a shape or its string (parse_tree)."""
+
+  tree: TreeShape | str
+  max_new_tokens: int
+  stop_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if isinstance(self.tree, str):
+      object.__setattr__(self, "tree", parse_tree(self.tree))
+    if not isinstance(self.tree, (BranchingTree, BeamTree, DynamicTree)):
+      raise ValueError(f"tree must be a tree string ({TREE_HELP}) or a shape from "
+                       f"parse_tree, got {self.tree!r}")
+    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+    object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+
+  @property
+  def method(self) -> str:
+    return self.tree.method
+
+  @property
+  def num_nodes(self) -> int:
+    """N, the static node budget (draft tokens per round)."""
+    return self.tree.num_nodes
+
+  @property
+  def tree_nodes(self) -> int:
+    """Tokens per verification call: the root and the N nodes."""
+    return self.tree.num_nodes + 1
+
+  @property
+  def reserve(self) -> int:
+    """Cache slots a round writes past the row's known tokens (target: N + 1; draft: fed + 1)."""
+    return max(self.tree.num_nodes, self.tree.fed_nodes) + 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeSpecOutput(SpecOutput):
+  """SpecOutput of a tree run: accept_hist [D + 1] counts rounds by accepted depth, accepted_at
+  [D] how often depth d + 1 was reached; `draft_calls` holds (one drafter forward per depth)."""
+
+  tree_nodes: int = dataclasses.field(metadata=dict(static=True))  # N + 1, static
+
+
+def verification_mask(tree: Tree) -> Array:
+  """[B, N + 1, N + 1] bool over [root, nodes]: everyone sees the root, nodes their ancestors."""
+  B, N = tree.tokens.shape
+  mask = jnp.zeros((B, N + 1, N + 1), bool).at[:, :, 0].set(True)
+  return mask.at[:, 1:, 1:].set(ancestor_mask(tree))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeRound:
+  """One round's draft and verification, nothing advanced yet."""
+
+  tree: Tree
+  drafted: DraftState  # the drafter's state holding the tree
+  cache: KVCache  # the target cache holding the root's and the nodes' KV
+  hidden: Array  # [B, N + 1, E] the target's hidden states over [root, nodes]
+  path: Array  # [B, D] the accepted path (node indices, -1 padded)
+  n_acc: Array  # [B] its length
+  next_token: Array  # [B] the target's token after it
+
+
+def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_draft: Array,
+               k_verify: Array, sampling: SamplingParams, shape: TreeShape) -> TreeRound:
+  """Draft a tree from loop state `s` and verify it with one target forward."""
+  tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
+  # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
+  block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
+  start = s.seq_len - 1
+  positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
+  target_logits, hidden, cache = forward(params, cfg, block, positions,
+                                         s.cache.with_lengths(start),
+                                         verification_mask(tree))  # [B, N + 1, V]
+  path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
+  return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden, path=path,
+                   n_acc=n_acc, next_token=nxt)
+
+
+def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                          prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
+                          *, spec: TreeSpecConfig, cache_size: int) -> SpecState:
+  """The whole run, returning the final loop state (caches included); see the module docstring."""
+  shape = spec.tree
+  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                        cache_size, max_accepted=shape.max_depth)
+
+  def body(s: SpecState) -> SpecState:
+    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape)
+    # Emitted this round: the accepted path, then the target's token.
+    emitted = emitted_tokens(r.tree, r.path, r.n_acc, r.next_token)  # [B, D + 1], to n_acc
+    # The accepted path's KV into consecutive slots: node path[j] (slot seq_len + path[j]) moves
+    # to seq_len + j. A row cut short by a stop or the budget is done: its cache no longer matters.
+    cache = move_kv(r.cache, s.seq_len, r.path, r.n_acc)
+    new = advance(s, emitted, r.n_acc, spec, key=key, cache=cache)
+    # The target's view of the root and the accepted path (node n is entry n + 1 of the block).
+    on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
+    features = Features(hidden=take(r.hidden, on_path), tokens=emitted, start=s.seq_len - 1)
+    return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, r.n_acc,
+                                                              s.seq_len, features))
+
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                                     prompt_lengths: Array, key: Array,
+                                     sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig,
+                                     cache_size: int) -> TreeSpecOutput:
+  """Pure, jit-friendly tree speculative generation; `cfg`, `spec` and `cache_size` are static.
+
+  prompt [B, P] int32 right-padded, prompt_lengths [B]; any drafter (jspec.drafting). Needs
+  cache_size >= max(prompt_lengths) + max_new_tokens + spec.reserve.
+  """
+  s = tree_speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
+                            spec=spec, cache_size=cache_size)
+  return TreeSpecOutput(
+      tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
+      round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
+      accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
+
+
+_tree_jit = jax.jit(tree_speculative_generate_tokens, static_argnums=(1,),
+                    static_argnames=("spec", "cache_size"))
+
+
+def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
+  """Host-side checks of a tree run's drafter and shape against the target config."""
+  if not isinstance(spec, TreeSpecConfig):
+    raise ValueError(f"spec must be a TreeSpecConfig, got {type(spec).__name__}")
+  check_drafter(cfg, drafter)
+  if spec.tree.widest > cfg.vocab_size:
+    raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
+                     f"but the vocabulary has {cfg.vocab_size} tokens")
+
+
+def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
+                              prompts: Sequence[Sequence[int]], *, spec: TreeSpecConfig,
+                              sampling: SamplingParams = GREEDY, key: Array | int = 0,
+                              cache_size: int | None = None) -> TreeSpecOutput:
+  """Validated, bucketed, jitted tree speculative generation from token-id prompts.
+
+  Example:
+    drafter = ModelDrafter(draft_params, draft_cfg)
+    out = tree_speculative_generate(params, cfg, drafter, [[1, 2, 3]],
+                                    spec=TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=64))
+    out.sequences(), out.block_efficiency, out.tree_nodes
+  """
+  check_tree_run(cfg, drafter, spec)
+  b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
+                    stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
+                    reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
+                                f"of {spec.tree} verified per round)")
+  return _tree_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                   cache_size=b.cache_size)
