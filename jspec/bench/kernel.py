@@ -3,9 +3,9 @@
 Each shape is timed three ways on the same inputs: the kernel, the pure-jnp reference
 (`tree_attention_reference`, jitted) and the XLA attention the model runs otherwise
 (`llama.masked_attention` under a precomputed `llama.attention_mask`, as `attention_fn` builds it
-once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random draft
-trees, and NaN in every cache slot at or past lengths + T, so a kernel that reads a slot it should
-skip is caught rather than timed.
+once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random
+draft trees, and NaN in every cache slot at or past lengths + T, so a kernel that reads a slot it
+should skip is caught rather than timed.
 
 The kernel's output is checked against the reference before it is timed; a kernel whose output is
 not finite or not within the dtype's tolerance gets no timing (kernel_s and the speedups are None,

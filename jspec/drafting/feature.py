@@ -101,8 +101,8 @@ class EagleDrafter(Drafter):
     return self._pairs(state, features, seq_len - 1 - features.start)
 
   def tree_feeder(self, state: EagleState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
-    """Node n (depth d) is fed as the pair (f̂ of its parent, its token) at position seq_len - 2 + d;
-    the root's children are scored by next_feat. The cache's committed prefix is seq_len - 1."""
+    """Node n (depth d) is fed as the pair (f̂ of its parent, its token) at position
+    seq_len - 2 + d; the root's children are scored by next_feat. The cache's committed prefix is seq_len - 1."""
     B, N_feat = seq_len.shape[0], {}
     full = lambda feats: full_vocab_logits(head_logits(self.head, feats), self.keep_ids,
                                            self.cfg.vocab_size)

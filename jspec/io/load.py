@@ -53,7 +53,8 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str)
   """A draft must tokenize exactly like the target, or its proposals mean other strings."""
   if target.vocab_size != draft.vocab_size:
     raise ValueError(f"drafter {draft_source} has a vocabulary of {draft.vocab_size} tokens, the "
-                     f"target {target.vocab_size}: speculative decoding needs the target's tokenizer")
+                     f"target {target.vocab_size}: speculative decoding needs the target's "
+                     f"tokenizer")
   diff = [i for i, (a, b) in enumerate(zip(target.tokens, draft.tokens)) if a != b]
   if diff:
     i = diff[0]

@@ -2,9 +2,10 @@
 target's hidden states.
 
 Pair j is (f_j, t_{j+1}): the target's final-normed hidden state at position j and the token that
-followed. The input is fc([embed(t_{j+1}); f_j]) (both [E] -> [E]), one Llama decoder layer with its
-own KV cache (pair j at slot j, RoPE position j), and an output RMSNorm; the result f̂_{j+1} predicts
-the target's next hidden state, and the target's own output table turns it into logits for t_{j+2}.
+followed. The input is fc([embed(t_{j+1}); f_j]) (both [E] -> [E]), one Llama decoder layer with
+its own KV cache (pair j at slot j, RoPE position j), and an output RMSNorm; the result f̂_{j+1}
+predicts the target's next hidden state, and the target's own output table turns it into logits
+for t_{j+2}.
 Decoding with it: jspec.drafting.feature; training: jspec.train.eagle.
 """
 

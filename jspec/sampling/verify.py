@@ -82,8 +82,9 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
   idx = n_accepted[:, None, None]
   p_j = jnp.take_along_axis(p, idx, axis=1)[:, 0]  # [B, V]
   q_j = jnp.take_along_axis(q_pad, idx, axis=1)[:, 0]  # [B, V]
-  # log(0) = -inf drops a token from the categorical; the residual keeps at least one positive entry.
-  next_token = jax.random.categorical(k_next, jnp.log(residual_distribution(p_j, q_j)), axis=-1)
+  # log(0) = -inf drops a token from the categorical; the residual keeps a positive entry.
+  residual = residual_distribution(p_j, q_j)
+  next_token = jax.random.categorical(k_next, jnp.log(residual), axis=-1)
   return n_accepted, next_token.astype(jnp.int32)
 
 

@@ -1,4 +1,4 @@
-"""Training the feature-level drafter (jspec.spec.eagle) on the target's hidden states.
+"""Training the feature-level drafter (jspec.models.eagle) on the target's hidden states.
 
 Row position j holds token t_j and the target's hidden state f_j (jspec.train.features). The drafter
 reads pairs (f_j, t_{j+1}) and predicts f_{j+1}; the loss per pair is EAGLE's: a smooth-L1

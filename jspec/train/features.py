@@ -1,9 +1,9 @@
 """The target's hidden states on teacher-forced training rows: what a feature-level drafter reads.
 
-A feature drafter (jspec.spec.eagle) predicts the target's next final hidden state from its current
-one and the next token. Training it needs those states at every row position; computing them costs
-one target forward per row, so they are computed once and cached as a float16 .npy next to a small
-progress file (a killed run resumes at the first missing batch and writes the same array).
+A feature drafter (jspec.models.eagle, jspec.drafting.feature) predicts the target's next final
+hidden state from its current one and the next token. Training it needs those states at every row
+position; computing them costs one target forward per row, so they are computed once and cached as
+a float16 .npy next to a small progress file (a killed run resumes at the first missing batch and writes the same array).
 """
 
 from __future__ import annotations
