@@ -27,6 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
 
 
+def _add_tree_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--tree", default=None, metavar="TREE",
+                 help="draft a token tree of this shape each round instead of a chain of --gamma "
+                      "(needs --drafter): " + TREE_HELP)
+
+
 def _sampling(args):
   from jspec.sampling.processing import SamplingParams
   return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
@@ -50,7 +56,7 @@ def cmd_generate(args) -> int:
   with CompileCounter() as compiled:
     out = jax.block_until_ready(model.generate_ids(
         ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=args.gamma))
+        drafter=drafter, gamma=args.gamma, tree=args.tree))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   for prompt, seq in zip(prompts, out.sequences()):
     if len(prompts) > 1:
@@ -61,7 +67,8 @@ def cmd_generate(args) -> int:
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
         + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
-           f"gamma {args.gamma})" if drafter is not None else ")"), file=sys.stderr)
+           + (f"tree {args.tree})" if args.tree else f"gamma {args.gamma})")
+           if drafter is not None else ")"), file=sys.stderr)
   return 0
 
 
@@ -282,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompt text; repeat for a batch")
   g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                  help="wrap prompts in the model's chat template (default on)")
+  _add_tree_arg(g)
   g.set_defaults(fn=cmd_generate)
   b = sub.add_parser("bench", help="benchmark decoding speed on a prompt set")
   _add_model_args(b)

@@ -19,6 +19,8 @@ from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.tree.shapes import TreeShape
 
 
 @dataclasses.dataclass
@@ -39,14 +41,21 @@ class Model:
 
   def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
-                   stop: bool = True, drafter: Drafter | None = None,
-                   gamma: int = 4) -> GenerateOutput | SpecOutput:
-    """Autoregressive generation, or speculative when a drafter is given (same output law)."""
-    stop_ids = self.tokenizer.stop_token_ids if stop else ()
+                   stop: bool = True, drafter: Drafter | None = None, gamma: int = 4,
+                   tree: TreeShape | str | None = None) -> GenerateOutput | SpecOutput:
+    """Autoregressive generation, or speculative when a drafter is given (same output law):
+    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32")."""
+    stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if drafter is None:
+      if tree is not None:
+        raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids)
-    spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids))
+    if tree is not None:
+      return tree_speculative_generate(
+          self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
+          spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+    spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key)
 

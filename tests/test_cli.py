@@ -202,3 +202,17 @@ def test_bench_tau_paired_records(tiny_model, tmp_path, capsys):
   assert main(["bench-tau", "--model", str(tiny_model), "--drafter", "none", "--tree",
                "chain:2"]) == 2
   assert "needs a drafter" in capsys.readouterr().err
+
+
+def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys):
+  base = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+          "--max-new-tokens", "8"]
+  assert main(base) == 0
+  want = capsys.readouterr().out
+  assert main(base + ["--drafter", "ngram+self", "--tree", "dynamic:6"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == want and "tree dynamic:6" in captured.err
+  assert main(base + ["--tree", "dynamic:6"]) == 2
+  assert "needs a drafter" in capsys.readouterr().err
+  assert main(base + ["--drafter", "self", "--tree", "bushy:3"]) == 2
+  assert "unknown tree method" in capsys.readouterr().err

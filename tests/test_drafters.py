@@ -4,7 +4,6 @@ greedy chain, so each kind's tree feeder scores every node in that node's own co
 trees of the kinds new to trees stay distributed exactly as the target."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,13 +17,13 @@ from jspec.models.vocab_trim import trim_head
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.loop import initial_state
-from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
-                                    tree_speculative_generate_tokens)
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import BranchingTree
 from test_eagle import noisy_eagle
 from test_ngram import REPEATING, TINY_REPEATING
-from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, chi_square, exact_distribution,
+from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution,
                               noised_drafter)
+from test_tree_engine import sample_codes
 
 KEEP = np.arange(0, TARGET.vocab_size, 2)
 KINDS = {  # every kind of drafter the registry builds
@@ -32,11 +31,12 @@ KINDS = {  # every kind of drafter the registry builds
     "early-exit": lambda t: early_exit_drafter(t, TARGET, 1),
     "trimmed": lambda t: trimmed_drafter(trim_head(noised_drafter(t, 0.5).params, KEEP), TARGET,
                                          KEEP),
-    "feature": lambda t: noisy_eagle(t, TARGET),
-    "trimmed-feature": lambda t: noisy_eagle(t, TARGET, keep_ids=KEEP),
+    "feature": lambda t: noisy_eagle(t, TARGET, amount=0.1),
+    "trimmed-feature": lambda t: noisy_eagle(t, TARGET, amount=0.1, keep_ids=KEEP),
     "ngram": lambda t: ngram_drafter(TARGET.vocab_size),
     "ngram+model": lambda t: ngram_drafter(TARGET.vocab_size, fallback=noised_drafter(t, 0.5)),
-    "ngram+feature": lambda t: ngram_drafter(TARGET.vocab_size, fallback=noisy_eagle(t, TARGET)),
+    "ngram+feature": lambda t: ngram_drafter(TARGET.vocab_size,
+                                             fallback=noisy_eagle(t, TARGET, amount=0.1)),
 }
 PROMPT_SET = PROMPTS[:1] + REPEATING[:2]  # the repeating ones give the lookup matches
 # test_speculative and test_tree_engine run the model and trimmed kinds through every chain
@@ -93,27 +93,11 @@ def test_greedy_tree_top_path_is_the_greedy_chain(target, kind):
   assert np.asarray(tree.valid)[:, [0, 3, 9]].all()
 
 
-def tree_sampler(tree: str):
-  """Jitted: (target, drafter, sampling, key) -> the first 3 tokens of N_SAMPLES runs [N, 3]
-  from TINY_REPEATING (which gives the lookup matches)."""
-  spec = TreeSpecConfig(tree, max_new_tokens=3)
-  prompt = jnp.asarray([TINY_REPEATING + [0] * 11])
-  lengths = jnp.asarray([len(TINY_REPEATING)])
-
-  def run(params, drafter, sampling, key):
-    one = lambda k: tree_speculative_generate_tokens(params, TINY, drafter, prompt, lengths, k,
-                                                     sampling, spec=spec, cache_size=32).tokens[0]
-    return jax.vmap(one)(jax.random.split(key, N_SAMPLES))
-
-  return jax.jit(run)
-
-
 def test_sampled_lookup_and_feature_tree_is_lossless():
   """The lookup's one-hot override and the feature drafter's tree feeding, sampled together."""
   target = init_params(TINY, jax.random.key(10), scale=0.8)
   drafter = ngram_drafter(TINY.vocab_size, fallback=noisy_eagle(target, TINY, amount=0.8))
   sp = SamplingParams(temperature=1.0)
-  tokens = np.asarray(tree_sampler("specinfer:2-2")(target, drafter, sp, jax.random.key(21)))
-  codes = tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
+  codes = sample_codes(target, drafter, "specinfer:2-2", sp, 21, prompt=tuple(TINY_REPEATING))
   stat, dof, ok = chi_square(codes, exact_distribution(target, sp, prompt=TINY_REPEATING))
   assert ok, (stat, dof)

@@ -117,11 +117,11 @@ def tiny_pair():
 
 
 @functools.lru_cache
-def sampler(tree: str):
+def sampler(tree: str, prompt: tuple[int, ...] = tuple(TINY_PROMPT)):
   """Jitted: (target, drafter, sampling, key) -> the first 3 tokens of N_SAMPLES runs [N, 3]."""
   spec = TreeSpecConfig(tree, max_new_tokens=3)
-  prompt = jnp.asarray([TINY_PROMPT + [0] * 13])
-  lengths = jnp.asarray([len(TINY_PROMPT)])
+  lengths = jnp.asarray([len(prompt)])
+  prompt = jnp.asarray([list(prompt) + [0] * (16 - len(prompt))])
 
   def run(params, drafter, sampling, key):
     one = lambda k: tree_speculative_generate_tokens(params, TINY, drafter, prompt, lengths, k,
@@ -131,8 +131,9 @@ def sampler(tree: str):
   return jax.jit(run)
 
 
-def sample_codes(params, drafter, tree: str, sp: SamplingParams, seed: int) -> np.ndarray:
-  tokens = np.asarray(sampler(tree)(params, drafter, sp, jax.random.key(seed)))  # [N, 3]
+def sample_codes(params, drafter, tree: str, sp: SamplingParams, seed: int,
+                 prompt: tuple[int, ...] = tuple(TINY_PROMPT)) -> np.ndarray:
+  tokens = np.asarray(sampler(tree, prompt)(params, drafter, sp, jax.random.key(seed)))  # [N, 3]
   assert (tokens >= 0).all()
   return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
 

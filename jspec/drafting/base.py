@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from jspec.models.vocab_trim import to_full_vocab
+from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.tree.structure import Tree
 
@@ -117,6 +117,24 @@ class Drafter(abc.ABC):
     if shape.greedy_variant:
       return jax.lax.cond(sampling.is_greedy, lambda: run(True), lambda: run(False))
     return run(False)
+
+
+class HeadDrafter(Drafter):
+  """A drafter that scores tokens with an LM head over the full vocabulary or, with VocabTrim's
+  `keep_ids` [M], over M of its ids; subclasses are dataclasses with `cfg` and `keep_ids`."""
+
+  @property
+  def vocab_size(self) -> int:
+    return self.cfg.vocab_size
+
+  def sampler(self, sampling: SamplingParams) -> Callable:
+    """sample(key, head logits [B, M]) -> (token [B], q [B, V]) in the full vocabulary."""
+    return lambda key, logits: sample_full_vocab(key, logits, sampling, self.keep_ids,
+                                                 self.vocab_size)
+
+  def full_logits(self, logits: Array) -> Array:
+    """Head logits [..., M] in the full vocabulary [..., V] (-inf off the kept ids)."""
+    return full_vocab_logits(logits, self.keep_ids, self.vocab_size)
 
 
 def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:

@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafting.base import (DraftState, Drafter, Features, Pick, draft_chain,
-                                 sample_full_vocab)
+from jspec.drafting.base import DraftState, Features, HeadDrafter, Pick, draft_chain
 from jspec.drafting.frontier import KVFrontierFeeder
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.eagle import EagleParams, eagle_forward, head_logits
 from jspec.models.llama import Params
-from jspec.models.vocab_trim import check_keep_ids, full_vocab_logits, output_table
+from jspec.models.vocab_trim import check_keep_ids, output_table
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, parent_of, take
 
@@ -40,7 +39,7 @@ class EagleState(DraftState):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class EagleDrafter(Drafter):
+class EagleDrafter(HeadDrafter):
   """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table,
   `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd)."""
 
@@ -49,10 +48,6 @@ class EagleDrafter(Drafter):
   head: Array
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.cfg.vocab_size
 
   def _pairs(self, state: EagleState, features: Features, known: Array) -> EagleState:
     """Pairs (features.hidden[:, i], features.tokens[:, i]) at positions start + i written over
@@ -89,10 +84,9 @@ class EagleDrafter(Drafter):
       feat = pred[:, 0]
       return head_logits(self.head, feat), (feat, cache.commit(1))
 
-    sample = lambda k, logits: sample_full_vocab(k, logits, sampling, self.keep_ids,
-                                                 self.cfg.vocab_size)
     tokens, probs, (_, cache) = draft_chain(key, gamma, head_logits(self.head, state.next_feat),
-                                            (state.next_feat, cache), step, sample, pick)
+                                            (state.next_feat, cache), step,
+                                            self.sampler(sampling), pick)
     return tokens, probs, EagleState(cache=cache, next_feat=state.next_feat)
 
   def update(self, state: EagleState, seq_len: Array, features: Features) -> EagleState:
@@ -103,13 +97,13 @@ class EagleDrafter(Drafter):
   def tree_feeder(self, state: EagleState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
     """Node n (depth d) is fed as the pair (f̂ of its parent, its token) at position
     seq_len - 2 + d; the root's children are scored by next_feat. The cache's committed prefix is seq_len - 1."""
-    B, N_feat = seq_len.shape[0], {}
-    full = lambda feats: full_vocab_logits(head_logits(self.head, feats), self.keep_ids,
-                                           self.cfg.vocab_size)
+    B = seq_len.shape[0]
+    full = lambda feats: self.full_logits(head_logits(self.head, feats))
+    node_feat = None  # [B, N, E] f̂ of every node once it is fed
 
     def run(tree: Tree, frontier: Array, slots: Array, visible: Array, cache: KVCache):
-      node_feat = N_feat.get("f")
-      if node_feat is None:  # f̂ of every node once it is fed: [B, N, E]
+      nonlocal node_feat
+      if node_feat is None:
         node_feat = jnp.zeros(tree.tokens.shape + (self.cfg.hidden_size,), state.next_feat.dtype)
       parent = parent_of(tree, frontier)  # [B, W]
       feats = jnp.where((parent >= 0)[..., None], take(node_feat, parent),
@@ -118,7 +112,7 @@ class EagleDrafter(Drafter):
       pred, cache = eagle_forward(self.params, self.cfg, self.embed, take(tree.tokens, frontier),
                                   feats, positions, cache, slots=slots, visible=visible)
       rows = jnp.arange(B)[:, None]
-      N_feat["f"] = node_feat.at[rows, frontier].set(pred, mode="drop")
+      node_feat = node_feat.at[rows, frontier].set(pred, mode="drop")
       return full(pred), cache
 
     cache = state.cache.with_lengths(seq_len - 1)

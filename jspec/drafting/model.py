@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafting.base import (DraftState, Drafter, Features, Pick, draft_chain,
-                                 sample_full_vocab)
+from jspec.drafting.base import DraftState, Features, HeadDrafter, Pick, draft_chain
 from jspec.drafting.frontier import KVFrontierFeeder
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward, forward_at
-from jspec.models.vocab_trim import check_keep_ids, full_vocab_logits
+from jspec.models.vocab_trim import check_keep_ids
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take
 
@@ -39,7 +38,7 @@ class ModelTreeState(DraftState):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class ModelDrafter(Drafter):
+class ModelDrafter(HeadDrafter):
   """An independent (smaller) LM sharing the target's tokenizer, with its own KV cache.
 
   Each round it re-reads the row's last two tokens (the second is new; the first is new when the
@@ -54,10 +53,6 @@ class ModelDrafter(Drafter):
   params: Params
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
-
-  @property
-  def vocab_size(self) -> int:
-    return self.cfg.vocab_size
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ModelDraftState:
@@ -90,9 +85,8 @@ class ModelDrafter(Drafter):
                                  cache)
       return logits[:, 0], cache.commit(1)
 
-    sample = lambda k, logits: sample_full_vocab(k, logits, sampling, self.keep_ids,
-                                                 self.cfg.vocab_size)
-    tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step, sample, pick)
+    tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step,
+                                       self.sampler(sampling), pick)
     return tokens, probs, ModelDraftState(cache=cache)
 
   def update(self, state: ModelDraftState, seq_len: Array, features: Features
@@ -103,15 +97,14 @@ class ModelDrafter(Drafter):
     """The last two known tokens are fed as in `propose`; a frontier at depth d sits at positions
     seq_len - 1 + d, its KV past the seq_len committed slots."""
     logits, cache = self._read_last2(state, last2, seq_len)
-    full = lambda logits: full_vocab_logits(logits, self.keep_ids, self.cfg.vocab_size)
 
     def run(tree: Tree, frontier: Array, slots: Array, visible: Array, cache: KVCache):
       positions = seq_len[:, None] - 1 + take(tree.depth, frontier)  # [B, W]
       logits, cache = forward_at(self.params, self.cfg, take(tree.tokens, frontier), positions,
                                  cache, slots, visible)
-      return full(logits), cache
+      return self.full_logits(logits), cache
 
-    return KVFrontierFeeder(cache, full(logits), seq_len, run,
+    return KVFrontierFeeder(cache, self.full_logits(logits), seq_len, run,
                             lambda cache, kv_slot: ModelTreeState(cache=cache, kv_slot=kv_slot))
 
   def accept_tree(self, drafted: ModelTreeState, path: Array, n_accepted: Array, seq_len: Array,

@@ -17,7 +17,7 @@ from jspec.drafting.base import Drafter
 from jspec.drafting.feature import eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.ngram import ngram_drafter
-from jspec.io.drafter import load_compact, load_feature, read_drafter_dir
+from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.fetch import default_model_path
 from jspec.io.load import check_same_tokenizer, dtype_by_name, load_checkpoint, resolve_path
 from jspec.io.tokenizer import Tokenizer
@@ -146,13 +146,13 @@ def default_drafter_path(target: Target) -> Path:
   return DEFAULT_DRAFTER
 
 
-def _compact_dir(path: Path, target: Target, dtype: str) -> Drafter:
-  cfg, params, keep = load_compact(path, target.cfg, target.params, dtype_by_name(dtype))
+def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
+  cfg, params, keep = load_compact(stored, target.cfg, target.params, dtype_by_name(dtype))
   return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)
 
 
-def _feature_dir(path: Path, target: Target, dtype: str) -> Drafter:
-  cfg, params, keep = load_feature(path, target.cfg, dtype_by_name(dtype))
+def _feature_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
+  cfg, params, keep = load_feature(stored, target.cfg, dtype_by_name(dtype))
   return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype
 
 
@@ -165,11 +165,11 @@ def load_model_drafter(path: str | Path, target: Target, dtype: str = "float32")
   borrows the target's embedding and/or has a VocabTrim head) or a feature-level drafter
   directory (see jspec.io.drafter)."""
   path = resolve_path(path)
-  load_dir = _BORROWING_DIRS.get(read_drafter_dir(path).kind) if path.is_dir() else None
-  if load_dir is not None:
+  stored = read_drafter_dir(path) if path.is_dir() else None
+  if stored is not None and stored.kind in _BORROWING_DIRS:
     dtype_by_name(dtype)
     check_same_tokenizer(target.tokenizer, Tokenizer.from_hf_dir(path), str(path))
-    return load_dir(path, target, dtype)
+    return _BORROWING_DIRS[stored.kind](stored, target, dtype)
   cfg, params, tokenizer, source = load_checkpoint(path, dtype)
   check_same_tokenizer(target.tokenizer, tokenizer, str(source))
   return ModelDrafter(params, cfg)

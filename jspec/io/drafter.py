@@ -37,6 +37,7 @@ from jspec.models.llama import LayerParams, Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
 
 FORMAT_KEY = "drafter_format"
+FEATURE_KIND = "eagle"  # the format record's "kind" of a feature-level drafter
 KEEP_IDS = "jspec.keep_ids"
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
@@ -125,17 +126,18 @@ def drafter_format(path: str | Path) -> dict[str, Any] | None:
   return read_drafter_dir(path).format
 
 
-def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
+def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_params: Params,
                  dtype=jnp.float32) -> tuple[Config, Params, np.ndarray | None]:
-  """(cfg, params, keep_ids or None) of a compact drafter directory, completed from the target."""
+  """(cfg, params, keep_ids or None) of a compact drafter directory (a path, or what
+  read_drafter_dir read of it), completed from the target."""
   from safetensors import safe_open
 
   from jspec.io.checkpoint import assemble_params
   from jspec.models.config import config_from_hf
 
-  path = Path(path)
-  fmt = read_drafter_dir(path).format
-  if fmt is None or fmt.get("kind") == FEATURE_KIND:
+  stored = stored if isinstance(stored, DrafterDir) else read_drafter_dir(stored)
+  path, fmt = stored.path, stored.format
+  if stored.kind != "compact":
     raise ValueError(f"{path} is not a compact drafter directory (no {FORMAT_KEY} in jspec.json)")
   cfg = config_from_hf(json.loads((path / "config.json").read_text()))
   file = path / "model.safetensors"
@@ -171,7 +173,6 @@ def load_compact(path: str | Path, target_cfg: Config, target_params: Params,
   return cfg, params, keep
 
 
-FEATURE_KIND = "eagle"  # the format record's "kind" of a feature-level drafter
 
 
 def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[str, Any], *,
@@ -203,14 +204,17 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
   return path
 
 
-def load_feature(path: str | Path, target_cfg: Config, dtype=jnp.float32
+def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.float32
                  ) -> tuple[Config, EagleParams, np.ndarray | None]:
-  """(cfg, params, keep_ids or None) of the feature-level drafter stored in `path`; it borrows
-  the target's tables when it is built (jspec.drafting.feature.eagle_drafter)."""
+  """(cfg, params, keep_ids or None) of a feature-level drafter directory (a path, or what
+  read_drafter_dir read of it); it borrows the target's tables when it is built
+  (jspec.drafting.feature.eagle_drafter)."""
   from safetensors import safe_open
 
-  path = Path(path)
-  fmt = read_drafter_dir(path).format
+  stored = stored if isinstance(stored, DrafterDir) else read_drafter_dir(stored)
+  path, fmt = stored.path, stored.format
+  if stored.kind != "feature":
+    raise ValueError(f"{path} is not a feature-level drafter directory")
   cfg = drafter_config(target_cfg, 1)
   stored = {k: v for k, v in fmt["config"].items() if k in ("hidden_size", "vocab_size",
                                                             "num_heads", "num_kv_heads",

@@ -188,8 +188,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               cache_size: int | None = None) -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
-  Example:
-    drafter = ModelDrafter(draft_params, draft_cfg)
+  Example (any drafter grows trees):
+    drafter = jspec.drafting.registry.load_drafter("ngram+default", model)
     out = tree_speculative_generate(params, cfg, drafter, [[1, 2, 3]],
                                     spec=TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=64))
     out.sequences(), out.block_efficiency, out.tree_nodes
