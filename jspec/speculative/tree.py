@@ -33,8 +33,7 @@ from jspec.models.llama import Params, forward
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
-from jspec.tree.shapes import (TREE_HELP, BeamTree, BranchingTree, DynamicTree, TreeShape,
-                               parse_tree)
+from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
 
@@ -52,7 +51,7 @@ class TreeSpecConfig:
   def __post_init__(self):
     if isinstance(self.tree, str):
       object.__setattr__(self, "tree", parse_tree(self.tree))
-    if not isinstance(self.tree, (BranchingTree, BeamTree, DynamicTree)):
+    if not isinstance(self.tree, TreeShape):
       raise ValueError(f"tree must be a tree string ({TREE_HELP}) or a shape from "
                        f"parse_tree, got {self.tree!r}")
     if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
