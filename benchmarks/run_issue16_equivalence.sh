@@ -11,13 +11,14 @@ git worktree add -f "$OLD" "$OLD_REV" >/dev/null
 trap 'git worktree remove --force "$OLD"' EXIT
 ARGS=(--model default --dataset mt-bench --num-prompts 5 --max-new-tokens 64 --gamma 3
       --no-transformers --no-overhead)
+HERE=$(pwd)
 for T in 0 1; do
   for side in old new; do
-    root=$([ "$side" = old ] && echo "$OLD" || pwd)
-    # The package imported is the one on PYTHONPATH: the old tree's, or this one's.
-    PYTHONPATH="$root" python -c "import sys, jspec, jspec.cli; print(jspec.__file__, file=sys.stderr); sys.exit(jspec.cli.main(sys.argv[1:]))" \
+    root=$([ "$side" = old ] && echo "$OLD" || echo "$HERE")
+    # Run from the tree's own root, so `import jspec` finds that tree's package (printed).
+    (cd "$root" && PYTHONPATH="$root" python -c "import sys, jspec, jspec.cli; print(jspec.__file__, file=sys.stderr); sys.exit(jspec.cli.main(sys.argv[1:]))" \
       bench "${ARGS[@]}" --temperature "$T" --drafters default,ngram,ngram+default \
-      --json "benchmarks/issue16_${side}_mt-bench_t${T}_g3_cpu.json"
+      --json "$HERE/benchmarks/issue16_${side}_mt-bench_t${T}_g3_cpu.json")
   done
 done
 python - <<'PY'
