@@ -27,7 +27,6 @@ from jspec.model import Model
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import TreeShape
 
 
@@ -77,12 +76,7 @@ def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
   token (unless not `measure_ttft`: one program less to compile per bucket), a full call the wall
   time."""
   gen = lambda p, n: model.generate_ids([p], max_new_tokens=n, sampling=sampling, key=seed,
-                                        drafter=drafter, gamma=gamma)
-  if tree is not None:
-    stop = tuple(model.tokenizer.stop_token_ids)
-    gen = lambda p, n: tree_speculative_generate(
-        model.params, model.cfg, drafter, [p], sampling=sampling, key=seed,
-        spec=TreeSpecConfig(tree, max_new_tokens=n, stop_ids=stop))
+                                        drafter=drafter, gamma=gamma, tree=tree)
   compile_s, seen = [], set()
   for p in prompts:
     if prompt_bucket(len(p)) in seen:
