@@ -39,8 +39,6 @@ class GenerateOutput:
     return trimmed_rows(self.tokens, self.lengths)
 
 
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:

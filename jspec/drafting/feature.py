@@ -96,7 +96,8 @@ class EagleDrafter(HeadDrafter):
 
   def tree_feeder(self, state: EagleState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
     """Node n (depth d) is fed as the pair (f̂ of its parent, its token) at position
-    seq_len - 2 + d; the root's children are scored by next_feat. The cache's committed prefix is seq_len - 1."""
+    seq_len - 2 + d; the root's children are scored by next_feat. The cache's committed prefix is
+    seq_len - 1."""
     B = seq_len.shape[0]
     full = lambda feats: self.full_logits(head_logits(self.head, feats))
     node_feat = None  # [B, N, E] f̂ of every node once it is fed

@@ -61,7 +61,7 @@ def write_at(history: Array, start: Array, tokens: Array) -> Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class NgramState(DraftState):
-  history: Array  # [B, L] int32: prompt, accepted tokens, last round's drafts
+  history: Array  # [B, L] int32: prompt and known tokens (past them: last round's drafts)
   inner: DraftState | None = None  # the fallback drafter's state
 
 

@@ -138,7 +138,8 @@ def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_par
   stored = stored if isinstance(stored, DrafterDir) else read_drafter_dir(stored)
   path, fmt = stored.path, stored.format
   if stored.kind != "compact":
-    raise ValueError(f"{path} is not a compact drafter directory (no {FORMAT_KEY} in jspec.json)")
+    raise ValueError(f"{path} is not a compact drafter directory (its jspec.json says "
+                     f"{stored.kind!r})")
   cfg = config_from_hf(json.loads((path / "config.json").read_text()))
   file = path / "model.safetensors"
   if not file.is_file():
@@ -171,8 +172,6 @@ def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_par
       raise ValueError(f"{path}: {HEAD} has shape {head.shape}, expected {expected}")
     params = dataclasses.replace(params, lm_head=jnp.asarray(head.T, dtype))
   return cfg, params, keep
-
-
 
 
 def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[str, Any], *,
@@ -216,13 +215,12 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   if stored.kind != "feature":
     raise ValueError(f"{path} is not a feature-level drafter directory")
   cfg = drafter_config(target_cfg, 1)
-  stored = {k: v for k, v in fmt["config"].items() if k in ("hidden_size", "vocab_size",
-                                                            "num_heads", "num_kv_heads",
-                                                            "head_dim", "intermediate_size")}
-  mine = {k: getattr(cfg, k) for k in stored}
-  if stored != mine:
-    raise ValueError(f"{path} is a feature drafter for a target with {stored}, but this target "
-                     f"gives {mine}: it was trained for another target model")
+  trained_for = {k: v for k, v in fmt["config"].items() if k in (
+      "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")}
+  mine = {k: getattr(cfg, k) for k in trained_for}
+  if trained_for != mine:
+    raise ValueError(f"{path} is a feature drafter for a target with {trained_for}, but this "
+                     f"target gives {mine}: it was trained for another target model")
   file = path / "model.safetensors"
   if not file.is_file():
     raise FileNotFoundError(f"{file} not found: the drafter directory is incomplete")

@@ -12,9 +12,10 @@ Tree shapes: jspec.tree.shapes.
 
 Slot layout of a round, for a row that knows seq_len tokens (the target cache holds seq_len - 1):
 the target writes the root (the last known token) at slot seq_len - 1 and node n at slot
-seq_len + n; the drafter re-feeds the last two known tokens at seq_len - 2, seq_len - 1 and writes
-the nodes it expands at seq_len + 0, 1, ... After verification accepting path[0 .. n-1], slot
-seq_len + j receives the entry of path[j] in both caches.
+seq_len + n; after verification accepting path[0 .. n-1], slot seq_len + j receives the entry of
+path[j]. Each drafter keeps its own cache in step through `accept_tree` (a model drafter moves the
+accepted nodes' KV the same way; the feature drafter rewrites the path's pairs from the target's
+features; the n-gram lookup writes the accepted tokens into its history).
 """
 
 from __future__ import annotations
