@@ -17,7 +17,7 @@ import numpy as np
 
 from jspec.drafting.feature import EagleDrafter
 from jspec.drafting.registry import load_model_drafter
-from jspec.io.drafter import read_drafter_dir, save_drafter, shares_table
+from jspec.io.drafter import FORMAT_KEY, read_drafter_dir, save_drafter, shares_table
 from jspec.model import Model
 from jspec.models.drafter import drafter_config
 from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
@@ -132,7 +132,7 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
     keep = most_frequent_ids(counts, size, always=target.tokenizer.stop_token_ids)
     params = trim_head(params, keep)
   metadata = dict(stored.metadata)
-  metadata.pop("drafter_format", None)
+  metadata.pop(FORMAT_KEY, None)
   metadata["vocab_trim"] = {"size": size, "data": list(data_dirs), "from": str(drafter_dir),
                             "command": command}
   return save_drafter(out, drafter.cfg, params, target.tokenizer, metadata, keep_ids=keep,
