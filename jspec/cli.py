@@ -63,7 +63,8 @@ def cmd_generate(args) -> int:
       print(f"### {prompt}")
     print(model.tokenizer.decode(seq))
   n = int(out.lengths.sum())
-  print(f"[jspec] {model.source}: load {load_s:.1f}s, compile {compiled.seconds:.1f}s, "
+  print(f"[jspec] {model.source}: load {load_s:.1f}s, compile {compiled.seconds:.1f}s "
+        f"({compiled.built} XLA programs built, {compiled.cache_hits} loaded from cache), "
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
         + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
@@ -433,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  from jspec.io import compilation_cache
+  compilation_cache.enable()
   try:
     return args.fn(args)
   except (ValueError, FileNotFoundError) as e:

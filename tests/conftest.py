@@ -1,9 +1,14 @@
 """Suite-wide fixtures."""
 
 import gc
+import os
 
 import jax
 import pytest
+
+# Tests run in-process CLI commands, which turn JAX's persistent compilation cache on; kept off so
+# that no test reads programs another run wrote (test_compilation_cache turns it on in a subprocess).
+os.environ["JSPEC_COMPILATION_CACHE"] = "off"
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -216,3 +216,25 @@ def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys)
   assert "needs a drafter" in capsys.readouterr().err
   assert main(base + ["--drafter", "self", "--tree", "bushy:3"]) == 2
   assert "unknown tree method" in capsys.readouterr().err
+
+
+def test_a_second_run_compiles_nothing(tiny_model, tmp_path):
+  """The CLI keeps JAX's persistent compilation cache: the same command run again builds no XLA
+  program (it loads them), and prints the same text."""
+  import os
+  import re
+  import subprocess
+  import sys
+
+  env = dict(os.environ, JSPEC_COMPILATION_CACHE=str(tmp_path / "xla"))
+  cmd = [sys.executable, "-m", "jspec.cli", "generate", "--model", str(tiny_model), "--prompt",
+         "Hi", "--max-new-tokens", "4", "--drafter", "self", "--gamma", "2"]
+  runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+          for _ in range(2)]
+  built = []
+  for run in runs:
+    assert run.returncode == 0, run.stderr
+    built.append(int(re.search(r"\((\d+) XLA programs built", run.stderr).group(1)))
+  assert built[0] > 0 and built[1] == 0, built
+  assert runs[0].stdout == runs[1].stdout
+  assert any((tmp_path / "xla").iterdir())

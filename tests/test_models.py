@@ -107,19 +107,15 @@ def test_gguf_loads_like_original(checkpoint, tmp_path, quant):
   assert np.abs(got - want).max() < tol
 
 
-def test_gguf_without_unpermute_differs(tmp_path):
+def test_gguf_without_unpermute_differs(tmp_path, monkeypatch):
   """The permutation matters: skipping the un-permute gives different logits (the test has teeth)."""
   from jspec.io import checkpoint as ck
   d, config, sd = ggufutil.tiny_hf_checkpoint(tmp_path / "hf", "llama")
   path = ggufutil.write_gguf(tmp_path / "m.gguf", config, sd, "llama")
   cfg, params = load_gguf(path)
   good, _, _ = full_forward(cfg, params, np.arange(20)[None])
-  original = ck.unpermute_llama_qk
-  try:
-    ck.unpermute_llama_qk = lambda w, n: w
-    _, bad_params = load_gguf(path)
-  finally:
-    ck.unpermute_llama_qk = original
+  monkeypatch.setattr(ck, "_permuted_heads", lambda cfg, name: None)
+  _, bad_params = load_gguf(path)
   bad, _, _ = full_forward(cfg, bad_params, np.arange(20)[None])
   assert np.abs(good - bad).max() > 1e-3
 

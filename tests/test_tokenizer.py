@@ -9,6 +9,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from jspec.io.fetch import default_model_path
+from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ CHATML = ("{% for m in messages %}"
 @pytest.fixture(scope="module")
 def smollm():
   path = default_model_path(progress=False)
-  ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+  ours = Tokenizer.from_gguf(GGUFFile(path))
   ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   return ours, ref
 

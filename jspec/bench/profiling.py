@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _active: list["CompileCounter"] = []
 _registered = False
 
@@ -22,17 +23,31 @@ def _listener(name: str, duration: float, **_) -> None:
       counter.compiles += 1
 
 
+def _hit_listener(name: str, **_) -> None:
+  if name == _CACHE_HIT:
+    for counter in _active:
+      counter.cache_hits += 1
+
+
 class CompileCounter:
-  """Context manager counting backend compilations (and their seconds) inside its block."""
+  """Context manager counting the XLA programs requested inside its block (`compiles`: built, or
+  loaded from JAX's persistent compilation cache, `cache_hits` of them) and their seconds."""
 
   def __init__(self):
     self.compiles = 0
+    self.cache_hits = 0
     self.seconds = 0.0
+
+  @property
+  def built(self) -> int:
+    """Programs XLA actually compiled (not loaded from the persistent cache)."""
+    return self.compiles - self.cache_hits
 
   def __enter__(self) -> "CompileCounter":
     global _registered
     if not _registered:
       jax.monitoring.register_event_duration_secs_listener(_listener)
+      jax.monitoring.register_event_listener(_hit_listener)
       _registered = True
     _active.append(self)
     return self

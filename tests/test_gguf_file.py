@@ -1,0 +1,95 @@
+"""jspec's GGUF reader against gguf-py's: the same metadata, and every block format decoded to the
+same floats, bit for bit (random blocks, so a wrong nibble order or scale index cannot pass)."""
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ggufutil  # noqa: E402
+
+from jspec.io import gguf_file  # noqa: E402
+from jspec.io.gguf_file import GGUFFile, dequantize  # noqa: E402
+
+# Byte offsets of the float16 scale fields in each format's block; every other byte is random.
+F16_FIELDS = {gguf_file.Q4_0: (0,), gguf_file.Q4_1: (0, 2), gguf_file.Q5_0: (0,),
+              gguf_file.Q5_1: (0, 2), gguf_file.Q8_0: (0,), gguf_file.Q4_K: (0, 2),
+              gguf_file.Q5_K: (0, 2), gguf_file.Q6_K: (208,)}
+
+
+def random_blocks(kind: int, rows: int, blocks: int, rng) -> np.ndarray:
+  """[rows, blocks * bytes per block] uint8 of random blocks with finite float16 scales."""
+  if kind in (gguf_file.F32, gguf_file.F16, gguf_file.BF16):
+    values = rng.standard_normal((rows, blocks)).astype(np.float32)
+    if kind == gguf_file.F16:
+      return values.astype(np.float16).view(np.uint8)
+    if kind == gguf_file.BF16:
+      return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return values.view(np.uint8)
+  _, size = gguf_file.BLOCK[kind]
+  raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+  for at in F16_FIELDS[kind]:
+    scale = rng.standard_normal((rows, blocks)).astype(np.float16)
+    raw[:, :, at:at + 2] = scale.view(np.uint8).reshape(rows, blocks, 2)
+  return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(gguf_file.BLOCK), ids=lambda k: gguf_file.TYPE_NAMES[k])
+def test_every_format_decodes_like_gguf_py(kind):
+  rng = np.random.default_rng(kind)
+  rows, blocks = 5, 3
+  raw = random_blocks(kind, rows, blocks, rng)
+  ours = dequantize(gguf_file._UNPACK[kind](raw.reshape(rows, blocks, -1), rows))
+  ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind))
+  np.testing.assert_array_equal(ours, ref.reshape(ours.shape))
+
+
+def test_unpacked_q_is_small_integers_with_one_scale_per_sub_block():
+  raw = random_blocks(gguf_file.Q4_K, 2, 2, np.random.default_rng(0))
+  b = gguf_file._UNPACK[gguf_file.Q4_K](raw.reshape(2, 2, -1), 2)
+  assert b.q.dtype == np.int8 and b.q.shape == (2, 512) and 0 <= b.q.min() and b.q.max() <= 15
+  assert b.scale.shape == b.offset.shape == (2, 512 // b.sub) and b.sub == 32
+
+
+def _written(tmp_path, quant):
+  _, config, sd = ggufutil.tiny_hf_checkpoint(tmp_path / "hf", "llama")
+  return ggufutil.write_gguf(tmp_path / "m.gguf", config, sd, "llama", quant=quant)
+
+
+@pytest.mark.parametrize("quant", ["F32", "F16", "Q8_0"])
+def test_a_written_file_reads_like_gguf_py(tmp_path, quant):
+  path = _written(tmp_path, quant)
+  ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+  fields = {name: f.contents() for name, f in ref.fields.items() if not name.startswith("GGUF.")}
+  assert ours.metadata == fields
+  assert list(ours.tensors) == [t.name for t in ref.tensors]
+  for t in ref.tensors:
+    info = ours.tensors[t.name]
+    assert info.ggml_type == int(t.tensor_type)
+    expected = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    np.testing.assert_array_equal(ours.tensor(t.name), expected.reshape(info.shape))
+
+
+def test_clear_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="not found"):
+    GGUFFile(tmp_path / "missing.gguf")
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(b"PK\x03\x04" + bytes(40))
+  with pytest.raises(ValueError, match="not a GGUF file"):
+    GGUFFile(bad)
+  # A tensor in a format jspec does not decode (Q2_K) names the format and the fix.
+  path = tmp_path / "q2k.gguf"
+  writer = gguf.GGUFWriter(path, "llama")
+  _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q2_K]
+  writer.add_tensor("w", np.zeros((2, size), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  f = GGUFFile(path)
+  assert f.tensors["w"].shape == (2, 256)
+  with pytest.raises(ValueError, match="Q2_K.*re-quantize"):
+    f.tensor("w")
