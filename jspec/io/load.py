@@ -11,16 +11,19 @@ from jspec.io.fetch import NAMED_MODELS, default_model_path, fetch
 from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params
+from jspec.models.llama import Params, quantize_params
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
+# channel, activations int8 per token inside each matmul, float32 everywhere else.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32}
+QUANTIZED = ("int8",)
 DEFAULT = "default"
 
 
 def dtype_by_name(name: str):
-  """The compute dtype called `name` ("float32" or "bfloat16")."""
+  """The compute dtype of weight format `name` ("float32", "bfloat16" or "int8")."""
   if name not in DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    raise ValueError(f"weights must be one of {sorted(DTYPES)}, got {name!r}")
   return DTYPES[name]
 
 
@@ -42,7 +45,8 @@ def resolve_path(name_or_path: str | Path) -> Path:
 
 def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
                     ) -> tuple[Config, Params, Tokenizer, Path]:
-  """(cfg, params, tokenizer, path) from "default", a .gguf file or an HF directory."""
+  """(cfg, params, tokenizer, path) from "default", a .gguf file or an HF directory; `dtype` names
+  the weight format (see DTYPES)."""
   compute_dtype = dtype_by_name(dtype)
   path = resolve_path(name_or_path)
   if path.suffix == ".gguf":
@@ -52,6 +56,8 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
   else:
     cfg, params = load_model(path, compute_dtype)
     tokenizer = Tokenizer.from_hf_dir(path)
+  if dtype in QUANTIZED:
+    params = quantize_params(params)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                      f"vocabulary is {cfg.vocab_size}")

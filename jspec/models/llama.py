@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config, rope_frequencies
 from jspec.sharding import ArraySpec, is_spec
@@ -106,9 +107,22 @@ def init_params(cfg: Config, key: Array, dtype=jnp.float32, scale: float = 0.02)
   return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
 
 
+def row_sum(x: Array) -> Array:
+  """Sum over the last axis [..., N] -> [..., 1], added in one fixed order (pairwise halving, then
+  left to right) whatever the leading shape. XLA's reductions pick their order by shape, so a
+  token's sum could differ in its last bit between a one-token step and a verification block."""
+  while x.shape[-1] % 2 == 0 and x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  total = x[..., :1]
+  for i in range(1, x.shape[-1]):
+    total = total + x[..., i:i + 1]
+  return total
+
+
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  x32 = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
   return (weight.astype(jnp.float32) * x32).astype(x.dtype)
 
 
@@ -146,20 +160,35 @@ def attention_mask(lengths: Array, size: int, mask: Optional[Array], T: int) -> 
   return (rel < 0) | in_block
 
 
-def masked_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-  """GQA attention. q [B, T, H, D]; k, v [B, S, K, D]; mask [B, T, S] → [B, T, H, D]."""
+def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool = False) -> Array:
+  """GQA attention. q [B, T, H, D]; k, v [B, S, K, D]; mask [B, T, S] → [B, T, H, D].
+
+  per_token: attend one query token at a time (a loop over T of the T = 1 computation), so each
+  token's output is bit-identical to what a one-token forward computes. XLA's float dots round
+  differently for different row counts; int8 weights re-quantize every activation, which turns
+  those last-bit differences into whole quantization steps, and greedy speculative decoding
+  would then drift from autoregressive decoding.
+  """
+  if per_token and q.shape[1] > 1:
+    one = lambda qm: masked_attention(qm[0][:, None], k, v, qm[1][:, None], True)[:, 0]
+    return jnp.moveaxis(jax.lax.map(one, (jnp.moveaxis(q, 1, 0), jnp.moveaxis(mask, 1, 0))), 0, 1)
   B, T, H, D = q.shape
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, D)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (D ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  if per_token:  # the softmax's sum in row_sum's fixed order too
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    probs = (e / row_sum(e)).astype(v.dtype)
+  else:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(B, T, H, D)
 
 
-def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int) -> Callable:
+def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int,
+                 per_token: bool = False) -> Callable:
   """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
 
   "xla": masked softmax over the whole cache in jnp. "pallas" / "pallas-interpret": the tree
@@ -168,7 +197,10 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
   """
   if cfg.attention_impl == "xla":
     full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
-    return visible_attention(full_mask)
+    return visible_attention(full_mask, per_token)
+  if per_token:
+    raise ValueError(f"int8 weights run with attention_impl='xla' only (the tree attention "
+                     f"kernel is not yet token-invariant), got {cfg.attention_impl!r}")
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
   block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
   if block_k is None:
@@ -180,11 +212,11 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
                                                    block_sizes=blocks, interpret=interpret)
 
 
-def visible_attention(visible: Array) -> Callable:
+def visible_attention(visible: Array, per_token: bool = False) -> Callable:
   """attend(q, k_all, v_all, layer) in XLA where each new token sees exactly the cache slots
   `visible` [B, T, S] marks."""
   return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
-                                                     v_all[i].astype(q.dtype), visible)
+                                                     v_all[i].astype(q.dtype), visible, per_token)
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
@@ -193,9 +225,9 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array
   B, T, _ = x.shape
   with jax.named_scope("attention"):
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("bte,ehd->bthd", h, lp.wq)  # [B, T, H, D]
-    k = jnp.einsum("bte,ekd->btkd", h, lp.wk)  # [B, T, K, D]
-    v = jnp.einsum("bte,ekd->btkd", h, lp.wv)  # [B, T, K, D]
+    q = quant.einsum("bte,ehd->bthd", h, lp.wq)  # [B, T, H, D]
+    k = quant.einsum("bte,ekd->btkd", h, lp.wk)  # [B, T, K, D]
+    v = quant.einsum("bte,ekd->btkd", h, lp.wv)  # [B, T, K, D]
     if lp.bq is not None:
       q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     if lp.q_norm is not None:
@@ -208,17 +240,17 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array
     v_cache = v_cache.at[i, rows, slots].set(v.astype(v_cache.dtype), mode="drop")
     out = attend(q, k_cache, v_cache, i)
     # Contract heads and head_dim as one axis so the weight is read in its stored layout.
-    attn = jnp.einsum("btf,fe->bte", out.reshape(B, T, -1), lp.wo.reshape(-1, cfg.hidden_size))
+    attn = quant.einsum("btf,fe->bte", out.reshape(B, T, -1), lp.wo.reshape(-1, cfg.hidden_size))
     if lp.bo is not None:
       attn = attn + lp.bo
     x = x + attn
   with jax.named_scope("mlp"):
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    gate = jnp.einsum("bte,ef->btf", h, lp.w_gate)
-    up = jnp.einsum("bte,ef->btf", h, lp.w_up)
+    gate = quant.einsum("bte,ef->btf", h, lp.w_gate)
+    up = quant.einsum("bte,ef->btf", h, lp.w_up)
     if lp.b_gate is not None:
       gate, up = gate + lp.b_gate, up + lp.b_up
-    down = jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp.w_down)
+    down = quant.einsum("btf,fe->bte", jax.nn.silu(gate) * up, lp.w_down)
     if lp.b_down is not None:
       down = down + lp.b_down
     x = x + down
@@ -228,8 +260,10 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array
 def lm_head(params: Params, hidden: Array) -> Array:
   """Logits (float32) from final-normed hidden states [..., E]."""
   if params.lm_head is None:
-    return jnp.einsum("...e,ve->...v", hidden, params.embed, preferred_element_type=jnp.float32)
-  return jnp.einsum("...e,ev->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return quant.einsum("...e,ve->...v", hidden, params.embed,
+                        preferred_element_type=jnp.float32)
+  return quant.einsum("...e,ev->...v", hidden, params.lm_head,
+                      preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
@@ -249,7 +283,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   """
   B, T = tokens.shape
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T)
+  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.is_quantized(params))
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
   picked = hidden
   if logits_indices is not None:
@@ -277,14 +311,14 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   forward's [B, T, T] mask over consecutive new tokens cannot express.
   """
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
-                           visible_attention(visible))
+                           visible_attention(visible, quant.is_quantized(params)))
   return lm_head(params, hidden), cache
 
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
              slots: Array, attend: Callable) -> tuple[Array, KVCache]:
   """Embedding, every layer (new K/V written at `slots` [B, T]), final norm → hidden [B, T, E]."""
-  x = params.embed[tokens]  # [B, T, E]
+  x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
@@ -296,6 +330,24 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.
 forward_jit = jax.jit(forward, static_argnums=(1,), donate_argnames=("cache",))
+
+
+# Input (contracted) axes of each quantizable weight; norms and biases stay in float.
+_INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": (0,), "w_up": (0,),
+                    "w_down": (0,)}
+
+
+def quantize_params(params: Params) -> Params:
+  """Every projection, the LM head and the embedding table as int8 per output channel
+  (`jspec.models.quant.Int8Weight`); the embedding per row, which is its output channel when
+  it is the tied LM head."""
+  def layer(lp: LayerParams) -> LayerParams:
+    return dataclasses.replace(lp, **{name: quant.quantize_int8(getattr(lp, name), axes)
+                                      for name, axes in _INT8_INPUT_AXES.items()})
+  return dataclasses.replace(
+      params, embed=quant.quantize_int8(params.embed, (1,)),
+      layers=tuple(layer(lp) for lp in params.layers),
+      lm_head=None if params.lm_head is None else quant.quantize_int8(params.lm_head, (0,)))
 
 
 def param_bytes(params: Params) -> int:

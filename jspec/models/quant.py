@@ -6,11 +6,13 @@ consecutive entries of a row, the form every GGUF format unpacks to (`jspec.io.g
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -25,3 +27,109 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
   if offset is not None:
     w = w + offset[..., None]
   return w.reshape(*lead, n).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- int8 matmuls
+# Weights int8 with one scale per output channel; activations quantized to int8 per token on the
+# fly (llama.cpp's scheme on CPU: its Q8 activations). The dot runs int8 x int8 -> int32, exact,
+# which XLA's CPU backend maps to VNNI/AVX-512 kernels 2-3x faster than its float32 dot at 2-8
+# rows; dequantizing the weights to float inside the matmul instead (weight-only) is SLOWER than
+# float32 there, because XLA materializes the converted weights (benchmarks/issue17_matmul_cpu.json).
+# Every token's activations are scaled on their own, so a token's logits do not depend on which
+# other tokens share its forward: greedy speculative decoding stays identical to autoregressive.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Int8Weight:
+  """A weight w stored as q (int8, w's shape) * scale (float32, w's shape with 1 on the input
+  axes `in_axes`, over which a matmul contracts): one scale per output channel."""
+
+  q: Array
+  scale: Array
+  in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.q.shape
+
+  @property
+  def dtype(self):
+    """The dtype the layer computes in (what a float weight's dtype tells its callers)."""
+    return self.scale.dtype
+
+  def out_scale(self) -> Array:
+    """The scale over the output axes only, in their order: a matmul's output layout."""
+    return jnp.squeeze(self.scale, self.in_axes)
+
+  def reshape(self, *shape) -> "Int8Weight":
+    """Reshape leading input axes (e.g. wo [H, D, E] -> [H * D, E]); output axes stay."""
+    n_out = self.q.ndim - len(self.in_axes)
+    if self.in_axes != tuple(range(len(self.in_axes))) or shape[-n_out:] != self.q.shape[-n_out:]:
+      raise ValueError(f"Int8Weight.reshape keeps the trailing output axes: {self.q.shape} "
+                       f"(input axes {self.in_axes}) -> {shape}")
+    new_in = tuple(range(len(shape) - n_out))
+    scale = self.out_scale().reshape((1,) * len(new_in) + self.q.shape[-n_out:])
+    return Int8Weight(self.q.reshape(*shape), scale, new_in)
+
+  def dense(self) -> Array:
+    return self.q.astype(self.scale.dtype) * self.scale
+
+  def __jax_array__(self) -> Array:
+    # Code that reads a table as an array (a drafter borrowing the target's embedding, savers)
+    # gets the dequantized weights; the model's matmuls never take this path.
+    return self.dense()
+
+  def __array__(self, dtype=None, copy=None):
+    return np.asarray(self.dense(), dtype)
+
+
+def is_quantized(tree) -> bool:
+  """Whether any weight in the pytree is int8."""
+  return any(isinstance(x, Int8Weight) for x in
+             jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int8Weight)))
+
+
+def quantize_int8(w: Array, in_axes: tuple[int, ...]) -> Int8Weight:
+  """Symmetric int8 with one scale per output channel: the max |w| over the input axes `in_axes`
+  maps to 127 (scale: w's shape without them)."""
+  w = jnp.asarray(w, jnp.float32)
+  scale = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True) / 127.0
+  scale = jnp.where(scale == 0, 1.0, scale)
+  q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+  return Int8Weight(q, scale, tuple(in_axes))
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+  """Per-token symmetric int8 of activations x [..., K] -> (int8 [..., K], scale [..., 1])."""
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32) / 127.0
+  scale = jnp.where(scale == 0, 1.0, scale)
+  return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
+  """jnp.einsum(spec, x, w) for a float w, or the int8 x int8 matmul for an Int8Weight. `spec`
+  contracts x's last axis (or axes already flattened into it) with w's input axes; its output is
+  x's leading axes then w's output axes (the layout every projection of the decoder has)."""
+  if not isinstance(w, Int8Weight):
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+  lead = x.shape[:-1]
+  single = int(np.prod(lead)) == 1
+  if single:  # XLA's int8 matrix-vector path is 3x slower than its 2-row matmul: add a zero row
+    x = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
+  xq, xs = quantize_rows(x)
+  y = jnp.einsum(spec, xq, w.q, preferred_element_type=jnp.int32)  # exact
+  out_dims = y.ndim - len(lead)
+  xs = xs.reshape(*xs.shape[:-1], *([1] * out_dims))
+  y = y.astype(jnp.float32) * xs * w.out_scale()
+  if single:
+    y = jax.lax.slice_in_dim(y, 0, 1, axis=len(lead) - 1)
+  return y.astype(preferred_element_type or x.dtype)
+
+
+def take_rows(table, ids: Array) -> Array:
+  """table[ids] for a float table [V, E], or the dequantized rows of an int8 one (scale per row:
+  quantized over its input axis 1, the tied LM head's)."""
+  if not isinstance(table, Int8Weight):
+    return table[ids]
+  return table.q[ids].astype(table.scale.dtype) * table.scale[ids]  # scale [V, 1]
