@@ -26,6 +26,7 @@ from jspec.decode import plan_cache, prompt_bucket
 from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
 from jspec.model import Model
+from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
 from jspec.sampling.processing import GREEDY, SamplingParams
@@ -312,6 +313,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
+          "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
           "machine": machine_info()}
   records = []
   ar_run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed)

