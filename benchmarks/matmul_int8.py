@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench.profiling import machine_info
+from jspec.bench.round_split import best_seconds
 from jspec.models import quant
 
 E, F, REPEATS = 1536, 8960, 50
@@ -30,13 +30,7 @@ def seconds(fn, *args) -> float:
   loop = jax.jit(lambda x, *w: jax.lax.fori_loop(
       0, REPEATS, lambda i, acc: acc + fn(x + i.astype(x.dtype) * 1e-3, *w).sum()
       .astype(jnp.float32), jnp.float32(0)))
-  jax.block_until_ready(loop(*args))
-  best = float("inf")
-  for _ in range(3):
-    start = time.perf_counter()
-    jax.block_until_ready(loop(*args))
-    best = min(best, time.perf_counter() - start)
-  return best / REPEATS
+  return best_seconds(loop, *args, repeats=REPEATS)
 
 
 def main() -> int:

@@ -76,6 +76,18 @@ def test_bench_speculative_records(tiny_model, tmp_path):
     assert key in spec
   assert spec["accepted_per_round"] == 4.0  # the self drafter: every draft accepted (gamma + 1)
   assert sum(spec["accept_hist"][:-1]) == 0
+  split = spec["round_split_s"]  # where a round's time goes, piece by piece
+  assert set(split) == {"draft_layers", "draft_head", "verify_layers", "verify_head", "ar_step"}
+  assert all(v > 0 for v in split.values())
+
+
+def test_int8_weights(tiny_model, capsys):
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12"]) == 0
+  assert capsys.readouterr().out.strip()
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12", "--drafter", "self"]) == 2
+  assert "int8 target is not token-identical" in capsys.readouterr().err
 
 
 def test_bad_drafter(tiny_model, capsys):

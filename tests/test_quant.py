@@ -1,6 +1,7 @@
 """int8 weights: the int8 x int8 matmul against a dequantize-then-matmul reference, a token's
-logits bit-identical whether it is decoded alone or inside a block, and greedy speculative
-decoding (chains and trees) identical to autoregressive decoding under int8."""
+logits bit-identical whether a jitted forward sees it alone or inside a block, int8 drafters
+lossless for float targets, and int8 targets refused by the speculative engines (not yet
+token-identical inside their loops on real models)."""
 
 import dataclasses
 
@@ -127,21 +128,26 @@ def int8_drafter(target):
 
 
 @pytest.mark.parametrize("gamma", [2, 4])
-def test_int8_greedy_speculative_identical_to_autoregressive(int8_target, int8_drafter, gamma):
-  want = generate(int8_target, TARGET, PROMPTS, max_new_tokens=24).sequences()
-  out = speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
+def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma):
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=24).sequences()
+  out = speculative_generate(target, TARGET, int8_drafter, PROMPTS,
                              spec=SpecConfig(gamma=gamma, max_new_tokens=24))
   assert out.sequences() == want
   hist = np.asarray(out.accept_hist)
   assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+  tree = tree_speculative_generate(target, TARGET, int8_drafter, PROMPTS,
+                                   spec=TreeSpecConfig(tree="dynamic:8", max_new_tokens=24))
+  assert tree.sequences() == want
 
 
-def test_int8_greedy_tree_identical_to_autoregressive(int8_target, int8_drafter):
-  want = generate(int8_target, TARGET, PROMPTS, max_new_tokens=20).sequences()
-  for tree in ("fixed:2-2-1", "dynamic:8"):
-    out = tree_speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
-                                    spec=TreeSpecConfig(tree=tree, max_new_tokens=20))
-    assert out.sequences() == want, tree
+def test_int8_targets_are_refused_by_the_speculative_engines(int8_target, int8_drafter):
+  """Not token-identical to autoregressive decoding on real models yet (see check_target)."""
+  with pytest.raises(ValueError, match="int8 target is not token-identical"):
+    speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
+                         spec=SpecConfig(gamma=2, max_new_tokens=8))
+  with pytest.raises(ValueError, match="int8 target is not token-identical"):
+    tree_speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
+                              spec=TreeSpecConfig(tree="dynamic:8", max_new_tokens=8))
 
 
 def test_int8_needs_xla_attention(int8_target):

@@ -21,7 +21,7 @@ from jspec.models.llama import Params, forward, lm_head
 from jspec.sampling.processing import GREEDY, SamplingParams
 
 
-def _seconds(fn, *args, repeats: int) -> float:
+def best_seconds(fn, *args, repeats: int) -> float:
   """Best of 3 timed calls (after one that compiles) of a program running `repeats` times."""
   jax.block_until_ready(fn(*args))
   best = float("inf")
@@ -49,7 +49,7 @@ def _layers_s(params: Params, cfg: Config, tokens: int, cache_size: int, context
       return cache, acc + hidden[0, -1, 0]
     return jax.lax.fori_loop(0, repeats, one, (cache, jnp.float32(0)))
 
-  return _seconds(run, params, cache, repeats=repeats)
+  return best_seconds(run, params, cache, repeats=repeats)
 
 
 def _head_s(params: Params, cfg: Config, tokens: int, sample, repeats: int) -> float:
@@ -65,7 +65,7 @@ def _head_s(params: Params, cfg: Config, tokens: int, sample, repeats: int) -> f
       return acc
     return jax.lax.fori_loop(0, repeats, one, jnp.int32(0))
 
-  return _seconds(run, params, jax.random.key(0), repeats=repeats)
+  return best_seconds(run, params, jax.random.key(0), repeats=repeats)
 
 
 def round_split_s(target_params: Params, target_cfg: Config, drafter: HeadDrafter, gamma: int,

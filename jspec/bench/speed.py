@@ -25,6 +25,7 @@ from jspec.bench.round_split import round_split_s
 from jspec.decode import plan_cache, prompt_bucket
 from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
+from jspec.io.load import resolve_path
 from jspec.model import Model
 from jspec.models import quant
 from jspec.models.cache import KVCache
@@ -162,6 +163,7 @@ def _load_transformers(source: str):
   from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count() or 1)
+  os.environ["HF_HUB_OFFLINE"] = "1"  # local files only: a path that is not one must fail here
   src = Path(source)
   if src.suffix == ".gguf":
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
@@ -258,8 +260,11 @@ class NamedDrafter:
 
   @property
   def assistant_source(self) -> str | None:
-    """What transformers loads as the assistant; None: the target itself."""
-    return self.name.split(":", 1)[1] if self.name.startswith("model:") else None
+    """What transformers loads as the assistant (a local path: named models resolved to their
+    fetched files); None: the target itself."""
+    if not self.name.startswith("model:"):
+      return None
+    return str(resolve_path(self.name.split(":", 1)[1]))
 
 
 def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,

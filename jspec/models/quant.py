@@ -35,8 +35,8 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
 # which XLA's CPU backend maps to VNNI/AVX-512 kernels 2-3x faster than its float32 dot at 2-8
 # rows; dequantizing the weights to float inside the matmul instead (weight-only) is SLOWER than
 # float32 there, because XLA materializes the converted weights (benchmarks/issue17_matmul_cpu.json).
-# Every token's activations are scaled on their own, so a token's logits do not depend on which
-# other tokens share its forward: greedy speculative decoding stays identical to autoregressive.
+# Every token's activations are scaled on their own, so the int8 part of a matmul does not depend
+# on which other tokens share the forward (see speculative.loop.check_target for what still does).
 
 
 @jax.tree_util.register_dataclass

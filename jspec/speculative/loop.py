@@ -13,6 +13,7 @@ import numpy as np
 
 from jspec.decode import PAD, is_stop, prefill, trimmed_rows
 from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params
@@ -139,6 +140,21 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
       accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)
                                           * act[:, None], axis=0),
       accepted_at=s.accepted_at + jnp.sum((idx[None, :W - 1] < n_acc[:, None]) * act[:, None], 0))
+
+
+def check_target(params) -> None:
+  """Host-side: a target whose verification blocks score tokens exactly as one-token steps do.
+
+  int8 targets do not, yet: their logits are bit-identical alone or in a block when the forward
+  is jitted on its own (tests/test_quant.py), but inside the engines' loops XLA fuses the one-token
+  and block programs differently, and re-quantizing activations to int8 turns the last-bit
+  differences into different greedy tokens (Qwen2.5-Coder-1.5B diverged at token 31 of 64).
+  """
+  if quant.is_quantized(params):
+    raise ValueError(
+        "speculative decoding with an int8 target is not token-identical to autoregressive "
+        "decoding yet, so jspec refuses it. Fix: load the target as float32 or bfloat16 "
+        "(--weights float32); int8 autoregressive decoding works.")
 
 
 def check_drafter(cfg: Config, drafter: Drafter) -> None:
