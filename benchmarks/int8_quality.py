@@ -32,8 +32,10 @@ def perplexity(model, texts: list[str], max_len: int = 384) -> float:
   nll, count = 0.0, 0
   for text in texts:
     ids = model.tokenizer.encode(text)[:max_len]
-    logits, _ = fwd(model.params, model.cfg, jnp.asarray([ids]))
-    logp = jax.nn.log_softmax(logits[0, :-1], axis=-1)
+    # One shape for every text (one compile): causal attention keeps the padding out of the rest.
+    padded = jnp.asarray([ids + [0] * (max_len - len(ids))])
+    logits, _ = fwd(model.params, model.cfg, padded)
+    logp = jax.nn.log_softmax(logits[0, :len(ids) - 1], axis=-1)
     nll -= float(jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=1).sum())
     count += len(ids) - 1
   return float(np.exp(nll / count))
