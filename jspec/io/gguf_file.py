@@ -30,13 +30,12 @@ from jspec.models import quant
 
 Array = jax.Array
 
-# ggml_type ids and (elements per block, bytes per block); gguf.GGML_QUANT_SIZES holds the same.
+# ggml_type ids of the formats jspec decodes, and (elements per block, bytes per block) of each.
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q4_K, Q5_K, Q6_K, BF16 = 12, 13, 14, 30
-BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
-         Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0",
               Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCK = {kind: tuple(GGML_QUANT_SIZES[kind]) for kind in TYPE_NAMES}  # the formats jspec decodes
 
 # GGUF metadata value types -> struct format (scalars) or numpy dtype (arrays).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
