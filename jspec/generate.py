@@ -17,6 +17,7 @@ from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 
 Array = jax.Array
@@ -116,7 +117,7 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
                         top_ids=state.top_ids, top_logprobs=state.top_logprobs)
 
 
-_generate_jit = jax.jit(generate_tokens, static_argnums=(1,),
+_generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
                         static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype",
                                          "record_top_k"))
 

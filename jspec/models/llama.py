@@ -18,6 +18,7 @@ import numpy as np
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config, rope_frequencies
+from jspec.models.numerics import engine_jit
 from jspec.sharding import ArraySpec, is_spec
 
 Array = jax.Array
@@ -108,16 +109,20 @@ def init_params(cfg: Config, key: Array, dtype=jnp.float32, scale: float = 0.02)
 
 
 def row_sum(x: Array) -> Array:
-  """Sum over the last axis [..., N] -> [..., 1], added in one fixed order (pairwise halving, then
-  left to right) whatever the leading shape. XLA's reductions pick their order by shape, so a
-  token's sum could differ in its last bit between a one-token step and a verification block."""
-  while x.shape[-1] % 2 == 0 and x.shape[-1] > 1:
+  """Sum over the last axis [..., N] -> [..., 1] in one fixed order whatever the leading shape:
+  zero-padded to a power of two, then pairwise halving. XLA's reductions pick their order by
+  shape, so a token's sum could differ in its last bit between a one-token step and a
+  verification block. The padding makes the order also independent of N when the tail is zeros:
+  a softmax over a cache of 320 slots sums its 150 visible ones exactly as one over 256 slots
+  does (the first halvings only add zeros), so a bigger cache does not change a single bit."""
+  n = x.shape[-1]
+  width = 1 << (n - 1).bit_length()  # the power of two >= n
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
     half = x.shape[-1] // 2
     x = x[..., :half] + x[..., half:]
-  total = x[..., :1]
-  for i in range(1, x.shape[-1]):
-    total = total + x[..., i:i + 1]
-  return total
+  return x
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -329,7 +334,7 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
 
 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.
-forward_jit = jax.jit(forward, static_argnums=(1,), donate_argnames=("cache",))
+forward_jit = engine_jit(forward, static_argnums=(1,), donate_argnames=("cache",))
 
 
 # Input (contracted) axes of each quantizable weight; norms and biases stay in float.

@@ -18,6 +18,7 @@ from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.verify import verify
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter, check_target,
@@ -75,7 +76,7 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
       row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
 
 
-_spec_jit = jax.jit(speculative_generate_tokens, static_argnums=(1,),
+_spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
                     static_argnames=("spec", "cache_size"))
 
 

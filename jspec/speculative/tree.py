@@ -31,6 +31,7 @@ from jspec.drafting.base import DraftState, Drafter, Features
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter, check_target,
@@ -169,7 +170,7 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
       accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
 
 
-_tree_jit = jax.jit(tree_speculative_generate_tokens, static_argnums=(1,),
+_tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,),
                     static_argnames=("spec", "cache_size"))
 
 
