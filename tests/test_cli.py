@@ -86,8 +86,11 @@ def test_int8_weights(tiny_model, capsys):
                "--max-new-tokens", "12"]) == 0
   assert capsys.readouterr().out.strip()
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
-               "--max-new-tokens", "12", "--drafter", "self"]) == 2
-  assert "int8 target is not token-identical" in capsys.readouterr().err
+               "--max-new-tokens", "12", "--drafter", "self"]) == 0
+  assert capsys.readouterr().out.strip()
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12", "--drafter", "self", "--tree", "dynamic:8"]) == 2
+  assert "tree speculative decoding with an int8 target" in capsys.readouterr().err
 
 
 def test_bad_drafter(tiny_model, capsys):

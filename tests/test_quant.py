@@ -1,7 +1,7 @@
 """int8 weights: the int8 x int8 matmul against a dequantize-then-matmul reference, a token's
-logits bit-identical whether a jitted forward sees it alone or inside a block, int8 drafters
-lossless for float targets, and int8 targets refused by the speculative engines (not yet
-token-identical inside their loops on real models)."""
+logits bit-identical whether a forward sees it alone or inside a block and over any cache size,
+int8 drafters lossless for float targets, int8 targets token-identical in chains and refused by
+the tree engine."""
 
 import dataclasses
 
@@ -15,7 +15,8 @@ from jspec.generate import generate
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import forward, init_params, quantize_params
+from jspec.models.llama import forward, init_params, masked_attention, quantize_params
+from jspec.models.numerics import engine_jit
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 
@@ -92,16 +93,20 @@ def test_int8_logits_close_to_float(target, int8_target):
   assert float(jnp.abs(got - ref).max()) > 0  # it is a different model: the weights are int8
 
 
-def _block_and_steps(params, cfg, T=6, mask=None):
-  """Hidden states of T tokens fed as one block and fed one at a time after a shared prefix."""
-  fwd = jax.jit(forward, static_argnums=1)
-  prefix, block = jnp.asarray([PROMPTS[0]]), jnp.asarray([PROMPTS[2][:T]])
+def _block_and_steps(params, cfg, T=6, mask=None, block_cache=32, step_cache=32,
+                     prefix=PROMPTS[0]):
+  """Hidden states of T tokens fed as one block and fed one at a time after a shared prefix,
+  each way over a KV cache of its own size, in programs compiled as the engines compile theirs."""
+  fwd = engine_jit(forward, static_argnums=1)
+  prefix, block = jnp.asarray([prefix]), jnp.asarray([PROMPTS[2][:T]])
   P = prefix.shape[1]
-  cache = KVCache.init(cfg, 1, 32)
-  _, _, cache = fwd(params, cfg, prefix, jnp.arange(P)[None], cache)
-  cache = cache.commit(P)
-  _, together, _ = fwd(params, cfg, block, P + jnp.arange(T)[None], cache, mask)
-  alone = []
+
+  def prefilled(size):
+    _, _, cache = fwd(params, cfg, prefix, jnp.arange(P)[None], KVCache.init(cfg, 1, size))
+    return cache.commit(P)
+
+  _, together, _ = fwd(params, cfg, block, P + jnp.arange(T)[None], prefilled(block_cache), mask)
+  cache, alone = prefilled(step_cache), []
   for t in range(T):
     _, h, cache = fwd(params, cfg, block[:, t:t + 1], jnp.asarray([[P + t]]), cache)
     cache = cache.commit(1)
@@ -118,6 +123,43 @@ def test_int8_token_bit_identical_alone_or_in_a_block(cfg):
   causal = jnp.tril(jnp.ones((1, 6, 6), bool))
   together, alone = _block_and_steps(params, cfg, mask=causal)
   np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
+
+
+@pytest.mark.parametrize("caches", [(256, 320), (320, 448), (192, 1024)])
+def test_int8_token_bit_identical_over_any_cache_size(caches):
+  """A speculative run reserves room for its draft block, so its cache can be bigger than the
+  autoregressive run's; the extra, invisible slots must not change a bit."""
+  params = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  # A long prefix: many visible slots, so a reordered sum shows up past int8 re-quantization.
+  prefix = np.random.default_rng(5).integers(0, WIDE.vocab_size, 170).tolist()
+  together, alone = _block_and_steps(params, WIDE, block_cache=caches[0], step_cache=caches[1],
+                                     prefix=prefix)
+  np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
+
+
+@pytest.mark.parametrize("B,H,D", [(1, 14, 64), (1, 12, 128), (2, 14, 64)])
+@pytest.mark.parametrize("T", [1, 4])
+def test_attention_bits_do_not_depend_on_the_cache_size(B, H, D, T):
+  """Slots past the visible ones (NaN keys, as stale or unused slots may hold anything the mask
+  hides) change nothing: the softmax's sum and the value dot see only zeros there. One row of 14
+  heads is where XLA:CPU hands the softmax to YNNPACK at some cache sizes and not at others."""
+  rng = np.random.default_rng(0)
+  K, S_max = 2, 704
+  k = rng.standard_normal((B, S_max, K, D)).astype(np.float32)
+  v = rng.standard_normal((B, S_max, K, D)).astype(np.float32)
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)).astype(np.float32))
+  attend = engine_jit(lambda q, k, v, m: masked_attention(q, k, v, m, per_token=True))
+  for visible in (100, 150):
+    outs = []
+    for S in (256, 320, 384, 704):
+      kk, vv = k[:, :S].copy(), v[:, :S].copy()
+      kk[:, visible + T:] = np.nan
+      vv[:, visible + T:] = 0.0
+      mask = np.arange(S)[None, None] <= visible + np.arange(T)[None, :, None]  # [1, T, S]
+      outs.append(np.asarray(attend(q, kk, vv, np.broadcast_to(mask, (B, T, S)))))
+    assert np.isfinite(outs[0]).all()
+    for out in outs[1:]:
+      np.testing.assert_array_equal(out, outs[0])
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +182,20 @@ def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma
   assert tree.sequences() == want
 
 
-def test_int8_targets_are_refused_by_the_speculative_engines(int8_target, int8_drafter):
-  """Not token-identical to autoregressive decoding on real models yet (see check_target)."""
-  with pytest.raises(ValueError, match="int8 target is not token-identical"):
-    speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
-                         spec=SpecConfig(gamma=2, max_new_tokens=8))
-  with pytest.raises(ValueError, match="int8 target is not token-identical"):
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_int8_target_chains_are_token_identical(int8_target, int8_drafter, gamma):
+  """The int8 target's own greedy output, through verification blocks of gamma + 1 tokens over a
+  cache with room reserved for them (bigger than the autoregressive run's)."""
+  want = generate(int8_target, TARGET, PROMPTS, max_new_tokens=40).sequences()
+  out = speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=40))
+  assert out.sequences() == want
+  hist = np.asarray(out.accept_hist)
+  assert hist[0] > 0 and hist[1:].sum() > 0
+
+
+def test_int8_targets_are_refused_by_the_tree_engine(int8_target, int8_drafter):
+  with pytest.raises(ValueError, match="tree speculative decoding with an int8 target"):
     tree_speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
                               spec=TreeSpecConfig(tree="dynamic:8", max_new_tokens=8))
 

@@ -36,7 +36,7 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
 # rows; dequantizing the weights to float inside the matmul instead (weight-only) is SLOWER than
 # float32 there, because XLA materializes the converted weights (benchmarks/issue17_matmul_cpu.json).
 # Every token's activations are scaled on their own, so the int8 part of a matmul does not depend
-# on which other tokens share the forward (see speculative.loop.check_target for what still does).
+# on which other tokens share the forward (`jspec.models.numerics`: what else that takes).
 
 
 @jax.tree_util.register_dataclass

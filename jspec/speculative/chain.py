@@ -21,8 +21,7 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.verify import verify
-from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter, check_target,
-                                    initial_state)
+from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
 
 Array = jax.Array
 
@@ -93,7 +92,6 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency
   """
   check_drafter(cfg, drafter)
-  check_target(params)
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,

@@ -142,19 +142,21 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
       accepted_at=s.accepted_at + jnp.sum((idx[None, :W - 1] < n_acc[:, None]) * act[:, None], 0))
 
 
-def check_target(params) -> None:
-  """Host-side: a target whose verification blocks score tokens exactly as one-token steps do.
+def check_tree_target(params) -> None:
+  """Host-side: a target whose tree verification scores tokens exactly as one-token steps do.
 
-  int8 targets do not, yet: their logits are bit-identical alone or in a block when the forward
-  is jitted on its own (tests/test_quant.py), but inside the engines' loops XLA fuses the one-token
-  and block programs differently, and re-quantizing activations to int8 turns the last-bit
-  differences into different greedy tokens (Qwen2.5-Coder-1.5B diverged at token 31 of 64).
+  int8 targets do not: a tree's verification reads each node's ancestors at the tree's cache
+  slots, not at consecutive ones, so its attention sums add the same terms in another order than
+  a one-token step, and re-quantizing activations to int8 turns such last-bit differences into
+  different greedy tokens. Chains read consecutive slots and are token-identical
+  (`jspec.models.numerics`).
   """
   if quant.is_quantized(params):
     raise ValueError(
-        "speculative decoding with an int8 target is not token-identical to autoregressive "
-        "decoding yet, so jspec refuses it. Fix: load the target as float32 or bfloat16 "
-        "(--weights float32); int8 autoregressive decoding works.")
+        "tree speculative decoding with an int8 target is not token-identical to autoregressive "
+        "decoding (tree verification sums attention over the tree's slots in another order), "
+        "so jspec refuses it. Fix: draft chains for int8 targets (--gamma N without --tree), "
+        "or load the target as float32 or bfloat16 (--weights float32).")
 
 
 def check_drafter(cfg: Config, drafter: Drafter) -> None:

@@ -34,8 +34,8 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
-from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter, check_target,
-                                    initial_state)
+from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
+                                    check_tree_target, initial_state)
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -197,7 +197,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency, out.tree_nodes
   """
   check_tree_run(cfg, drafter, spec)
-  check_target(params)
+  check_tree_target(params)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
