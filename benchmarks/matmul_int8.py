@@ -2,7 +2,8 @@
 
 One Qwen2.5-1.5B MLP projection (1536 x 8960) at 1, 2, 5 and 8 rows: float32; bfloat16;
 weight-only int8 dequantized inside the jitted matmul; int8 weights x int8 activations (per-token
-scales, int32 accumulation) as `jspec.models.quant.einsum` runs it.
+scales, int32 accumulation) as `jspec.models.quant.einsum` runs it; int4 weights (jnp.int4, half
+the bytes) x int8 activations, the form a Q4 format kept in memory would take.
 
   python benchmarks/matmul_int8.py --json benchmarks/issue17_matmul_cpu.json
 """
@@ -21,6 +22,7 @@ import numpy as np
 from jspec.bench.profiling import machine_info
 from jspec.bench.round_split import best_seconds
 from jspec.models import quant
+from jspec.models.numerics import COMPILER_OPTIONS
 
 E, F, REPEATS = 1536, 8960, 50
 
@@ -29,7 +31,7 @@ def seconds(fn, *args) -> float:
   """Per call, best of 3 runs of a jitted loop of REPEATS calls."""
   loop = jax.jit(lambda x, *w: jax.lax.fori_loop(
       0, REPEATS, lambda i, acc: acc + fn(x + i.astype(x.dtype) * 1e-3, *w).sum()
-      .astype(jnp.float32), jnp.float32(0)))
+      .astype(jnp.float32), jnp.float32(0)), compiler_options=COMPILER_OPTIONS)
   return best_seconds(loop, *args, repeats=REPEATS)
 
 
@@ -40,6 +42,13 @@ def main() -> int:
   w = jnp.asarray(np.random.default_rng(0).standard_normal((E, F)).astype(np.float32)) * 0.02
   w8 = quant.quantize_int8(w, (0,))
   wb = w.astype(jnp.bfloat16)
+  scale4 = jnp.max(jnp.abs(w), axis=0, keepdims=True) / 7.0
+  q4 = jnp.clip(jnp.round(w / scale4), -7, 7).astype(jnp.int4)
+
+  def int4_matmul(x, q, s):
+    xq, xs = quant.quantize_rows(x)
+    return jnp.einsum("bte,ef->btf", xq, q, preferred_element_type=jnp.int32) * xs * s
+
   rows = []
   for T in (1, 2, 5, 8):
     x = jnp.ones((1, T, E), jnp.float32)
@@ -52,6 +61,7 @@ def main() -> int:
         "int8_weights_and_activations": seconds(
             lambda x, q, s: quant.einsum("bte,ef->btf", x, quant.Int8Weight(q, s, (0,))),
             x, w8.q, w8.scale),
+        "int4_weights_int8_activations": seconds(int4_matmul, x, q4, scale4),
     }
     row = {"rows": T, **{f"{k}_ms": v * 1e3 for k, v in times.items()},
            **{f"{k}_speedup_vs_float32": times["float32"] / v for k, v in times.items()

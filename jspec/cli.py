@@ -29,7 +29,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
-  p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+  p.add_argument("--gamma", type=_gamma, default=4,
+                 help="draft tokens per round, or 'auto': calibrate on the first prompt (one run "
+                      "at gamma 8 + each piece of a round timed) and take the gamma with the most "
+                      "expected tokens per second (model drafters)")
+
+
+def _gamma(text: str) -> int | str:
+  if text == "auto":
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def _resolve_gamma(args, model, drafter, prompt: list[int], sampling, tree=None) -> int:
+  """args.gamma, or for 'auto' the calibrated choice (its table printed to stderr)."""
+  if args.gamma != "auto":
+    return args.gamma
+  if drafter is None or tree is not None:
+    raise ValueError("--gamma auto picks a chain length: it needs --drafter and no --tree")
+  from jspec.bench.gamma import choose_gamma
+  choice = choose_gamma(model, drafter, prompt, sampling=sampling, key=args.seed)
+  print(f"[jspec] --gamma auto (calibrated on the first prompt):\n{choice.table()}",
+        file=sys.stderr)
+  return choice.gamma
 
 
 def _add_tree_arg(p: argparse.ArgumentParser) -> None:
@@ -56,12 +81,13 @@ def cmd_generate(args) -> int:
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
+  gamma = _resolve_gamma(args, model, drafter, ids[0], sampling, args.tree)
   # One call; its compile time is counted apart so the speed shown is the run's own.
   start = time.perf_counter()
   with CompileCounter() as compiled:
     out = jax.block_until_ready(model.generate_ids(
         ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=args.gamma, tree=args.tree))
+        drafter=drafter, gamma=gamma, tree=args.tree))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   for prompt, seq in zip(prompts, out.sequences()):
     if len(prompts) > 1:
@@ -73,7 +99,7 @@ def cmd_generate(args) -> int:
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
         + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
-           + (f"tree {args.tree})" if args.tree else f"gamma {args.gamma})")
+           + (f"tree {args.tree})" if args.tree else f"gamma {gamma})")
            if drafter is not None else ")"), file=sys.stderr)
   return 0
 
@@ -114,9 +140,11 @@ def cmd_bench(args) -> int:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
+  gamma = _resolve_gamma(args, model, drafters[0].drafter if drafters else None, prompts[0],
+                         sampling)
   records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                            drafters=drafters, gamma=args.gamma, trees=trees,
+                            drafters=drafters, gamma=gamma, trees=trees,
                             compare_transformers=not args.no_transformers,
                             measure_overhead=not args.no_overhead,
                             measure_ttft=not args.no_ttft)

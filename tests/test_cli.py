@@ -93,6 +93,20 @@ def test_int8_weights(tiny_model, capsys):
   assert "tree speculative decoding with an int8 target" in capsys.readouterr().err
 
 
+def test_gamma_auto(tiny_model, capsys):
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "8",
+               "--drafter", "self", "--gamma", "auto"]) == 0
+  err = capsys.readouterr().err
+  assert "--gamma auto" in err and "<- chosen" in err
+  chosen = next(line for line in err.splitlines() if "<- chosen" in line).split()[0]
+  assert f"gamma {chosen})" in err  # the run used the calibrated gamma
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "auto"]) == 2
+  assert "--gamma auto picks a chain length: it needs --drafter" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "four"])
+  assert "expected an integer or 'auto'" in capsys.readouterr().err
+
+
 def test_bad_drafter(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--drafter", "bogus"]) == 2
   assert "unknown drafter" in capsys.readouterr().err

@@ -1,0 +1,50 @@
+"""`--gamma auto`: the expected-speed arithmetic against hand-computed values, and a calibration
+on a tiny model whose self drafter is always accepted (so the measured acceptance is known)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jspec.bench.gamma import choose_gamma, expected_rows
+from jspec.drafting.model import ModelDrafter
+from jspec.drafting.ngram import NgramDrafter
+from jspec.model import Model
+from jspec.models.config import Config
+from jspec.models.llama import init_params
+
+CFG = Config(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def test_expected_rows_by_hand():
+  # Drafts accepted with probability 0.9, 0.6, 0.3; a draft step costs 0.1 of an AR step and
+  # verifying T tokens costs 1 + 0.05 (T - 1) AR steps.
+  rows = expected_rows([0.9, 0.6, 0.3], 0.1, lambda T: 1 + 0.05 * (T - 1), 1.0)
+  want_tokens = [1.9, 2.5, 2.8]
+  want_round = [1.15, 1.3, 1.45]
+  np.testing.assert_allclose([r["tokens_per_round"] for r in rows], want_tokens)
+  np.testing.assert_allclose([r["round_s"] for r in rows], want_round)
+  np.testing.assert_allclose([r["speedup_vs_ar"] for r in rows],
+                             np.divide(want_tokens, want_round))
+  assert max(rows, key=lambda r: r["speedup_vs_ar"])["gamma"] == 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  params = init_params(CFG, jax.random.key(0), scale=0.3)
+  return Model(CFG, params, tokenizer=None, source="tiny")  # calibration needs no text
+
+
+def test_calibration_of_a_drafter_that_is_always_accepted(tiny):
+  choice = choose_gamma(tiny, ModelDrafter(tiny.params, CFG), [3, 1, 4, 1, 5], max_gamma=3,
+                        calibration_tokens=16)
+  assert choice.accepted_at == (1.0, 1.0, 1.0)  # the target drafting for itself
+  assert [r["tokens_per_round"] for r in choice.rows] == [2.0, 3.0, 4.0]
+  assert choice.ar_step_s > 0 and all(r["round_s"] > 0 for r in choice.rows)
+  assert choice.gamma == max(choice.rows, key=lambda r: r["speedup_vs_ar"])["gamma"]
+  assert "<- chosen" in choice.table()
+
+
+def test_needs_a_model_drafter(tiny):
+  with pytest.raises(ValueError, match="needs a model drafter"):
+    choose_gamma(tiny, NgramDrafter(vocab=CFG.vocab_size), [1, 2, 3])
