@@ -9,7 +9,8 @@ the token ids jspec's chat template gives each prompt, greedily by argmax and wi
   (max_new_tokens - 1) / decode_s, as jspec.bench.speed counts its decode rate;
 - with --draft: greedy speculative decoding on the same API (n_draft tokens drafted one by one,
   verified in one target batch, the longest matching prefix and the target's next token accepted,
-  KV caches rolled back): the same, tokens per target round, and whether its tokens equal greedy's.
+  KV caches rolled back; its prefill_s includes the drafter's prefill): the same, tokens per
+  target round, and whether its tokens equal greedy's.
   They need not: llama.cpp's logits for a batch differ slightly from one token's, so the two can
   part at a near tie (greedy_logit_gap says how near). With --exact (target n_ubatch 1: one token
   per forward pass) they must be equal: a check of the algorithm, not a speed.
@@ -19,7 +20,7 @@ Setup, once (the only network use; it needs `cffi`, nothing else, at run time):
   pip install --no-deps --target ~/.cache/jspec/llamacpp /tmp/lcc/llama_cpp_cffi-0.4.42-*.whl
 
   python benchmarks/llamacpp_peer.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
-      --json benchmarks/llamacpp_humaneval_t0_cpu.json
+      --json benchmarks/issue17_llamacpp_humaneval_t0_cpu.json
 """
 
 from __future__ import annotations

@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from jspec.bench.profiling import machine_info
+from jspec.bench.profiling import save_script_record
 from jspec.io.load import resolve_path
 from jspec.model import load
 
@@ -68,9 +66,7 @@ def main() -> int:
   with tempfile.TemporaryDirectory() as cache:
     record["cold"] = cli_run(args.model, args.weights, args.drafter, cache)
     record["warm"] = cli_run(args.model, args.weights, args.drafter, cache)
-  record.update(machine=machine_info(), command=" ".join(["python"] + sys.argv))
-  Path(args.json).write_text(json.dumps(record, indent=1))
-  print(json.dumps({k: v for k, v in record.items() if k != "machine"}, indent=1))
+  save_script_record(record, args.json)
   return 0
 
 

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Issue #17: decode speed on the real same-family pair (Qwen2.5-Coder 1.5B target, 0.5B drafter,
-# both Q4_K_M GGUF fetched from PyPI by name), on this machine. ~45 minutes on the 2-core VM.
+# both Q4_K_M GGUF fetched from PyPI by name), on this machine. ~60 minutes on the 2-core VM.
+# Run it on an idle machine: each record's ratios are measured in one process, AR first.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 export JSPEC_COMPILATION_CACHE=off  # compile times below are cold unless a script says otherwise
 PAIR="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b --dataset humaneval --num-prompts 4 --max-new-tokens 64"
 
 # XLA CPU matmuls: float32 vs bfloat16 vs weight-only int8 vs int8 x int8.
-[ -f benchmarks/issue17_matmul_cpu.json ] || python benchmarks/matmul_int8.py --json benchmarks/issue17_matmul_cpu.json
+python benchmarks/matmul_int8.py --json benchmarks/issue17_matmul_cpu.json
 # float32: jspec AR + speculative (gamma 4) + transformers generate + assisted, one process.
 jspec bench $PAIR --weights float32 --gamma 4 --json benchmarks/issue17_pair_humaneval_t0_g4_float32_cpu.json
 # int8 weights + activations, target and drafter.
 jspec bench $PAIR --weights int8 --gamma 3 --no-transformers --json benchmarks/issue17_pair_humaneval_t0_g3_int8_cpu.json
+jspec bench --model qwen2.5-coder-1.5b --drafters ngram,ngram+model:qwen2.5-coder-0.5b --dataset humaneval --num-prompts 4 --max-new-tokens 64 --weights int8 --gamma 4 --no-transformers --json benchmarks/issue17_ngram_humaneval_t0_g4_int8_cpu.json
+# llama.cpp on the same GGUF files (the wheel once: see benchmarks/llamacpp_peer.py's docstring).
+python benchmarks/llamacpp_peer.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --threads 2 --n-draft 4 --json benchmarks/issue17_llamacpp_humaneval_t0_cpu.json
+# Layers unrolled vs lax.scan: compile time and decode speed of the same decode-step program.
+python benchmarks/scan_layers.py --model qwen2.5-coder-1.5b --weights int8 --json benchmarks/issue17_scan_layers_int8_cpu.json
 # int8 quality against float32: perplexity on HumanEval solutions, greedy agreement.
 python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 40 --prompts 8 --json benchmarks/issue17_int8_quality_cpu.json
 # Load (jspec vs transformers) and compile, cold and warm (persistent cache).

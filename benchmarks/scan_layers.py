@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jspec.bench.profiling import machine_info
+from jspec.bench.profiling import save_script_record
 from jspec.model import load
 from jspec.models import llama, quant
 from jspec.models.cache import KVCache
@@ -104,9 +102,7 @@ def main() -> int:
     print(name, record[name], flush=True)
   record["scan_compile_speedup"] = record["unrolled"]["compile_s"] / record["scan"]["compile_s"]
   record["scan_decode_speed_ratio"] = record["scan"]["tok_s"] / record["unrolled"]["tok_s"]
-  record.update(machine=machine_info(), command=" ".join(["python"] + sys.argv))
-  Path(args.json).write_text(json.dumps(record, indent=1))
-  print(json.dumps({k: v for k, v in record.items() if k != "machine"}, indent=1))
+  save_script_record(record, args.json)
   return 0
 
 

@@ -44,17 +44,21 @@ def _gamma(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
-def _resolve_gamma(args, model, drafter, prompt: list[int], sampling, tree=None) -> int:
-  """args.gamma, or for 'auto' the calibrated choice (its table printed to stderr)."""
+def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None):
+  """(gamma, choice): args.gamma, or for 'auto' the gamma calibrated with the first model drafter
+  among `drafters` (its table printed to stderr) and that GammaChoice."""
   if args.gamma != "auto":
-    return args.gamma
-  if drafter is None or tree is not None:
-    raise ValueError("--gamma auto picks a chain length: it needs --drafter and no --tree")
+    return args.gamma, None
   from jspec.bench.gamma import choose_gamma
+  from jspec.drafting.model import ModelDrafter
+  drafter = next((d for d in drafters if isinstance(d, ModelDrafter)), None)
+  if drafter is None or tree is not None:
+    raise ValueError("--gamma auto picks a chain length for a model drafter: it needs a model "
+                     "drafter (default, self, early-exit:K, model:PATH) and no --tree")
   choice = choose_gamma(model, drafter, prompt, sampling=sampling, key=args.seed)
   print(f"[jspec] --gamma auto (calibrated on the first prompt):\n{choice.table()}",
         file=sys.stderr)
-  return choice.gamma
+  return choice.gamma, choice
 
 
 def _add_tree_arg(p: argparse.ArgumentParser) -> None:
@@ -81,7 +85,7 @@ def cmd_generate(args) -> int:
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
-  gamma = _resolve_gamma(args, model, drafter, ids[0], sampling, args.tree)
+  gamma, _ = _resolve_gamma(args, model, [drafter], ids[0], sampling, args.tree)
   # One call; its compile time is counted apart so the speed shown is the run's own.
   start = time.perf_counter()
   with CompileCounter() as compiled:
@@ -129,6 +133,7 @@ def cmd_bench(args) -> int:
   from jspec.bench import speed
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
+  from jspec.speculative.loop import check_tree_target
   from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
@@ -140,14 +145,19 @@ def cmd_bench(args) -> int:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
-  gamma = _resolve_gamma(args, model, drafters[0].drafter if drafters else None, prompts[0],
-                         sampling)
+  if trees:  # before any run: an int8 target cannot verify trees
+    check_tree_target(model.params)
+  gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling)
   records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=gamma, trees=trees,
                             compare_transformers=not args.no_transformers,
                             measure_overhead=not args.no_overhead,
                             measure_ttft=not args.no_ttft)
+  if choice is not None:  # what --gamma auto measured, with the chain records
+    for r in records:
+      if r.get("gamma") == gamma and "tree" not in r:
+        r["gamma_auto"] = {"rows": list(choice.rows), "accepted_at": list(choice.accepted_at)}
   stamp = _stamp(records)
   # File tag per drafter: "self", "early-exit-4", "model-<directory name>".
   tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
@@ -272,11 +282,13 @@ def cmd_bench_tau(args) -> int:
   from jspec.bench import paired_tau, speed
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
+  from jspec.speculative.loop import check_tree_target
   from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
   trees = [t for text in args.tree for t in parse_trees(text)]
   model = load(args.model, args.dtype)
+  check_tree_target(model.params)
   if args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")

@@ -117,9 +117,9 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
                         top_ids=state.top_ids, top_logprobs=state.top_logprobs)
 
 
-_generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
-                        static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype",
-                                         "record_top_k"))
+_generate_jit = engine_jit(
+    generate_tokens, static_argnums=(1,),
+    static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype", "record_top_k"))
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,

@@ -91,6 +91,11 @@ def test_int8_weights(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
                "--max-new-tokens", "12", "--drafter", "self", "--tree", "dynamic:8"]) == 2
   assert "tree speculative decoding with an int8 target" in capsys.readouterr().err
+  # bench refuses before any run, not after its autoregressive and chain runs.
+  assert main(["bench", "--model", str(tiny_model), "--weights", "int8", "--drafters", "self",
+               "--tree", "chain:2", "--num-prompts", "1", "--no-transformers"]) == 2
+  err = capsys.readouterr().err
+  assert "tree speculative decoding with an int8 target" in err and "autoregressive:" not in err
 
 
 def test_gamma_auto(tiny_model, capsys):
@@ -101,7 +106,7 @@ def test_gamma_auto(tiny_model, capsys):
   chosen = next(line for line in err.splitlines() if "<- chosen" in line).split()[0]
   assert f"gamma {chosen})" in err  # the run used the calibrated gamma
   assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "auto"]) == 2
-  assert "--gamma auto picks a chain length: it needs --drafter" in capsys.readouterr().err
+  assert "--gamma auto picks a chain length for a model drafter" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "four"])
   assert "expected an integer or 'auto'" in capsys.readouterr().err

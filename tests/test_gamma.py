@@ -45,6 +45,22 @@ def test_calibration_of_a_drafter_that_is_always_accepted(tiny):
   assert "<- chosen" in choice.table()
 
 
+def test_calibration_costs_come_from_the_round_split(tiny, monkeypatch):
+  """Draft step = (layers + head) / max_gamma; verifying T tokens is linear between the AR step
+  (T = 1) and the measured max_gamma + 1 block."""
+  split = {"draft_layers": 0.3, "draft_head": 0.06, "verify_layers": 1.5, "verify_head": 0.5,
+           "ar_step": 1.0}
+  monkeypatch.setattr("jspec.bench.gamma.round_split_s", lambda *a, **k: split)
+  choice = choose_gamma(tiny, ModelDrafter(tiny.params, CFG), [3, 1, 4, 1, 5], max_gamma=3,
+                        calibration_tokens=16)
+  # gamma g: g * 0.12 + (1 + (2 - 1) * g / 3) seconds; tokens 1 + g (always accepted).
+  want = [g * 0.12 + 1 + g / 3 for g in (1, 2, 3)]  # 1.453, 1.907, 2.36
+  np.testing.assert_allclose([r["round_s"] for r in choice.rows], want)
+  np.testing.assert_allclose([r["speedup_vs_ar"] for r in choice.rows],
+                             np.divide([2, 3, 4], want))
+  assert choice.gamma == 3 and choice.ar_step_s == 1.0
+
+
 def test_needs_a_model_drafter(tiny):
   with pytest.raises(ValueError, match="needs a model drafter"):
     choose_gamma(tiny, NgramDrafter(vocab=CFG.vocab_size), [1, 2, 3])

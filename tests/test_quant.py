@@ -183,15 +183,23 @@ def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_int8_target_chains_are_token_identical(int8_target, int8_drafter, gamma):
-  """The int8 target's own greedy output, through verification blocks of gamma + 1 tokens over a
-  cache with room reserved for them (bigger than the autoregressive run's)."""
-  want = generate(int8_target, TARGET, PROMPTS, max_new_tokens=40).sequences()
-  out = speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
-                             spec=SpecConfig(gamma=gamma, max_new_tokens=40))
+def test_int8_target_chains_are_token_identical(gamma):
+  """The int8 target's own greedy output through verification blocks of gamma + 1 tokens. 47
+  new tokens: the autoregressive run fits 64 cache slots, the speculative one (gamma + 1 reserved)
+  gets 128, so the block also sees a different cache size. End to end on random weights this
+  rarely meets a near tie, so it passes even with either cause reverted (checked); the attention
+  test above is the sensitive one."""
+  target = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  drafter = ModelDrafter(quantize_params(jax.tree.map(
+      lambda a, b: a + 0.3 * b if a.ndim > 1 else a, init_params(WIDE, jax.random.key(2),
+                                                                  scale=0.3), noise)), WIDE)
+  want = generate(target, WIDE, PROMPTS, max_new_tokens=47).sequences()
+  out = speculative_generate(target, WIDE, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=47))
   assert out.sequences() == want
   hist = np.asarray(out.accept_hist)
-  assert hist[0] > 0 and hist[1:].sum() > 0
+  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
 
 
 def test_int8_targets_are_refused_by_the_tree_engine(int8_target, int8_drafter):

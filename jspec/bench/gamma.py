@@ -68,7 +68,7 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
     raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
   out = model.generate_ids([prompt], max_new_tokens=calibration_tokens, sampling=sampling,
                            key=key, stop=False, drafter=drafter, gamma=max_gamma)
-  accepted_at = np.asarray(out.accepted_at) / max(int(out.row_rounds), 1)  # [max_gamma]
+  accepted_at = out.acceptance_rate  # [max_gamma]: P(draft i accepted)
   context = len(prompt) + calibration_tokens // 2
   _, cache_size = plan_cache(model.cfg, [len(prompt)], calibration_tokens, reserve=max_gamma + 1)
   split = round_split_s(model.params, model.cfg, drafter, max_gamma,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +81,14 @@ def machine_info() -> dict:
       "backend": jax.default_backend(),
       "devices": f"{len(devices)}x {devices[0].device_kind}",
   }
+
+
+def save_script_record(record: dict, path: str | Path) -> None:
+  """A benchmark script's record, stamped with the machine and the command line, written as JSON
+  and printed (without the machine)."""
+  record.update(machine=machine_info(), command=" ".join(["python"] + sys.argv))
+  Path(path).write_text(json.dumps(record, indent=1))
+  print(json.dumps({k: v for k, v in record.items() if k != "machine"}, indent=1))
 
 
 def _best_seconds(fn, args, repeats: int) -> float:

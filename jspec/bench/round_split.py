@@ -18,6 +18,7 @@ from jspec.drafting.base import HeadDrafter
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward, lm_head
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 
 
@@ -40,7 +41,7 @@ def _layers_s(params: Params, cfg: Config, tokens: int, cache_size: int, context
   positions = context + jnp.arange(tokens, dtype=jnp.int32)[None]
   none = jnp.zeros((1, 0), jnp.int32)
 
-  @jax.jit
+  @engine_jit
   def run(params, cache):
     def one(i, carry):
       cache, acc = carry
@@ -54,7 +55,7 @@ def _layers_s(params: Params, cfg: Config, tokens: int, cache_size: int, context
 
 def _head_s(params: Params, cfg: Config, tokens: int, sample, repeats: int) -> float:
   """The LM head at `tokens` positions, each followed by `sample(key, logits [1, V])`."""
-  @jax.jit
+  @engine_jit
   def run(params, key):
     def one(i, acc):
       hidden = jnp.full((1, tokens, cfg.hidden_size), i, params.embed.dtype) * 1e-3

@@ -30,6 +30,7 @@ from jspec.model import Model
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.tree.shapes import TreeShape
 
@@ -128,7 +129,7 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
 
   # Weights go in as arguments, as in the engine: closed-over arrays become compile-time constants
   # that XLA lays out for its dot kernels, which made this baseline ~3% faster than any real run.
-  @jax.jit
+  @engine_jit
   def rounds(params, drafter, state, cache, key):
     def one(i, carry):
       state, cache, acc = carry
@@ -143,7 +144,7 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
       return state, cache, acc + jnp.sum(jnp.argmax(logits, -1)) + q[0, 0, 0].astype(jnp.int32)
     return jax.lax.fori_loop(0, repeats, one, (state, cache, jnp.int32(0)))
 
-  @jax.jit
+  @engine_jit
   def verifies(params, cache):
     def one(i, carry):
       cache, acc = carry

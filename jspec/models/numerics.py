@@ -12,24 +12,47 @@ boundary, one whole quantization step. Three things make the bits program-indepe
   (`quant.einsum`), attention runs one query token at a time (`llama.masked_attention`);
 - sums over a row run in one fixed order that zeros appended to the row do not change
   (`llama.row_sum`), so a softmax over a 320-slot cache equals one over 256 slots;
-- XLA:CPU's YNNPACK fusions are off: XLA hands a reduction and its elementwise neighbours
-  (max, subtract, exp) to YNNPACK for some shapes and emits them itself for others, and the two
-  `exp` implementations differ in the last bit, so the choice depended on the cache size.
+- XLA:CPU's YNNPACK is limited to plain dots: XLA hands a reduction and its elementwise
+  neighbours (max, subtract, exp) to YNNPACK for some shapes and emits them itself for others,
+  and the two `exp` implementations differ in the last bit, so the choice depended on the cache
+  size. (Turning YNNPACK off entirely makes int8 decoding ~3.5x slower: its int8 dots are fast.)
 
 Every engine's `jax.jit` passes COMPILER_OPTIONS. If you jit jspec's pure functions
 (`generate_tokens`, `speculative_generate_tokens`) yourself, pass them too:
-`jax.jit(fn, compiler_options=COMPILER_OPTIONS, ...)`. The options are debug options of the CPU
-backend; other backends ignore them.
+`jax.jit(fn, compiler_options=COMPILER_OPTIONS, ...)` on CPU. They are debug options of the CPU
+backend, so the engines pass them only when the default backend is the CPU, and only where this
+jaxlib knows the option (older ones, without YNNPACK fusions, do not need it).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
+@functools.cache
+def _cpu_knows_options() -> bool:
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=COMPILER_OPTIONS).lower(1.0).compile()
+    return True
+  except Exception:  # jaxlib without the option: "No such compile option"
+    return False
+
+
 def engine_jit(fn, **kwargs):
-  """jax.jit(fn, **kwargs) with COMPILER_OPTIONS: how every decoding program is compiled."""
-  return jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+  """jax.jit(fn, **kwargs), with COMPILER_OPTIONS on the CPU backend: how every decoding program
+  is compiled. The backend is read at each call (cheap), not at import, so importing jspec does
+  not initialize JAX."""
+  with_options = jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
+  plain = jax.jit(fn, **kwargs)
+
+  @functools.wraps(fn)
+  def run(*args, **kw):
+    cpu = jax.default_backend() == "cpu" and _cpu_knows_options()
+    return (with_options if cpu else plain)(*args, **kw)
+
+  return run
 

@@ -76,7 +76,7 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
 
 
 _spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
-                    static_argnames=("spec", "cache_size"))
+                       static_argnames=("spec", "cache_size"))
 
 
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,

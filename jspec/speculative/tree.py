@@ -171,7 +171,7 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
 
 
 _tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,),
-                    static_argnames=("spec", "cache_size"))
+                       static_argnames=("spec", "cache_size"))
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
