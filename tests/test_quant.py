@@ -182,18 +182,23 @@ def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma
   assert tree.sequences() == want
 
 
+@pytest.fixture(scope="module")
+def wide_int8_pair():
+  """An int8 WIDE target and an int8 drafter from its noised weights."""
+  base = init_params(WIDE, jax.random.key(2), scale=0.3)
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
+  return quantize_params(base), ModelDrafter(quantize_params(noised), WIDE)
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_int8_target_chains_are_token_identical(gamma):
+def test_int8_target_chains_are_token_identical(wide_int8_pair, gamma):
   """The int8 target's own greedy output through verification blocks of gamma + 1 tokens. 47
   new tokens: the autoregressive run fits 64 cache slots, the speculative one (gamma + 1 reserved)
   gets 128, so the block also sees a different cache size. End to end on random weights this
   rarely meets a near tie, so it passes even with either cause reverted (checked); the attention
   test above is the sensitive one."""
-  target = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
-  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
-  drafter = ModelDrafter(quantize_params(jax.tree.map(
-      lambda a, b: a + 0.3 * b if a.ndim > 1 else a, init_params(WIDE, jax.random.key(2),
-                                                                  scale=0.3), noise)), WIDE)
+  target, drafter = wide_int8_pair
   want = generate(target, WIDE, PROMPTS, max_new_tokens=47).sequences()
   out = speculative_generate(target, WIDE, drafter, PROMPTS,
                              spec=SpecConfig(gamma=gamma, max_new_tokens=47))
