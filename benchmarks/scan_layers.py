@@ -1,8 +1,9 @@
 """Unrolled layer loop (what jspec runs) vs `lax.scan` over stacked layers: compile time and decode
 speed of the same autoregressive decode program, measured side by side in one process.
 
-Both variants run `llama.decoder_layer` on the same weights; the scan variant stacks every
-layer's arrays on a leading axis and loops over them (one traced layer instead of L). The program
+The unrolled variant is `llama.forward` itself; the scan variant runs the same
+`llama.decoder_layer` over every layer's arrays stacked on a leading axis (one traced layer
+instead of L). The program
 timed is a `fori_loop` of `--steps` one-token forwards + greedy argmax, the shape of the decode
 loop's body; compile is `jit(...).lower(...).compile()` with the persistent cache off.
 
@@ -30,24 +31,22 @@ from jspec.models.numerics import COMPILER_OPTIONS
 def decode_program(cfg, steps: int, scan: bool):
   """`steps` greedy one-token forwards from a filled cache, layers unrolled or scanned."""
   def forward(p, token, position, cache):
+    if not scan:  # what jspec runs
+      logits, _, cache = llama.forward(p, cfg, token, position, cache)
+      return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), cache.commit(1)
     x = quant.take_rows(p.embed, token)  # [1, 1, E]
     cos, sin = llama.rope_tables(cfg, position)
     slots = cache.lengths[:, None]
     attend = llama.attention_fn(cfg, cache.lengths, cache.size, None, 1, quant.is_quantized(p))
-    if scan:
-      def body(carry, layer):
-        x, k_all, v_all, i = carry
-        x, k_all, v_all = llama.decoder_layer(cfg, x, layer, i, k_all, v_all, cos, sin, slots,
-                                              attend)
-        return (x, k_all, v_all, i + 1), None
-      (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), p.layers)
-    else:
-      k_all, v_all = cache.k, cache.v
-      for i, lp in enumerate(p.layers):
-        x, k_all, v_all = llama.decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots,
-                                              attend)
-    hidden = llama.rms_norm(x, p.final_norm, cfg.rms_norm_eps)
-    logits = llama.lm_head(p, hidden)
+
+    def body(carry, layer):
+      x, k_all, v_all, i = carry
+      x, k_all, v_all = llama.decoder_layer(cfg, x, layer, i, k_all, v_all, cos, sin, slots,
+                                            attend)
+      return (x, k_all, v_all, i + 1), None
+
+    (x, k_all, v_all, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)), p.layers)
+    logits = llama.lm_head(p, llama.rms_norm(x, p.final_norm, cfg.rms_norm_eps))
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), dataclasses.replace(
         cache, k=k_all, v=v_all).commit(1)
 

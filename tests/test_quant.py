@@ -169,14 +169,21 @@ def int8_drafter(target):
   return ModelDrafter(quantize_params(noised), TARGET)
 
 
-@pytest.mark.parametrize("gamma", [2, 4])
-def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma):
-  want = generate(target, TARGET, PROMPTS, max_new_tokens=24).sequences()
-  out = speculative_generate(target, TARGET, int8_drafter, PROMPTS,
-                             spec=SpecConfig(gamma=gamma, max_new_tokens=24))
+def _chain_matches_generate(target, cfg, drafter, gamma, max_new_tokens):
+  """Greedy chain output == greedy autoregressive output, with rejections and acceptances both
+  exercised; returns the autoregressive sequences."""
+  want = generate(target, cfg, PROMPTS, max_new_tokens=max_new_tokens).sequences()
+  out = speculative_generate(target, cfg, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens))
   assert out.sequences() == want
   hist = np.asarray(out.accept_hist)
-  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+  assert hist[0] > 0 and hist[1:].sum() > 0
+  return want
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_int8_drafter_for_a_float_target_is_lossless(target, int8_drafter, gamma):
+  want = _chain_matches_generate(target, TARGET, int8_drafter, gamma, 24)
   tree = tree_speculative_generate(target, TARGET, int8_drafter, PROMPTS,
                                    spec=TreeSpecConfig(tree="dynamic:8", max_new_tokens=24))
   assert tree.sequences() == want
@@ -199,12 +206,7 @@ def test_int8_target_chains_are_token_identical(wide_int8_pair, gamma):
   rarely meets a near tie, so it passes even with either cause reverted (checked); the attention
   test above is the sensitive one."""
   target, drafter = wide_int8_pair
-  want = generate(target, WIDE, PROMPTS, max_new_tokens=47).sequences()
-  out = speculative_generate(target, WIDE, drafter, PROMPTS,
-                             spec=SpecConfig(gamma=gamma, max_new_tokens=47))
-  assert out.sequences() == want
-  hist = np.asarray(out.accept_hist)
-  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+  _chain_matches_generate(target, WIDE, drafter, gamma, 47)
 
 
 def test_int8_targets_are_refused_by_the_tree_engine(int8_target, int8_drafter):
