@@ -72,43 +72,77 @@ def _timed(fn):
   return out, time.perf_counter() - start
 
 
-def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
-                sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
-                gamma: int = 4, tree: TreeShape | None = None,
-                measure_ttft: bool = True) -> tuple[Run, dict]:
-  """jspec, autoregressive, speculative or tree speculative (`tree` with a drafter): warm up every
-  bucket (compile timed apart), then time each prompt: a 1-token call gives the time to first
-  token (unless not `measure_ttft`: one program less to compile per bucket), a full call the wall
-  time."""
-  gen = lambda p, n: model.generate_ids([p], max_new_tokens=n, sampling=sampling, key=seed,
-                                        drafter=drafter, gamma=gamma, tree=tree)
-  compile_s, seen = [], set()
-  for p in prompts:
-    if prompt_bucket(len(p)) in seen:
-      continue
-    seen.add(prompt_bucket(len(p)))
-    with CompileCounter() as counter:
-      _timed(lambda: gen(p, max_new_tokens))
-      if measure_ttft:
-        _timed(lambda: gen(p, 1))
-    compile_s.append(counter.seconds)
-  run = Run()
-  desc = "tree" if tree is not None else "speculative" if drafter else "autoregressive"
-  for p in tqdm(prompts, desc=f"jspec {desc}", leave=False):
-    if measure_ttft:
-      run.ttft_s.append(_timed(lambda: gen(p, 1))[1])
-    out, wall = _timed(lambda: gen(p, max_new_tokens))
+@dataclasses.dataclass
+class Method:
+  """One way of decoding to time: autoregressive (no drafter), a chain or a tree."""
+
+  model: Model
+  max_new_tokens: int
+  sampling: SamplingParams
+  seed: int
+  drafter: Drafter | None = None
+  gamma: int = 4
+  tree: TreeShape | None = None
+  measure_ttft: bool = True
+
+  def generate(self, prompt: list[int], n: int):
+    return self.model.generate_ids([prompt], max_new_tokens=n, sampling=self.sampling,
+                                   key=self.seed, drafter=self.drafter, gamma=self.gamma,
+                                   tree=self.tree)
+
+  def warm(self, prompts: Sequence[list[int]]) -> dict:
+    """Compile every prompt bucket's programs (timed apart from the runs)."""
+    compile_s, seen = [], set()
+    for p in prompts:
+      if prompt_bucket(len(p)) in seen:
+        continue
+      seen.add(prompt_bucket(len(p)))
+      with CompileCounter() as counter:
+        _timed(lambda: self.generate(p, self.max_new_tokens))
+        if self.measure_ttft:
+          _timed(lambda: self.generate(p, 1))
+      compile_s.append(counter.seconds)
+    return {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
+            "programs": (2 if self.measure_ttft else 1) * len(seen)}
+
+  def time_prompt(self, run: Run, p: list[int]) -> None:
+    """One prompt: a 1-token call gives the time to first token (unless not `measure_ttft`: one
+    program less to compile per bucket), a full call the wall time."""
+    if self.measure_ttft:
+      run.ttft_s.append(_timed(lambda: self.generate(p, 1))[1])
+    out, wall = _timed(lambda: self.generate(p, self.max_new_tokens))
     run.wall_s.append(wall)
     run.new_tokens.append(int(out.lengths[0]))
     run.target_calls.append(int(out.target_calls))
     run.outputs.append(out.sequences()[0])
-    if drafter is not None:
+    if self.drafter is not None:
       run.round_tokens += int(out.round_tokens)
       run.row_rounds += int(out.row_rounds)
       hist = np.asarray(out.accept_hist)
       run.accept_hist = hist if run.accept_hist is None else run.accept_hist + hist
-  return run, {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
-               "programs": (2 if measure_ttft else 1) * len(seen)}
+
+
+def bench_interleaved(methods: Sequence[Method], prompts: Sequence[list[int]]
+                      ) -> list[tuple[Run, dict]]:
+  """Time several methods side by side: all compiled first, then prompt by prompt, each method in
+  turn, so a machine that slows down midway slows every method alike and their ratios hold (run
+  one method after another and a slowdown lands in the ratio: on a shared VM that once read
+  1.72x for what was 1.19x)."""
+  extras = [m.warm(prompts) for m in methods]
+  runs = [Run() for _ in methods]
+  for p in tqdm(prompts, desc=f"jspec x{len(methods)} methods", leave=False):
+    for method, run in zip(methods, runs):
+      method.time_prompt(run, p)
+  return list(zip(runs, extras))
+
+
+def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
+                sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
+                gamma: int = 4, tree: TreeShape | None = None,
+                measure_ttft: bool = True) -> tuple[Run, dict]:
+  """One method alone (see `Method`, and `bench_interleaved` for ratios)."""
+  method = Method(model, max_new_tokens, sampling, seed, drafter, gamma, tree, measure_ttft)
+  return bench_interleaved([method], prompts)[0]
 
 
 def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: int = 64,
@@ -291,16 +325,21 @@ def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,
 
 def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,
                  named: NamedDrafter, tree: TreeShape, base: dict, ar_run: Run, ar: dict,
-                 chain: dict, measure_ttft: bool = True) -> dict:
-  """One drafter with one token tree: τ, tree size and speed beside its chain and AR records."""
-  run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter,
-                           tree=tree, measure_ttft=measure_ttft)
+                 chain: dict, gamma: int, measure_ttft: bool = True) -> dict:
+  """One drafter with one token tree: τ, tree size and speed beside its chain and AR records.
+
+  The tree is timed interleaved with its drafter's chain (`bench_interleaved`), so the ratio to
+  the chain is side by side; the ratio to AR is that times the chain's own side-by-side ratio."""
+  method = lambda tree: Method(model, max_new_tokens, sampling, seed, named.drafter, gamma, tree,
+                               measure_ttft)
+  (chain_run, _), (run, extra) = bench_interleaved([method(None), method(tree)], prompts)
   record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
             "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
             "tree_depth": tree.max_depth, **base, **run.summary(), **extra,
             **_speculative_fields(run, tree.max_depth, ar_run, ar, sampling),
-            "chain_tokens_per_s": chain["tokens_per_s"]}
-  record["speedup_vs_chain"] = record["tokens_per_s"] / chain["tokens_per_s"]
+            "chain_tokens_per_s": chain_run.summary()["tokens_per_s"]}
+  record["speedup_vs_chain"] = record["tokens_per_s"] / record["chain_tokens_per_s"]
+  record["speedup_vs_ar"] = record["speedup_vs_chain"] * chain["speedup_vs_ar"]
   return record
 
 
@@ -322,26 +361,31 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
           "machine": machine_info()}
   records = []
-  ar_run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed)
+  # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).
+  methods = [Method(model, max_new_tokens, sampling, seed)] + [
+      Method(model, max_new_tokens, sampling, seed, named.drafter, gamma,
+             measure_ttft=measure_ttft) for named in drafters]
+  (ar_run, extra), *chain_runs = bench_interleaved(methods, prompts)
   ar = {"method": "jspec-autoregressive", "drafter": "none", **base, **ar_run.summary(), **extra}
   if measure_bandwidth:
     ar.update(_bandwidth_fields(ar["decode_tokens_per_s"], param_bytes(model.params)))
   records.append(ar)
 
   specs = []
-  for named in drafters:
-    run, extra = bench_jspec(model, prompts, max_new_tokens, sampling, seed, named.drafter, gamma,
-                             measure_ttft=measure_ttft)
+  for named, (run, extra) in zip(drafters, chain_runs):
     spec = {"method": "jspec-speculative", "drafter": named.name, "gamma": gamma, **base,
             **run.summary(), **extra, **_speculative_fields(run, gamma, ar_run, ar, sampling)}
     records.append(spec)
     specs.append((named, spec))
+  for named, spec in specs:
     for tree in trees:
-      records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
-                                  base, ar_run, ar, spec, measure_ttft))
       # Each tree is its own program and is not run again: drop the compiled ones. A sweep of
       # ten large trees in one process otherwise ran out of memory maps in LLVM ("Cannot
       # allocate memory" with 20 GB free; vm.max_map_count is 65530 on the machine that hit it).
+      jax.clear_caches()
+      records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
+                                  base, ar_run, ar, spec, gamma, measure_ttft))
+    if trees:
       jax.clear_caches()
     if not (measure_overhead and measure_ttft):
       continue  # the overhead compares decode time per round, prefill timed apart

@@ -1,0 +1,33 @@
+"""`jspec bench`'s timing order: methods compared in one run are timed prompt by prompt."""
+
+import dataclasses
+
+from jspec.bench.speed import Method, Run, bench_interleaved
+
+
+@dataclasses.dataclass
+class LoggedMethod(Method):
+  """A method that records when it is compiled and timed instead of decoding."""
+
+  name: str = ""
+  log: list = dataclasses.field(default_factory=list)
+
+  def warm(self, prompts):
+    self.log.append(("warm", self.name))
+    return {"compile_s": 0.0}
+
+  def time_prompt(self, run: Run, p):
+    self.log.append((p[0], self.name))
+    run.wall_s.append(1.0)
+
+
+def test_methods_are_compiled_first_then_timed_prompt_by_prompt():
+  log = []
+  methods = [LoggedMethod(None, 4, None, 0, name=n, log=log) for n in ("ar", "chain", "tree")]
+  prompts = [[10], [11], [12]]
+  results = bench_interleaved(methods, prompts)
+  assert log[:3] == [("warm", "ar"), ("warm", "chain"), ("warm", "tree")]
+  # A slowdown halfway through then lands on every method alike.
+  assert log[3:] == [(p[0], n) for p in prompts for n in ("ar", "chain", "tree")]
+  assert [len(run.wall_s) for run, _ in results] == [3, 3, 3]
+  assert [extra for _, extra in results] == [{"compile_s": 0.0}] * 3
