@@ -466,7 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
   v = sub.add_parser("trim-vocab", help="give a drafter a VocabTrim head (the M ids the target "
                                         "generates most)")
   v.add_argument("--target", default="default", help="target model (as --model)")
-  v.add_argument("--drafter", type=Path, required=True, help="drafter directory")
+  v.add_argument("--drafter", required=True,
+                 help="the drafter to trim: a drafter directory, a .gguf file or a model name "
+                      "(as --model); the trimmed one is written to --out")
   v.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", default=[],
                  help="distillation data to count generated ids on (repeatable)")
   v.add_argument("--size", type=int, required=True,

@@ -254,6 +254,45 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
                   progress=False)
 
 
+def test_trim_vocab_of_an_independent_model_drafter(target, data_dir, tmp_path):
+  """Any model drafter (here an HF directory of another width with its own tied table, as a GGUF
+  drafter loads) gets a VocabTrim head from the target's own responses."""
+  from jspec.drafting.model import trimmed_drafter
+  from jspec.drafting.registry import load_model_drafter
+  from jspec.io.drafter import drafter_format
+  from jspec.models.quant import Int8Weight
+  from jspec.models.vocab_trim import trim_head
+  from jspec.train.recipe import trim_drafter
+  from test_vocab_trim import _same_drafts
+
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "small", "llama", hidden_size=32,
+                                        num_hidden_layers=1, tie_word_embeddings=True, seed=3,
+                                        max_position_embeddings=1024)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  path, _ = data_dir
+  out = trim_drafter(target, d, (str(path),), 30, tmp_path / "t", dtype="float32")
+  assert drafter_format(out) == {"shares_target_embedding": False, "head_is_table": True,
+                                 "trimmed_vocab": 30, "dtype": "float32"}
+  from safetensors import safe_open
+  with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
+    assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+  back = load_model_drafter(out, target)
+  keep = np.asarray(back.keep_ids)
+  original = load_model_drafter(d, target)
+  _same_drafts(back, trimmed_drafter(trim_head(original.params, keep), original.cfg, keep))
+  # The kept ids are the target's most generated ones, and the record says what they cover.
+  counts = distill.token_counts(list(distill.iter_examples(path)), target.cfg.vocab_size)
+  assert counts[keep].sum() >= np.sort(counts)[::-1][:30 - len(target.tokenizer.stop_token_ids)].sum()
+  record = json.loads((out / "jspec.json").read_text())["vocab_trim"]
+  assert record["coverage"] == pytest.approx(counts[keep].sum() / counts.sum())
+  assert record["counted_tokens"] == counts.sum()
+  # --weights int8 quantizes a compact drafter too (its trimmed head included).
+  int8 = load_model_drafter(out, target, "int8")
+  assert isinstance(int8.params.lm_head, Int8Weight) and int8.params.lm_head.shape == (32, 30)
+  with pytest.raises(ValueError, match="distill-data"):
+    trim_drafter(target, d, (), 30, tmp_path / "nodata")
+
+
 def test_heldout_acceptance_of_the_target_itself_and_a_trimmed_copy(target, data_dir):
   from jspec.drafting.registry import load_drafter
   from jspec.drafting.model import trimmed_drafter

@@ -76,8 +76,8 @@ def save_drafter(path: str | Path, cfg: Config, params: Params, tokenizer, metad
     if head is None or head.shape[0] != len(keep_ids):
       raise ValueError(f"a trimmed drafter needs an LM head of {len(keep_ids)} rows, got "
                        f"{None if head is None else head.shape}")
-    # A frozen trimmed head is just the kept rows of the shared table: then it needs no storing.
-    tied = share_target_table and np.array_equal(head, np.asarray(params.embed)[keep_ids])
+    # A head that is just the kept rows of the (stored or shared) table needs no storing.
+    tied = np.array_equal(head, np.asarray(params.embed)[keep_ids])
   body = dataclasses.replace(params, lm_head=None)
   tensors = params_to_hf(dataclasses.replace(cfg, tie_embeddings=True), body)
   if share_target_table:

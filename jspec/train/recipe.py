@@ -18,6 +18,7 @@ import numpy as np
 from jspec.drafting.feature import EagleDrafter
 from jspec.drafting.registry import load_model_drafter
 from jspec.io.drafter import FORMAT_KEY, read_drafter_dir, save_drafter, shares_table
+from jspec.io.load import resolve_path
 from jspec.model import Model
 from jspec.models.drafter import drafter_config
 from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
@@ -116,25 +117,30 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
     raise ValueError(f"{drafter_dir} is a feature drafter: its head is the target's table, "
                      f"trimmed when it is trained (`jspec train-eagle --vocab-trim M`); "
                      f"trim-vocab rebuilds model drafters only")
-  stored = read_drafter_dir(drafter_dir)
-  fmt = stored.format or {}
+  path = resolve_path(drafter_dir)
+  metadata = dict(read_drafter_dir(path).metadata) if path.is_dir() else {}
+  fmt = metadata.pop(FORMAT_KEY, None) or {}
   params, V = drafter.params, target.cfg.vocab_size
   if drafter.keep_ids is not None:
     if not fmt.get("head_is_table"):
       raise ValueError(f"{drafter_dir} already has a trained trimmed head; trim the untrimmed "
                        f"drafter it came from instead")
     params = dataclasses.replace(params, lm_head=None)  # the head is rows of the shared table
+  record = {"size": size, "data": list(data_dirs), "from": str(drafter_dir), "command": command}
   if size == V:
     keep = None
   else:
+    if not data_dirs:
+      raise ValueError("trim-vocab keeps the ids the TARGET generates most: pass --data DIR, the "
+                       "target's responses made by `jspec distill-data --target ...`")
     examples, _ = load_examples([parse_data_dir(d) for d in data_dirs])
     counts = distill.token_counts(examples, V)
     keep = most_frequent_ids(counts, size, always=target.tokenizer.stop_token_ids)
     params = trim_head(params, keep)
-  metadata = dict(stored.metadata)
-  metadata.pop(FORMAT_KEY, None)
-  metadata["vocab_trim"] = {"size": size, "data": list(data_dirs), "from": str(drafter_dir),
-                            "command": command}
+    # The share of the counted target tokens the trimmed head can still propose.
+    record.update(counted_tokens=int(counts.sum()),
+                  coverage=float(counts[keep].sum() / max(counts.sum(), 1)))
+  metadata["vocab_trim"] = record
   return save_drafter(out, drafter.cfg, params, target.tokenizer, metadata, keep_ids=keep,
                       share_target_table=fmt.get("shares_target_embedding", False)
                       or shares_table(params, target.params), dtype=dtype)
