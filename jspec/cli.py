@@ -29,6 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
+
+
+def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gamma", type=_gamma, default=4,
                  help="draft tokens per round, or 'auto': calibrate on the first prompt (one run "
                       "at gamma 8 + each piece of a round timed) and take the gamma with the most "
@@ -331,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   g = sub.add_parser("generate", help="generate text from prompts")
   _add_model_args(g)
+  _add_gamma_arg(g)
   g.add_argument("--prompt", action="append", required=True,
                  help="prompt text; repeat for a batch")
   g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -339,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.set_defaults(fn=cmd_generate)
   b = sub.add_parser("bench", help="benchmark decoding speed on a prompt set")
   _add_model_args(b)
+  _add_gamma_arg(b)
   b.add_argument("--dataset", default="mt-bench", choices=["mt-bench", "humaneval"])
   b.add_argument("--num-prompts", type=int, default=None, help="default: all")
   b.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")

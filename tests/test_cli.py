@@ -110,6 +110,11 @@ def test_gamma_auto(tiny_model, capsys):
   with pytest.raises(SystemExit):
     main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "four"])
   assert "expected an integer or 'auto'" in capsys.readouterr().err
+  # bench-tau scores trees, not chains: a --gamma there would be silently ignored, so it is refused.
+  with pytest.raises(SystemExit):
+    main(["bench-tau", "--model", str(tiny_model), "--drafter", "self", "--tree", "fixed:2",
+          "--gamma", "3"])
+  assert "unrecognized arguments: --gamma" in capsys.readouterr().err
 
 
 def test_bad_drafter(tiny_model, capsys):
