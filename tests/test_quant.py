@@ -220,3 +220,15 @@ def test_int8_needs_xla_attention(int8_target):
   tokens = jnp.asarray([[1, 2, 3]])
   with pytest.raises(ValueError, match="int8 weights run with attention_impl='xla'"):
     forward(int8_target, cfg, tokens, jnp.arange(3)[None], KVCache.init(cfg, 1, 128))
+
+
+def test_engine_options_follow_where_the_call_runs(monkeypatch):
+  """The CPU options go to calls whose arrays sit on the CPU, even when the default backend is an
+  accelerator (and not to calls that would run there)."""
+  from jspec.models import numerics
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  on_cpu = jax.device_put(jnp.ones(3), jax.devices("cpu")[0])
+  assert numerics._platform(((1, on_cpu), {})) == "cpu"
+  assert numerics._platform(((jnp.ones(3),), {})) == "gpu"  # uncommitted: the default backend
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert numerics._platform(((jnp.ones(3),), {})) == "cpu"

@@ -20,7 +20,7 @@ boundary, one whole quantization step. Three things make the bits program-indepe
 Every engine's `jax.jit` passes COMPILER_OPTIONS. If you jit jspec's pure functions
 (`generate_tokens`, `speculative_generate_tokens`) yourself, pass them too:
 `jax.jit(fn, compiler_options=COMPILER_OPTIONS, ...)` on CPU. They are debug options of the CPU
-backend, so the engines pass them only when the default backend is the CPU, and only where this
+backend, so the engines pass them only to calls that run on the CPU, and only where this
 jaxlib knows the option (older ones, without YNNPACK fusions, do not need it).
 """
 
@@ -42,17 +42,29 @@ def _cpu_knows_options() -> bool:
     return False
 
 
+def _platform(args) -> str:
+  """Where a call runs: the platform of its first committed array (placed with device_put),
+  else the default device's (`jax.default_device`), else the default backend."""
+  for leaf in jax.tree.leaves(args):
+    if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+      return next(iter(leaf.devices())).platform
+  default = jax.config.jax_default_device
+  if default is not None:
+    return default if isinstance(default, str) else default.platform
+  return jax.default_backend()
+
+
 def engine_jit(fn, **kwargs):
-  """jax.jit(fn, **kwargs), with COMPILER_OPTIONS on the CPU backend: how every decoding program
-  is compiled. The backend is read at each call (cheap), not at import, so importing jspec does
-  not initialize JAX."""
+  """jax.jit(fn, **kwargs), with COMPILER_OPTIONS where the call runs on the CPU: how every
+  decoding program is compiled. Read at each call (cheap: arrays placed on the CPU while the
+  default backend is a GPU get them too), not at import, so importing jspec does not initialize
+  JAX."""
   with_options = jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
   plain = jax.jit(fn, **kwargs)
 
   @functools.wraps(fn)
   def run(*args, **kw):
-    cpu = jax.default_backend() == "cpu" and _cpu_knows_options()
+    cpu = _platform((args, kw)) == "cpu" and _cpu_knows_options()
     return (with_options if cpu else plain)(*args, **kw)
 
   return run
-
