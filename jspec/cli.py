@@ -29,6 +29,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
+  p.add_argument("--precision", choices=["fast", "exact"], default="fast",
+                 help="matmul precision: fast (the backend's default: TF32 on GPUs) or exact (full "
+                      "float32: greedy speculative output token-identical to greedy decoding on "
+                      "GPUs/TPUs too); the same on CPU")
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
@@ -488,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
   from jspec.io import compilation_cache
   compilation_cache.enable()
+  from jspec.models.numerics import matmul_precision
   try:
-    return args.fn(args)
+    with matmul_precision(getattr(args, "precision", "fast")):  # every program the command traces
+      return args.fn(args)
   except (ValueError, FileNotFoundError) as e:
     print(f"jspec: error: {e}", file=sys.stderr)
     return 2

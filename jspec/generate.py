@@ -17,7 +17,7 @@ from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import engine_jit
+from jspec.models.numerics import check_precision, engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 
 Array = jax.Array
@@ -125,14 +125,18 @@ _generate_jit = engine_jit(
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None,
-             record_top_k: int = 0) -> GenerateOutput:
+             record_top_k: int = 0, precision: str = "fast") -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
 
   Example:
     out = generate(params, cfg, [[1, 2, 3], [4, 5]], max_new_tokens=32,
                    sampling=SamplingParams(temperature=0.7, top_p=0.9), key=0)
     out.sequences()  # [[...], [...]]
+
+  precision: "fast" (the backend's default matmuls) or "exact" (full float32 matmuls; see
+  jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
   """
+  check_precision(precision)
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
                      f"{record_top_k}")
@@ -140,4 +144,4 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                     stop_ids=stop_ids, cache_size=cache_size)
   return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
                        max_new_tokens=int(max_new_tokens), cache_size=b.cache_size,
-                       stop_ids=b.stop_ids, record_top_k=int(record_top_k))
+                       stop_ids=b.stop_ids, record_top_k=int(record_top_k), precision=precision)

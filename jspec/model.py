@@ -42,22 +42,26 @@ class Model:
   def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
                    stop: bool = True, drafter: Drafter | None = None, gamma: int = 4,
-                   tree: TreeShape | str | None = None) -> GenerateOutput | SpecOutput:
+                   tree: TreeShape | str | None = None,
+                   precision: str = "fast") -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
-    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32")."""
+    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"). precision:
+    "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
+    greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics)."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
-                      sampling=sampling, key=key, stop_ids=stop_ids)
+                      sampling=sampling, key=key, stop_ids=stop_ids, precision=precision)
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
-          spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+          spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
+          precision=precision)
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
-                                sampling=sampling, key=key)
+                                sampling=sampling, key=key, precision=precision)
 
   def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt."""

@@ -277,3 +277,16 @@ def test_a_second_run_compiles_nothing(tiny_model, tmp_path):
   assert built[0] > 0 and built[1] == 0, built
   assert runs[0].stdout == runs[1].stdout
   assert any((tmp_path / "xla").iterdir())
+
+
+def test_precision_flag_covers_the_whole_command(tiny_model, monkeypatch):
+  import jax
+  import jspec.cli
+  seen = []
+  monkeypatch.setattr(jspec.cli, "cmd_generate",
+                      lambda args: seen.append(jax.config.jax_default_matmul_precision) or 0)
+  for flag, want in (("exact", "highest"), ("fast", None)):
+    assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--precision", flag]) == 0
+    assert seen.pop() == want
+  with pytest.raises(SystemExit):
+    main(["generate", "--model", str(tiny_model), "--prompt", "x", "--precision", "tf32"])

@@ -359,6 +359,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
+          # "highest" under --precision exact (jspec.models.numerics), else the backend default.
+          "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"),
           "machine": machine_info()}
   records = []
   # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).

@@ -17,6 +17,14 @@ boundary, one whole quantization step. Three things make the bits program-indepe
   and the two `exp` implementations differ in the last bit, so the choice depended on the cache
   size. (Turning YNNPACK off entirely makes int8 decoding ~3.5x slower: its int8 dots are fast.)
 
+Precision (`matmul_precision(name)`, every engine's `precision=` argument, the CLI's `--precision`):
+"fast" (the default) leaves float32 matmuls at the backend's default, which on GPUs is TF32 and on
+TPUs bfloat16 passes, ~1e-3 relative error: a verification block and a one-token step then round
+differently and greedy speculative output can part from greedy autoregressive output at near
+ties. "exact" traces every matmul (model, attention, the Pallas kernels' float32 paths) at full
+float32 precision, so they round alike to ~1e-7: the mode for token-identical greedy output. On
+CPU both are full precision (the option only marks the program).
+
 Every engine's `jax.jit` passes COMPILER_OPTIONS. If you jit jspec's pure functions
 (`generate_tokens`, `speculative_generate_tokens`) yourself, pass them too:
 `jax.jit(fn, compiler_options=COMPILER_OPTIONS, ...)` on CPU. They are debug options of the CPU
@@ -26,11 +34,32 @@ jaxlib knows the option (older ones, without YNNPACK fusions, do not need it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+PRECISIONS = ("fast", "exact")
+
+
+def check_precision(name: str) -> str:
+  if name not in PRECISIONS:
+    raise ValueError(f"precision must be 'fast' (the backend's default matmul precision: TF32 on "
+                     f"GPUs) or 'exact' (full float32 matmuls: token-identical greedy speculative "
+                     f"decoding on accelerators), got {name!r}")
+  return name
+
+
+@contextlib.contextmanager
+def matmul_precision(name: str):
+  """Trace the programs inside at this precision ("fast" or "exact", see the module doc). "fast"
+  leaves the matmul precision as it is (so a global JAX_DEFAULT_MATMUL_PRECISION still holds)."""
+  if check_precision(name) == "exact":
+    with jax.default_matmul_precision("highest"):
+      yield
+  else:
+    yield
 
 
 @functools.cache
@@ -55,16 +84,17 @@ def _platform(args) -> str:
 
 
 def engine_jit(fn, **kwargs):
-  """jax.jit(fn, **kwargs), with COMPILER_OPTIONS where the call runs on the CPU: how every
-  decoding program is compiled. Read at each call (cheap: arrays placed on the CPU while the
-  default backend is a GPU get them too), not at import, so importing jspec does not initialize
-  JAX."""
+  """jax.jit(fn, **kwargs), with COMPILER_OPTIONS where the call runs on the CPU, traced at the
+  call's `precision=` ("fast" or "exact"): how every decoding program is compiled. Where it runs
+  is read at each call (cheap: arrays placed on the CPU while the default backend is a GPU get
+  the options too), not at import, so importing jspec does not initialize JAX."""
   with_options = jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
   plain = jax.jit(fn, **kwargs)
 
   @functools.wraps(fn)
-  def run(*args, **kw):
+  def run(*args, precision: str = "fast", **kw):
     cpu = _platform((args, kw)) == "cpu" and _cpu_knows_options()
-    return (with_options if cpu else plain)(*args, **kw)
+    with matmul_precision(precision):
+      return (with_options if cpu else plain)(*args, **kw)
 
   return run

@@ -18,7 +18,7 @@ from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import engine_jit
+from jspec.models.numerics import check_precision, engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.verify import verify
 from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
@@ -82,7 +82,7 @@ _spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                          prompts: Sequence[Sequence[int]], *, spec: SpecConfig,
                          sampling: SamplingParams = GREEDY, key: Array | int = 0,
-                         cache_size: int | None = None) -> SpecOutput:
+                         cache_size: int | None = None, precision: str = "fast") -> SpecOutput:
   """Validated, bucketed, jitted speculative generation from token-id prompts.
 
   Example:
@@ -90,11 +90,15 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out = speculative_generate(params, cfg, drafter, [[1, 2, 3]], spec=SpecConfig(gamma=4,
                                max_new_tokens=64), sampling=SamplingParams(temperature=1.0))
     out.sequences(), out.block_efficiency
+
+  precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
+  jspec.models.numerics).
   """
   check_drafter(cfg, drafter)
+  check_precision(precision)
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
                     reserve_for="gamma + 1 (the draft block)")
   return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size)
+                   cache_size=b.cache_size, precision=precision)

@@ -31,7 +31,7 @@ from jspec.drafting.base import DraftState, Drafter, Features
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import engine_jit
+from jspec.models.numerics import check_precision, engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
@@ -187,7 +187,8 @@ def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
 def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               prompts: Sequence[Sequence[int]], *, spec: TreeSpecConfig,
                               sampling: SamplingParams = GREEDY, key: Array | int = 0,
-                              cache_size: int | None = None) -> TreeSpecOutput:
+                              cache_size: int | None = None,
+                              precision: str = "fast") -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
   Example (any drafter grows trees):
@@ -195,12 +196,16 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out = tree_speculative_generate(params, cfg, drafter, [[1, 2, 3]],
                                     spec=TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=64))
     out.sequences(), out.block_efficiency, out.tree_nodes
+
+  precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
+  jspec.models.numerics).
   """
   check_tree_run(cfg, drafter, spec)
+  check_precision(precision)
   check_tree_target(params)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round)")
   return _tree_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size)
+                   cache_size=b.cache_size, precision=precision)

@@ -1,0 +1,113 @@
+"""The precision contract (jspec.models.numerics): "exact" traces every matmul at full float32
+precision (model, attention, the Pallas kernel), "fast" leaves the backend's default, and every
+engine traces at the precision its caller asks for. On CPU both compute alike, so the program's
+marks are what can be checked here; on an accelerator they decide greedy identity."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jspec.generate
+import jspec.speculative.chain
+import jspec.speculative.tree
+from jspec.drafting.model import self_drafter
+from jspec.model import Model
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import forward, init_params
+from jspec.models.numerics import matmul_precision
+from jspec.pallas.tree_attention import tree_attention
+
+CFG = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+HIGHEST = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+
+
+def dot_precisions(jaxpr) -> list:
+  """The precision of every dot_general in a jaxpr, nested ones (loops, kernels) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += dot_precisions(inner)
+  return found
+
+
+def _forward_jaxpr(cfg: Config):
+  params = init_params(cfg, jax.random.key(0))
+  cache = KVCache.init(cfg, 1, 32, jnp.float32)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  positions = jnp.arange(4, dtype=jnp.int32)[None]
+  return jax.make_jaxpr(lambda p, c: forward(p, cfg, tokens, positions, c))(params, cache).jaxpr
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+def test_exact_marks_every_matmul_of_the_forward(impl):
+  cfg = dataclasses.replace(CFG, attention_impl=impl)
+  with matmul_precision("exact"):
+    exact = dot_precisions(_forward_jaxpr(cfg))
+  fast = dot_precisions(_forward_jaxpr(cfg))
+  # 7 projections a layer, 2 attention dots (XLA) or the kernel's 2, and the LM head.
+  assert len(exact) == len(fast) >= 2 * 9 + 1
+  assert all(p == HIGHEST for p in exact)
+  assert all(p is None for p in fast)
+
+
+def test_exact_marks_the_tree_attention_kernel():
+  q = jnp.zeros((1, 4, 4, 16))
+  kv = jnp.zeros((1, 1, 128, 2, 16))
+  lengths = jnp.asarray([8], jnp.int32)
+  run = lambda q, k, v: tree_attention(q, k, v, lengths, None, layer=0, interpret=True)
+  with matmul_precision("exact"):
+    exact = dot_precisions(jax.make_jaxpr(run)(q, kv, kv).jaxpr)
+  assert len(exact) >= 2 and all(p == HIGHEST for p in exact)
+
+
+@pytest.fixture
+def tiny():
+  return Model(CFG, init_params(CFG, jax.random.key(1), scale=0.3), tokenizer=None, source="tiny")
+
+
+@pytest.mark.parametrize("engine", ["generate", "chain", "tree"])
+def test_every_engine_traces_at_the_precision_asked(tiny, engine, monkeypatch):
+  module = {"generate": jspec.generate, "chain": jspec.speculative.chain,
+            "tree": jspec.speculative.tree}[engine]
+  seen = []
+  real = module.forward
+
+  def spy(*args, **kwargs):
+    seen.append(jax.config.jax_default_matmul_precision)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(module, "forward", spy)
+  kwargs = {} if engine == "generate" else {"drafter": self_drafter(tiny.params, CFG), "gamma": 2}
+  if engine == "tree":
+    kwargs["tree"] = "fixed:2-1"
+  outputs = {}
+  for precision in ("exact", "fast"):
+    jax.clear_caches()  # trace again: the spy sees what the program is traced under
+    seen.clear()
+    out = tiny.generate_ids([[3, 1, 4, 1, 5]], max_new_tokens=6, stop=False, precision=precision,
+                            **kwargs)
+    outputs[precision] = out.sequences()
+    assert seen, "the engine was not traced"
+    assert set(seen) == ({"highest"} if precision == "exact" else {None}), seen
+  np.testing.assert_array_equal(outputs["exact"], outputs["fast"])  # CPU: full precision both
+
+
+def test_precision_names_are_checked(tiny):
+  with pytest.raises(ValueError, match="precision must be 'fast'.*or 'exact'"):
+    tiny.generate_ids([[1, 2]], max_new_tokens=2, stop=False, precision="highest")
+  with pytest.raises(ValueError, match="precision must be"):
+    tiny.generate_ids([[1, 2]], max_new_tokens=2, stop=False,
+                      drafter=self_drafter(tiny.params, CFG), precision="tf32")
+  with pytest.raises(ValueError, match="precision must be"):
+    with matmul_precision("bf16"):
+      pass
