@@ -368,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "reference and the model's XLA attention (GPU/TPU)")
   k.add_argument("--kernel", default="tree-attention", choices=["tree-attention"])
   k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+  k.add_argument("--precision", choices=["fast", "exact"], default="fast",
+                 help="matmul precision of the kernel, the reference and XLA attention (exact: "
+                      "float32 at full precision, as the correctness check expects on GPUs)")
   k.add_argument("--interpret", action="store_true",
                  help="run the kernel in the Pallas interpreter (CPU smoke runs: checks output, "
                       "its timings mean nothing and no speedup is reported)")

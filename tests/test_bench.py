@@ -1,6 +1,9 @@
 """`jspec bench`'s timing order: methods compared in one run are timed prompt by prompt."""
 
 import dataclasses
+from types import SimpleNamespace
+
+import pytest
 
 from jspec.bench.speed import Method, Run, bench_interleaved
 
@@ -31,3 +34,23 @@ def test_methods_are_compiled_first_then_timed_prompt_by_prompt():
   assert log[3:] == [(p[0], n) for p in prompts for n in ("ar", "chain", "tree")]
   assert [len(run.wall_s) for run, _ in results] == [3, 3, 3]
   assert [extra for _, extra in results] == [{"compile_s": 0.0}] * 3
+
+
+def test_transformers_runs_on_the_gpu_jax_uses_in_jspecs_dtype(monkeypatch):
+  import jax
+  import jax.numpy as jnp
+  torch = pytest.importorskip("torch")
+  from jspec.bench.speed import torch_placement
+
+  def model(dtype):
+    return SimpleNamespace(params=SimpleNamespace(embed=jnp.zeros((2, 2), dtype)))
+
+  assert torch_placement(model(jnp.float32)) == ("cpu", "float32")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+  assert torch_placement(model(jnp.bfloat16)) == ("cuda", "bfloat16")
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch build
+  assert torch_placement(model(jnp.float32)) == ("cpu", "float32")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # torch has no TPU backend
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+  assert torch_placement(model(jnp.float32)) == ("cpu", "float32")

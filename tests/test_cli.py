@@ -42,6 +42,10 @@ def test_bench_writes_records(tiny_model, tmp_path, capsys):
     assert r["n_prompts"] == 2 and 2 <= r["new_tokens"] <= 12 and r["tokens_per_s"] > 0
   assert records[1]["identical_to_jspec"] == 1.0  # greedy: same tokens as transformers
   assert records[0]["compile_s"] > 0 and records[0]["speedup_vs_transformers"] > 0
+  # transformers runs where JAX runs (here the CPU), in jspec's dtype; both say so.
+  assert (records[1]["torch_device"], records[1]["torch_dtype"], records[1]["cache"]) == (
+      "cpu", "float32", "dynamic")
+  assert records[0]["matmul_precision"] == "default" and records[0]["machine"]["backend"] == "cpu"
   assert records[0]["bandwidth"]["copy_gbps"] > 0
 
 

@@ -206,3 +206,33 @@ def test_lowers_for_cuda_triton(D, dtype, layer):
   text = _export("cuda", "gpu", D, dtype=dtype, layer=layer)
   assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"]
   assert 'name = "tree_attention_gpu"' in text
+
+
+# The compiled kernel of the machine's accelerator against the reference: skipped on a CPU-only
+# host (there the interpreted kernels above stand in). On an accelerator the suite runs in exact
+# precision (conftest), so float32 is held to float32 tolerances.
+NATIVE = {"gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend())
+needs_kernel = pytest.mark.skipif(NATIVE is None, reason="no compiled kernel on a CPU-only host")
+
+
+@needs_kernel
+@pytest.mark.parametrize("D,H,K,T", TREE_CASES[:3])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_compiled_kernel_matches_reference(D, H, K, T, dtype, tol):
+  block_k = BACKEND_BLOCK_K[NATIVE]
+  q, k, v, lengths, mask = make_inputs(3, 384, H, K, D, T, block_k, dtype, seed=3)
+  out = jax.jit(functools.partial(tree_attention, block_sizes=BlockSizes(block_k=block_k)))(
+      q, k, v, lengths, mask)
+  assert out.dtype == dtype and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+  np.testing.assert_allclose(out.astype(np.float32), reference(q, k, v, lengths, mask)
+                             .astype(np.float32), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_compiled_kernel_reads_a_stacked_cache_causally():
+  block_k = BACKEND_BLOCK_K[NATIVE]
+  q, k, v, lengths, _ = make_inputs(4, 384, 8, 2, 64, 32, block_k, seed=4)
+  k_all, v_all = jnp.stack([k * 0.5, k]), jnp.stack([v * 0.5, v])  # layer 1 is (k, v)
+  out = jax.jit(functools.partial(tree_attention, block_sizes=BlockSizes(block_k=block_k),
+                                  layer=1))(q, k_all, v_all, lengths, None)
+  np.testing.assert_allclose(out, reference(q, k, v, lengths, None), atol=2e-5, rtol=2e-5)

@@ -193,19 +193,30 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
           best(lambda: verifies(params, cache)))
 
 
-def _load_transformers(source: str):
+def torch_placement(model: Model) -> tuple[str, str]:
+  """(torch device, torch dtype name) for transformers beside jspec: the GPU JAX runs on when torch
+  sees CUDA (else the CPU: torch has no TPU backend), in jspec's weight dtype (float32 for int8,
+  which transformers does not run)."""
+  import torch
+  device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+  dtype = "bfloat16" if model.params.embed.dtype == jnp.bfloat16 else "float32"
+  return device, dtype
+
+
+def _load_transformers(source: str, device: str = "cpu", dtype: str = "float32"):
   import torch
   from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count() or 1)
   os.environ["HF_HUB_OFFLINE"] = "1"  # local files only: a path that is not one must fail here
   src = Path(source)
+  torch_dtype = getattr(torch, dtype)
   if src.suffix == ".gguf":
     hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                              dtype=torch.float32)
+                                              dtype=torch_dtype)
   else:
-    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-  return hf.eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch_dtype)
+  return hf.to(device).eval()
 
 
 def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: SamplingParams,
@@ -220,10 +231,15 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
                   top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p))
   torch.manual_seed(seed)
 
+  device = hf.device
+
   def gen(p, n):
     with torch.no_grad():
-      ids = torch.tensor([p])
-      return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
+      ids = torch.tensor([p], device=device)
+      out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
+      if device.type == "cuda":
+        torch.cuda.synchronize()
+      return out
 
   gen(prompts[0], 4)  # warm-up
   run = Run()
@@ -238,21 +254,27 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
     run.new_tokens.append(len(out))
     run.target_calls.append(len(out))  # plain decoding: one call per token (assisted: unknown)
     run.outputs.append(out)
-  return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+  return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+               "torch_device": str(device), "torch_dtype": str(hf.dtype).replace("torch.", ""),
+               "cache": extra_kwargs.get("cache_implementation", "dynamic")}
 
 
-def bench_transformers(hf, model: Model, prompts, max_new_tokens, sampling, seed
-                       ) -> tuple[Run, dict]:
+def bench_transformers(hf, model: Model, prompts, max_new_tokens, sampling, seed,
+                       cache: str = "dynamic") -> tuple[Run, dict]:
   """transformers' `generate` with `hf`, the target loaded by transformers (a GGUF is dequantized
-  to float32 by it)."""
-  return _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed, {}, "transformers")
+  by it), with its default cache or `cache="static"` (a fixed-size cache transformers compiles
+  the forward for)."""
+  extra = {} if cache == "dynamic" else {"cache_implementation": cache}
+  return _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed, extra,
+                           f"transformers ({cache} cache)")
 
 
 def bench_transformers_assisted(hf, model: Model, assistant_source: str | None, prompts,
                                 max_new_tokens, sampling, seed, gamma) -> tuple[Run, dict]:
   """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair;
   `assistant_source` None means the target drafts for itself."""
-  assistant = hf if assistant_source is None else _load_transformers(assistant_source)
+  assistant = hf if assistant_source is None else _load_transformers(
+      assistant_source, hf.device, str(hf.dtype).replace("torch.", ""))
   assistant.generation_config.num_assistant_tokens = gamma
   assistant.generation_config.num_assistant_tokens_schedule = "constant"
   run, extra = _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed,
@@ -408,7 +430,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           context=median, cache_size=size)
 
   if compare_transformers:
-    target_hf = _load_transformers(model.source)
+    device, dtype = torch_placement(model)
+    target_hf = _load_transformers(model.source, device, dtype)
     hf_run, extra = bench_transformers(target_hf, model, prompts, max_new_tokens, sampling, seed)
     hf = {"method": "transformers-generate", "drafter": "none", **base, **hf_run.summary(),
           **extra}
@@ -418,6 +441,13 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     if ar["decode_tokens_per_s"] and hf["decode_tokens_per_s"]:
       ar["decode_speedup_vs_transformers"] = ar["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     records.append(hf)
+    if device == "cuda":  # on a GPU also its best plain decoding: a static, compiled cache
+      st_run, st_extra = bench_transformers(target_hf, model, prompts, max_new_tokens, sampling,
+                                            seed, cache="static")
+      static = {"method": "transformers-generate", "drafter": "none", **base, **st_run.summary(),
+                **st_extra}
+      ar["speedup_vs_transformers_static"] = ar["tokens_per_s"] / static["tokens_per_s"]
+      records.append(static)
     for named, spec in specs:
       if not named.transformers_equivalent:
         continue

