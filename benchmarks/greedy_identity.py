@@ -18,7 +18,7 @@ import argparse
 import jax
 
 from jspec.bench.profiling import save_script_record
-from jspec.cli import _dataset_prompts
+from jspec import data
 from jspec.drafting.registry import load_drafter
 from jspec.model import load
 
@@ -46,7 +46,8 @@ def main() -> None:
   rows = []
   for weights in args.weights.split(","):
     model = load(args.model, weights)
-    prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
+    chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
+    prompts = [model.encode(t, chat=chat) for t in data.load_prompts(args.dataset, args.num_prompts)]
     drafters = {name: load_drafter(name, model, weights) for name in args.drafters.split(",")}
     for precision in args.precisions.split(","):
       run = lambda p, **kw: model.generate_ids([p], max_new_tokens=args.max_new_tokens,
