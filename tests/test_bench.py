@@ -45,6 +45,8 @@ def test_transformers_runs_on_the_gpu_jax_uses_in_jspecs_dtype(monkeypatch):
   def model(dtype):
     return SimpleNamespace(params=SimpleNamespace(embed=jnp.zeros((2, 2), dtype)))
 
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA box running JAX on CPU
   assert torch_placement(model(jnp.float32)) == ("cpu", "float32")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

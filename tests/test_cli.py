@@ -31,7 +31,15 @@ def test_generate(tiny_model, capsys):
   assert "tokens/s" in captured.err
 
 
-def test_bench_writes_records(tiny_model, tmp_path, capsys):
+@pytest.fixture
+def transformers_on_cpu(monkeypatch):
+  """transformers beside jspec on the CPU in float32 whatever the machine (on CUDA it would also
+  add a static-cache record: tests/test_bench.py covers the placement)."""
+  monkeypatch.setattr("jspec.bench.speed.torch_placement", lambda model: ("cpu", "float32"))
+
+
+def test_bench_writes_records(tiny_model, tmp_path, capsys, transformers_on_cpu):
+  import jax
   out = tmp_path / "bench.json"
   assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "2",
                "--max-new-tokens", "6", "--json", str(out)]) == 0
@@ -45,7 +53,8 @@ def test_bench_writes_records(tiny_model, tmp_path, capsys):
   # transformers runs where JAX runs (here the CPU), in jspec's dtype; both say so.
   assert (records[1]["torch_device"], records[1]["torch_dtype"], records[1]["cache"]) == (
       "cpu", "float32", "dynamic")
-  assert records[0]["matmul_precision"] == "default" and records[0]["machine"]["backend"] == "cpu"
+  assert records[0]["matmul_precision"] == str(jax.config.jax_default_matmul_precision or "default")
+  assert records[0]["machine"]["backend"] == jax.default_backend()
   assert records[0]["bandwidth"]["copy_gbps"] > 0
 
 
@@ -168,7 +177,8 @@ def test_ngram_drafter_names(tiny_model):
       load_drafter(bad, target)
 
 
-def test_bench_several_drafters_with_transformers_assisted(tiny_model, tmp_path):
+def test_bench_several_drafters_with_transformers_assisted(tiny_model, tmp_path,
+                                                           transformers_on_cpu):
   out = tmp_path / "multi.json"
   assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
                "--max-new-tokens", "8", "--drafters", f"self,model:{tiny_model}", "--gamma", "3",
@@ -199,6 +209,10 @@ def test_bench_tree_records(tiny_model, tmp_path):
   assert tree["target_calls"] < ar["target_calls"]
   for key in ("block_efficiency", "speedup_vs_ar", "speedup_vs_chain", "accept_hist", "ttft_s"):
     assert key in tree
+  # Ratios from side-by-side timings: the tree beside its chain, the chain beside AR.
+  assert tree["speedup_vs_chain"] == pytest.approx(tree["tokens_per_s"] / tree["chain_tokens_per_s"])
+  assert tree["speedup_vs_ar"] == pytest.approx(tree["speedup_vs_chain"] * chain["speedup_vs_ar"])
+  assert tree["speedup_vs_ar_direct"] == pytest.approx(tree["tokens_per_s"] / ar["tokens_per_s"])
 
 
 def test_bench_tau_sweep_flags(tiny_model, tmp_path):
@@ -290,7 +304,24 @@ def test_precision_flag_covers_the_whole_command(tiny_model, monkeypatch):
   monkeypatch.setattr(jspec.cli, "cmd_generate",
                       lambda args: seen.append(jax.config.jax_default_matmul_precision) or 0)
   for flag, want in (("exact", "highest"), ("fast", None)):
-    assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--precision", flag]) == 0
+    with jax.default_matmul_precision(None):  # no global setting (conftest: accelerators)
+      assert main(["generate", "--model", str(tiny_model), "--prompt", "x",
+                   "--precision", flag]) == 0
     assert seen.pop() == want
   with pytest.raises(SystemExit):
     main(["generate", "--model", str(tiny_model), "--prompt", "x", "--precision", "tf32"])
+
+
+def test_transformers_static_cache_run(tiny_model):
+  """The static-cache baseline (run on CUDA by `jspec bench`): one cache size for all prompts, the
+  same greedy tokens as the default cache."""
+  from jspec.bench import speed
+  from jspec.model import load
+  from jspec.sampling.processing import GREEDY
+  model = load(tiny_model)
+  hf = speed._load_transformers(model.source)
+  prompts = [[1, 5, 9], [2, 6, 10, 14, 18, 22]]
+  dynamic, _ = speed.bench_transformers(hf, model, prompts, 5, GREEDY, 0)
+  static, extra = speed.bench_transformers(hf, model, prompts, 5, GREEDY, 0, cache="static")
+  assert extra["cache"] == "static" and extra["torch_device"] == "cpu"
+  assert static.outputs == dynamic.outputs and static.new_tokens == dynamic.new_tokens

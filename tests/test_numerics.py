@@ -68,7 +68,10 @@ def test_exact_marks_the_tree_attention_kernel():
   run = lambda q, k, v: tree_attention(q, k, v, lengths, None, layer=0, interpret=True)
   with matmul_precision("exact"):
     exact = dot_precisions(jax.make_jaxpr(run)(q, kv, kv).jaxpr)
-  assert len(exact) >= 2 and all(p == HIGHEST for p in exact)
+  with jax.default_matmul_precision(None), matmul_precision("fast"):
+    fast = dot_precisions(jax.make_jaxpr(run)(q, kv, kv).jaxpr)
+  assert len(exact) == len(fast) >= 2
+  assert all(p == HIGHEST for p in exact) and all(p is None for p in fast)
 
 
 @pytest.fixture

@@ -232,3 +232,11 @@ def test_engine_options_follow_where_the_call_runs(monkeypatch):
   assert numerics._platform(((jnp.ones(3),), {})) == "gpu"  # uncommitted: the default backend
   with jax.default_device(jax.devices("cpu")[0]):
     assert numerics._platform(((jnp.ones(3),), {})) == "cpu"
+
+
+def test_engine_programs_run_inside_other_transformations():
+  """engine_jit'd functions (forward_jit, the engines) called under a user's jit or vmap."""
+  from jspec.models.numerics import engine_jit
+  double = engine_jit(lambda x: 2 * x)
+  np.testing.assert_array_equal(jax.jit(lambda x: double(x) + 1)(jnp.ones(2)), [3.0, 3.0])
+  np.testing.assert_array_equal(jax.vmap(double)(jnp.ones((3, 2))), np.full((3, 2), 2.0))

@@ -260,6 +260,7 @@ def test_trim_vocab_of_an_independent_model_drafter(target, data_dir, tmp_path):
   from jspec.drafting.model import trimmed_drafter
   from jspec.drafting.registry import load_model_drafter
   from jspec.io.drafter import drafter_format
+  from jspec.models.llama import quantize_params
   from jspec.models.quant import Int8Weight
   from jspec.models.vocab_trim import trim_head
   from jspec.train.recipe import trim_drafter
@@ -289,6 +290,7 @@ def test_trim_vocab_of_an_independent_model_drafter(target, data_dir, tmp_path):
   # --weights int8 quantizes a compact drafter too (its trimmed head included).
   int8 = load_model_drafter(out, target, "int8")
   assert isinstance(int8.params.lm_head, Int8Weight) and int8.params.lm_head.shape == (32, 30)
+  _same_drafts(int8, trimmed_drafter(quantize_params(back.params), back.cfg, keep))
   with pytest.raises(ValueError, match="distill-data"):
     trim_drafter(target, d, (), 30, tmp_path / "nodata")
 

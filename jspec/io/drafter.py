@@ -5,8 +5,10 @@ target's embedding table (49k x 576 for SmolLM2: 113 MB in float32), and a Vocab
 HF layout at all. The compact form stores only what the drafter owns:
 
   config.json          HF config of the drafter as a full-vocabulary model
-  model.safetensors    decoder layers and final norm; `lm_head.weight` [M or V, E] unless the head
-                       is the target's table; `jspec.keep_ids` [M] int32 when the head is trimmed
+  model.safetensors    decoder layers and final norm (+ the embedding unless it is the target's);
+                       `lm_head.weight` [M or V, E] unless the head is rows of the table (the
+                       target's, or the drafter's own stored one); `jspec.keep_ids` [M] int32
+                       when the head is trimmed
   tokenizer files      as in any HF directory (checked against the target's tokenizer)
   jspec.json           {"drafter_format": {"shares_target_embedding": bool, "trimmed_vocab": M or
                        null, "dtype": ...}, ...recipe and measurements}
@@ -56,8 +58,9 @@ def save_drafter(path: str | Path, cfg: Config, params: Params, tokenizer, metad
                  dtype: str = "float32") -> Path:
   """Write a drafter; compact (see module doc) when trimmed or sharing the target's table.
 
-  With `share_target_table` the embedding, and a head that is the target's table (tied, or its
-  kept rows when trimmed), are left out; the caller vouches for the sharing (see `shares_table`).
+  With `share_target_table` the embedding is left out (the caller vouches for the sharing, see
+  `shares_table`); a head that is rows of the table (tied, or its kept rows when trimmed) is
+  left out whether the table is the target's or stored here.
   """
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -71,11 +71,15 @@ def _cpu_knows_options() -> bool:
     return False
 
 
-def _platform(args) -> str:
+def _platform(args) -> str | None:
   """Where a call runs: the platform of its first committed array (placed with device_put),
-  else the default device's (`jax.default_device`), else the default backend."""
-  for leaf in jax.tree.leaves(args):
-    if isinstance(leaf, jax.Array) and getattr(leaf, "committed", False):
+  else the default device's (`jax.default_device`), else the default backend; None when called
+  inside another trace (a user's jit or vmap), whose own top-level jit compiles the program."""
+  leaves = jax.tree.leaves(args)
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    return None
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array) and leaf.committed:
       return next(iter(leaf.devices())).platform
   default = jax.config.jax_default_device
   if default is not None:

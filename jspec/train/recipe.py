@@ -109,8 +109,10 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
   """`jspec trim-vocab`: the drafter at `drafter_dir` with a VocabTrim head over the `size` ids the
   target generated most in `data_dirs` (size = the full vocabulary gives the untrimmed head back).
 
-  The head's rows come from the drafter's own head when it is a full one; a drafter whose head is
-  already trimmed can only be re-trimmed when that head is the target's table (a frozen head).
+  `drafter_dir` is any model drafter: a drafter directory, a .gguf file or a model name. The
+  head's rows come from the drafter's own head when it is a full one; a drafter whose head is
+  already trimmed can only be re-trimmed when that head is rows of its table (a frozen or tied
+  head), not a trained one.
   """
   drafter = load_model_drafter(drafter_dir, target)
   if isinstance(drafter, EagleDrafter):
