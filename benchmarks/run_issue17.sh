@@ -24,3 +24,13 @@ python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 40 --pro
 python benchmarks/load_compile.py --model qwen2.5-coder-1.5b --weights float32 --drafter model:qwen2.5-coder-0.5b --json benchmarks/issue17_load_compile_float32_cpu.json
 python benchmarks/load_compile.py --model qwen2.5-coder-1.5b --weights int8 --drafter model:qwen2.5-coder-0.5b --no-transformers --json benchmarks/issue17_load_compile_int8_cpu.json
 jspec bench $PAIR --weights int8 --gamma 4 --no-transformers --json benchmarks/issue17_pair_humaneval_t0_g4_int8_cpu.json
+# Session 13. What bounds an int8 step: its dots vs the rest, and XLA:CPU's int8 dot rate vs memory.
+python benchmarks/int8_step_profile.py --json benchmarks/issue17_int8_step_profile_cpu.json
+# VocabTrim for the 0.5B model drafter from the 1.5B target's own responses (17 min + 1 min).
+jspec distill-data --target qwen2.5-coder-1.5b --out ~/work/qwen15_sharegpt --num-prompts 128 --max-new-tokens 128 --gen-batch-size 16
+for M in 32768 65536; do
+  jspec trim-vocab --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --data ~/work/qwen15_sharegpt --size $M --save-dtype float32 --out ~/work/q05_trim$M
+done
+jspec bench --model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768,model:$HOME/work/q05_trim65536 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --weights int8 --gamma 3 --no-transformers --json benchmarks/issue17_vocabtrim_humaneval_t0_g3_int8_cpu.json
+# --gamma auto on the pair (calibration on the first prompt, then AR and the chosen chain).
+jspec bench $PAIR --weights int8 --gamma auto --no-transformers --json benchmarks/issue17_gamma_auto_humaneval_t0_int8_cpu.json
