@@ -286,9 +286,8 @@ def cmd_bench_kernel(args) -> int:
 
 
 def cmd_bench_tau(args) -> int:
-  import jax
-
   from jspec.bench import paired_tau, speed
+  from jspec.models.numerics import precision_label
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
   from jspec.speculative.loop import check_tree_target
@@ -314,8 +313,7 @@ def cmd_bench_tau(args) -> int:
     r.update(model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, seed=args.seed, matmul_precision=str(
-                 jax.config.jax_default_matmul_precision or "default"))
+             top_p=args.top_p, seed=args.seed, matmul_precision=precision_label())
   stamp = _stamp(records)
   out = args.json or Path("benchmarks") / f"paired_tau_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   for r in records:

@@ -17,7 +17,7 @@ from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import check_precision, engine_jit
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 
 Array = jax.Array
@@ -136,7 +136,6 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   precision: "fast" (the backend's default matmuls) or "exact" (full float32 matmuls; see
   jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
   """
-  check_precision(precision)
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
                      f"{record_top_k}")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.models import llama
+from jspec.models.numerics import precision_label
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 from jspec.bench.profiling import machine_info
 
@@ -226,7 +227,7 @@ def bench_tree_attention(shapes: Sequence[KernelShape], dtype: str = "bfloat16",
         "block_k": block_k,
         "backend": flavour,
         "interpret": interpret,
-        "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"),
+        "matmul_precision": precision_label(),
         "device_kind": device.device_kind,
         "platform": device.platform,
         "lengths": [int(x) for x in np.asarray(lengths)],

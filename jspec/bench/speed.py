@@ -30,7 +30,7 @@ from jspec.model import Model
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
-from jspec.models.numerics import engine_jit
+from jspec.models.numerics import engine_jit, precision_label
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.tree.shapes import TreeShape
 
@@ -221,6 +221,11 @@ def _load_transformers(source: str, device: str = "cpu", dtype: str = "float32")
   return hf.to(device).eval()
 
 
+def _dtype_name(hf) -> str:
+  """A torch model's dtype as `_load_transformers` takes it: "float32", "bfloat16"."""
+  return str(hf.dtype).replace("torch.", "")
+
+
 def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: SamplingParams,
                       seed: int, extra_kwargs: dict, desc: str) -> tuple[Run, dict]:
   import torch
@@ -265,7 +270,7 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
     run.target_calls.append(len(out))  # plain decoding: one call per token (assisted: unknown)
     run.outputs.append(out)
   return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "torch_device": str(device), "torch_dtype": str(hf.dtype).replace("torch.", ""),
+               "torch_device": str(device), "torch_dtype": _dtype_name(hf),
                "cache": extra_kwargs.get("cache_implementation", "dynamic")}
 
 
@@ -284,7 +289,7 @@ def bench_transformers_assisted(hf, model: Model, assistant_source: str | None, 
   """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair;
   `assistant_source` None means the target drafts for itself."""
   assistant = hf if assistant_source is None else _load_transformers(
-      assistant_source, hf.device, str(hf.dtype).replace("torch.", ""))
+      assistant_source, hf.device, _dtype_name(hf))
   assistant.generation_config.num_assistant_tokens = gamma
   assistant.generation_config.num_assistant_tokens_schedule = "constant"
   run, extra = _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed,
@@ -394,7 +399,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
           # "highest" under --precision exact (jspec.models.numerics), else the backend default.
-          "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"),
+          "matmul_precision": precision_label(),
           "machine": machine_info()}
   records = []
   # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).

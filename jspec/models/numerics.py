@@ -43,19 +43,21 @@ COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE
 PRECISIONS = ("fast", "exact")
 
 
-def check_precision(name: str) -> str:
-  if name not in PRECISIONS:
-    raise ValueError(f"precision must be 'fast' (the backend's default matmul precision: TF32 on "
-                     f"GPUs) or 'exact' (full float32 matmuls: token-identical greedy speculative "
-                     f"decoding on accelerators), got {name!r}")
-  return name
+def precision_label() -> str:
+  """The matmul precision programs are traced at now, as benchmark records state it: "highest"
+  under exact (or a global JAX_DEFAULT_MATMUL_PRECISION), "default" for the backend's own."""
+  return str(jax.config.jax_default_matmul_precision or "default")
 
 
 @contextlib.contextmanager
 def matmul_precision(name: str):
   """Trace the programs inside at this precision ("fast" or "exact", see the module doc). "fast"
   leaves the matmul precision as it is (so a global JAX_DEFAULT_MATMUL_PRECISION still holds)."""
-  if check_precision(name) == "exact":
+  if name not in PRECISIONS:
+    raise ValueError(f"precision must be 'fast' (the backend's default matmul precision: TF32 on "
+                     f"GPUs) or 'exact' (full float32 matmuls: token-identical greedy speculative "
+                     f"decoding on accelerators), got {name!r}")
+  if name == "exact":
     with jax.default_matmul_precision("highest"):
       yield
   else:

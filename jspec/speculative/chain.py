@@ -18,7 +18,7 @@ from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import check_precision, engine_jit
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.verify import verify
 from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
@@ -95,7 +95,6 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   jspec.models.numerics).
   """
   check_drafter(cfg, drafter)
-  check_precision(precision)
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,

@@ -31,7 +31,7 @@ from jspec.drafting.base import DraftState, Drafter, Features
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
-from jspec.models.numerics import check_precision, engine_jit
+from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
@@ -201,7 +201,6 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   jspec.models.numerics).
   """
   check_tree_run(cfg, drafter, spec)
-  check_precision(precision)
   check_tree_target(params)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
