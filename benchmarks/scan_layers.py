@@ -50,12 +50,12 @@ def decode_program(cfg, steps: int, scan: bool):
     return jnp.argmax(logits[:, -1], -1).astype(jnp.int32), dataclasses.replace(
         cache, k=k_all, v=v_all).commit(1)
 
-  def run(p, cache):
+  def run(p, cache, n=steps):  # n may be traced: one program for any number of steps
     def one(_, carry):
       token, cache = carry
       nxt, cache = forward(p, token[:, None], cache.lengths[:, None], cache)
       return nxt, cache
-    return jax.lax.fori_loop(0, steps, one, (jnp.zeros((1,), jnp.int32), cache))[0]
+    return jax.lax.fori_loop(0, n, one, (jnp.zeros((1,), jnp.int32), cache))[0]
 
   return run
 

@@ -4,6 +4,7 @@
 #
 #   bash scripts/accelerator_check.sh                 # everything (~20-40 min on one H100)
 #   SUITE=0 bash scripts/accelerator_check.sh         # benchmarks only
+#   NUM_PROMPTS=32 MAX_NEW=256 bash scripts/accelerator_check.sh   # more prompts and tokens
 #   MODEL=/path/to/model.gguf bash scripts/accelerator_check.sh   # another target (drafters:
 #                                                     # self,ngram; DRAFTERS=... to choose)
 #
@@ -14,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-default}
 SUITE=${SUITE:-1}
+NUM_PROMPTS=${NUM_PROMPTS:-16}    # per dataset, for greedy identity and each bench
+MAX_NEW=${MAX_NEW:-128}
 if [ "$MODEL" = "default" ]; then DEFAULT_DRAFTERS=default,ngram,ngram+default
 else DEFAULT_DRAFTERS=self,ngram; fi  # the shipped drafter is distilled for the default model
 DRAFTERS=${DRAFTERS:-$DEFAULT_DRAFTERS}
@@ -51,12 +54,16 @@ jspec bench-kernel --dtype bfloat16 --json "$OUT"_kernel_bf16.json || KERNEL_STA
 jspec bench-kernel --dtype float32 --precision exact --json "$OUT"_kernel_f32.json || KERNEL_STATUS=$?
 # Greedy identity per weight format and precision (fast = TF32 on GPUs).
 python benchmarks/greedy_identity.py --model "$MODEL" --drafters "self,$DRAFTERS" \
-    --weights float32,bfloat16 --dataset mt-bench --num-prompts 16 --max-new-tokens 64 \
+    --weights float32,bfloat16 --dataset mt-bench --num-prompts "$NUM_PROMPTS" --max-new-tokens 64 \
     --json "$OUT"_greedy_identity.json
+# Launch-bound decode (part 4): step time vs bytes, unrolled vs scanned layers, CUDA graphs.
+if [ "$PLATFORM" = "gpu" ]; then
+  python benchmarks/launch_bound.py --json "$OUT"_launch_bound.json
+fi
 # Decode speed: AR, drafters, transformers on the same device (default and static cache).
-jspec bench --model "$MODEL" --dataset humaneval --max-new-tokens 128 --precision exact \
+jspec bench --model "$MODEL" --dataset humaneval --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --precision exact \
     --drafters "$DRAFTERS" --json "$OUT"_bench_humaneval_t0.json
-jspec bench --model "$MODEL" --dataset mt-bench --max-new-tokens 128 --precision exact \
+jspec bench --model "$MODEL" --dataset mt-bench --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" --precision exact \
     --drafters "$DRAFTERS" --json "$OUT"_bench_mt-bench_t0.json
 echo "accelerator_check: wrote ${OUT}_*.json"
 if [ "$KERNEL_STATUS" != "0" ]; then

@@ -236,3 +236,17 @@ def test_compiled_kernel_reads_a_stacked_cache_causally():
   out = jax.jit(functools.partial(tree_attention, block_sizes=BlockSizes(block_k=block_k),
                                   layer=1))(q, k_all, v_all, lengths, None)
   np.testing.assert_allclose(out, reference(q, k, v, lengths, None), atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_tiles_fit_shared_memory():
+  """float32 tiles at full precision need twice the bytes (an H100 refused 262,656 of 232,448 for
+  block_k=128, W=64, two stages): stages are cut, then block_k halved, never silently too big."""
+  from jspec.pallas.tree_attention import _gpu_tiles
+  h100 = 232448
+  assert _gpu_tiles(128, 64, jnp.bfloat16, h100) == (128, 2)
+  assert _gpu_tiles(128, 128, jnp.bfloat16, h100) == (128, 2)
+  assert _gpu_tiles(128, 64, jnp.float32, h100) == (128, 1)
+  assert _gpu_tiles(128, 128, jnp.float32, h100) == (64, 1)
+  assert _gpu_tiles(64, 128, jnp.bfloat16, 101376) == (64, 2)  # a smaller ask is kept
+  with pytest.raises(ValueError, match="shared memory"):
+    _gpu_tiles(128, 1024, jnp.float32, 48 * 1024)

@@ -106,7 +106,8 @@ class BlockSizes:
   """Tile sizes: `block_k` cache slots per key block, `block_q` query rows (of T*G) per program.
 
   block_q=None picks the smallest legal tile that holds all T*G rows of a kv head (capped at 128
-  on GPU, 256 on TPU), so K/V are read once per kv head.
+  on GPU, 256 on TPU), so K/V are read once per kv head. On GPU block_k is a ceiling: pipelining
+  stages, then block_k, are cut until the K/V tiles fit the device's shared memory (`_gpu_tiles`).
   """
 
   block_k: int = 128
@@ -356,6 +357,37 @@ def _window_visibility(lengths: Array, tree_mask: Optional[Array], T: int, block
   return visibility(slots, lengths, tree_mask, T)
 
 
+# Shared memory per block on NVIDIA GPUs (the opt-in maximum), by compute capability major.minor.
+_GPU_SMEM_BYTES = {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}
+_GPU_SMEM_DEFAULT = 101376  # sm_86 / sm_89 and later consumer parts
+
+
+def _gpu_smem_budget() -> int:
+  try:
+    major, minor = (int(x) for x in str(jax.devices()[0].compute_capability).split("."))
+  except (AttributeError, ValueError):  # not a CUDA device (interpret mode): any budget is fine
+    return _GPU_SMEM_BYTES[(9, 0)]
+  return _GPU_SMEM_BYTES.get((major, minor), _GPU_SMEM_DEFAULT)
+
+
+def _gpu_tiles(block_k: int, W: int, dtype, budget: int) -> tuple[int, int]:
+  """(block_k, num_stages) whose K and V tiles fit the shared memory `budget`: Triton keeps
+  num_stages copies of the [block_k, W] K and V tiles, and float32 dots at full precision hold
+  each tile twice (measured on an H100: 262,656 bytes asked for float32, block_k=128, W=64, two
+  stages). The asked block_k is a ceiling: a smaller power of two divides S as well, and the
+  output does not depend on the tiling."""
+  itemsize = jnp.dtype(dtype).itemsize
+  per_slot = 2 * W * itemsize * (2 if itemsize == 4 else 1)  # bytes per cache slot per stage
+  bk = block_k
+  while bk >= 16:
+    for stages in (2, 1):
+      if stages * bk * per_slot + 4096 <= budget:
+        return bk, stages
+    bk //= 2
+  raise ValueError(f"tree attention: a [16, {W}] {jnp.dtype(dtype).name} K/V tile does not fit "
+                   f"this GPU's {budget} bytes of shared memory; use attention_impl='xla'.")
+
+
 def _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, interpret, layer):
   """Layouts in, pallas_call, layout out (shapes already validated)."""
   B, T, H, D = q.shape
@@ -367,6 +399,8 @@ def _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, in
   Mp = _round_up(M, bq)
   hb = 1 if backend == "gpu" else _tpu_heads_per_block(K, D)
   N, W = K // hb, hb * D  # kv-head groups, lanes per group
+  if backend == "gpu":
+    bk, num_stages = _gpu_tiles(bk, W, k.dtype, _gpu_smem_budget())
   n_window = (bk + T - 2) // bk + 1  # key blocks the T new slots can straddle
   scale = D ** -0.5
 
@@ -402,7 +436,7 @@ def _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, in
         out_specs=rows,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=4 if bq * W <= 64 * 128 else 8,
-                                                num_stages=2),
+                                                num_stages=num_stages),
         interpret=interpret,
         name="tree_attention_gpu",
     )(lengths, qk, k2, v2, visible)
