@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
+from jspec.kv.evict import evict
+from jspec.kv.policy import KVPolicy
+from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -53,6 +56,8 @@ class DecodeState:
   target_calls: Array  # [] int32
   top_ids: Array | None = None  # [B, N, K] when recording
   top_logprobs: Array | None = None
+  evicted: Array | None = None  # [B] int32 under a KV budget: entries dropped, so the next
+  # token's RoPE position is cache.lengths + evicted
 
 
 def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
@@ -65,17 +70,24 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                     sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
                     stop_ids: tuple[int, ...] = (), cache_dtype=None,
-                    record_top_k: int = 0) -> GenerateOutput:
+                    record_top_k: int = 0, kv: KVPolicy | None = None) -> GenerateOutput:
   """Generate up to `max_new_tokens` per row; pure and jit-friendly.
 
   Args:
     prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
-    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k: static.
+    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
     record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
+    kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
+      (cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
   """
   B, P = prompt.shape
-  cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype)
-  logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  evicted = None
+  if kv is None:
+    cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype)
+    logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  else:
+    cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype)
+    logits, cache, evicted = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
@@ -88,13 +100,14 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   state = DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
-      target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs)
+      target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted)
 
   def cond(s: DecodeState):
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    logits, _, cache = forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache)
+    positions = s.cache.lengths if kv is None else s.cache.lengths + s.evicted  # [B]
+    logits, _, cache = forward(params, cfg, s.last[:, None], positions[:, None], s.cache)
     key, sub = jax.random.split(s.key)
     nxt = sample(sub, logits[:, 0], sampling)  # [B]
     nxt = jnp.where(s.done, PAD, nxt)
@@ -106,10 +119,16 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
       ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)
       top_ids = jax.lax.dynamic_update_slice(top_ids, ids[:, None], (0, s.step, 0))
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
+    cache, evicted = cache.commit(1), s.evicted
+    if kv is not None:
+      cache, dropped = jax.lax.cond(
+          s.step % kv.evict_every == 0, lambda c: evict(kv, c),
+          lambda c: (c, jnp.zeros((B,), jnp.int32)), cache)
+      evicted = evicted + dropped
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
-                       last=jnp.where(s.done, s.last, nxt), key=key, cache=cache.commit(1),
+                       last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,
                        target_calls=s.target_calls + 1, top_ids=top_ids,
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs, evicted=evicted)
 
   state = jax.lax.while_loop(cond, body, state)
   return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
@@ -119,13 +138,15 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
 
 _generate_jit = engine_jit(
     generate_tokens, static_argnums=(1,),
-    static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype", "record_top_k"))
+    static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype", "record_top_k",
+                     "kv"))
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None,
-             record_top_k: int = 0, precision: str = "fast") -> GenerateOutput:
+             record_top_k: int = 0, precision: str = "fast",
+             kv: KVPolicy | None = None) -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
 
   Example:
@@ -135,12 +156,21 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
 
   precision: "fast" (the backend's default matmuls) or "exact" (full float32 matmuls; see
   jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
+  kv: a KV budget (`jspec.kv.policy.KVPolicy`): prompts of any length run in kv.slots cache slots
+  per row (chunked prefill, eviction by kv.method); exclusive with cache_size.
   """
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
                      f"{record_top_k}")
+  if kv is not None and not isinstance(kv, KVPolicy):
+    raise TypeError(f"kv must be a jspec.kv.policy.KVPolicy, got {type(kv).__name__}")
+  if kv is not None and cache_size is not None:
+    raise ValueError(f"cache_size={cache_size} and kv= are exclusive: under a KV budget the cache "
+                     f"holds kv.slots={kv.slots} slots. Fix: drop cache_size.")
   b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                     stop_ids=stop_ids, cache_size=cache_size)
   return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
-                       max_new_tokens=int(max_new_tokens), cache_size=b.cache_size,
-                       stop_ids=b.stop_ids, record_top_k=int(record_top_k), precision=precision)
+                       max_new_tokens=int(max_new_tokens),
+                       cache_size=b.cache_size if kv is None else kv.slots,
+                       stop_ids=b.stop_ids, record_top_k=int(record_top_k), precision=precision,
+                       kv=kv)

@@ -1,0 +1,49 @@
+"""Block-wise (chunked) prefill under a KV budget: a prompt of any length in the same memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.kv.evict import evict
+from jspec.kv.policy import KVPolicy
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+
+Array = jax.Array
+
+
+def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
+                    cache: KVCache, policy: KVPolicy) -> tuple[Array, KVCache, Array]:
+  """Run right-padded prompts [B, P] through an empty cache of `policy.slots` slots, `policy.chunk`
+  tokens at a time, evicting down to the budget after each chunk.
+
+  Returns (logits [B, V] at each row's last prompt token, cache, evicted [B]: entries dropped per
+  row, so the next token's RoPE position is cache.lengths + evicted).
+  """
+  B, P = prompt.shape
+  C = policy.chunk
+  n_chunks = -(-P // C)
+  prompt = jnp.pad(prompt, ((0, 0), (0, n_chunks * C - P)))
+  last = prompt_lengths - 1  # [B]
+
+  def one_chunk(c, carry):
+    cache, evicted, logits = carry
+    start = c * C
+    tokens = jax.lax.dynamic_slice(prompt, (0, start), (B, C))  # [B, C]
+    positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+    index = jnp.clip(last - start, 0, C - 1)[:, None]  # [B, 1]
+    chunk_logits, _, cache = forward(params, cfg, tokens, positions, cache,
+                                     logits_indices=index)
+    here = (last >= start) & (last < start + C)  # [B]: the row's last prompt token is here
+    logits = jnp.where(here[:, None], chunk_logits[:, 0], logits)
+    cache = cache.commit(jnp.clip(prompt_lengths - start, 0, C))
+    cache, dropped = evict(policy, cache)
+    return cache, evicted + dropped, logits
+
+  cache = cache.with_lengths(jnp.zeros((B,), jnp.int32))
+  logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+  cache, evicted, logits = jax.lax.fori_loop(
+      0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits))
+  return logits, cache, evicted
