@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
-from jspec.kv.evict import evict
+from jspec.kv.evict import before_forward, evict
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache
@@ -106,8 +106,13 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
-    positions = s.cache.lengths if kv is None else s.cache.lengths + s.evicted  # [B]
-    logits, _, cache = forward(params, cfg, s.last[:, None], positions[:, None], s.cache)
+    if kv is None:
+      logits, _, cache = forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache)
+    else:
+      cache, weights = before_forward(kv, s.cache, jnp.ones((B,), jnp.int32), 1)
+      positions = cache.lengths + s.evicted  # [B]: RoPE positions count the evicted entries
+      logits, _, cache = forward(params, cfg, s.last[:, None], positions[:, None], cache,
+                                 mass_weights=weights)
     key, sub = jax.random.split(s.key)
     nxt = sample(sub, logits[:, 0], sampling)  # [B]
     nxt = jnp.where(s.done, PAD, nxt)
@@ -164,6 +169,10 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                      f"{record_top_k}")
   if kv is not None and not isinstance(kv, KVPolicy):
     raise TypeError(f"kv must be a jspec.kv.policy.KVPolicy, got {type(kv).__name__}")
+  if kv is not None and kv.needs_attention and cfg.attention_impl != "xla":
+    raise ValueError(f"kv policy {kv.method!r} scores slots by attention probabilities, which "
+                     f"attention_impl={cfg.attention_impl!r} does not give. Fix: "
+                     f"attention_impl='xla', or kv method 'keydiff' (keys only).")
   if kv is not None and cache_size is not None:
     raise ValueError(f"cache_size={cache_size} and kv= are exclusive: under a KV budget the cache "
                      f"holds kv.slots={kv.slots} slots. Fix: drop cache_size.")

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from jspec.generate import generate, generate_tokens
-from jspec.kv.evict import compact, evict, keep_scores
+from jspec.kv.evict import compact, evict, keep_scores, mass_weights, with_mass
 from jspec.kv.policy import KVPolicy
-from jspec.kv.scores import keydiff
+from jspec.kv.prefill import chunked_prefill
+from jspec.kv.scores import caote, keydiff
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import forward, forward_at, init_params, masked_attention
+from jspec.models.llama import (attention_mass, forward, forward_at, init_params,
+                                masked_attention)
 from jspec.sampling.processing import GREEDY
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -53,7 +55,7 @@ def test_keydiff_keeps_the_most_dissimilar_keys_per_head():
     assert kept == sorted(slots), (head, kept)  # the dissimilar ones, in their original order
     np.testing.assert_allclose(out.k[0, 0, :6, head], k[0, 0, sorted(slots), head], rtol=1e-6)
   # The score itself: an e0 key is more similar to the mean (higher cosine) than an outlier.
-  score = np.asarray(keydiff(cache.k, cache.v, cache.lengths))
+  score = np.asarray(keydiff(cache, policy))
   assert score[0, 0, 3, 0] > score[0, 0, 2, 0]
 
 
@@ -228,8 +230,93 @@ def test_a_prompt_eight_times_the_budget_runs_in_budget_sized_memory(params):
   assert policy.slots == 32 + 16
 
 
+def test_attention_mass_is_the_weighted_group_mean_of_attention_probabilities():
+  rng = np.random.default_rng(6)
+  B, T, H, K, D, S = 2, 3, 4, 2, 8, 10
+  q = rng.standard_normal((B, T, H, D)).astype(np.float32)
+  k = rng.standard_normal((B, S, K, D)).astype(np.float32)
+  visible = rng.random((B, T, S)) < 0.7
+  visible[..., 0] = True
+  w = rng.random((B, T)).astype(np.float32)
+  got = np.asarray(attention_mass(jnp.asarray(q), jnp.asarray(k), jnp.asarray(visible),
+                                  jnp.asarray(w)))
+  want = np.zeros((B, S, K))
+  for b in range(B):
+    for t in range(T):
+      for h in range(H):
+        logits = np.where(visible[b, t], k[b, :, h // 2] @ q[b, t, h] / np.sqrt(D), -np.inf)
+        p = np.exp(logits - logits.max())
+        want[b, :, h // 2] += w[b, t] * p / p.sum() / 2
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova", "snapkv"])
+def test_chunked_prefill_records_the_attention_mass_of_a_one_shot_forward(params, method):
+  """Attention is causal, so each query's probabilities are the same computed in chunks of 4 or
+  all at once: the mass recorded chunk by chunk (new slots from zero, TOVA/SnapKV restarting with
+  each block) must equal one forward over the prompt with the method's query weights."""
+  prompt = jnp.asarray([[int(x) for x in np.random.default_rng(7).integers(0, 97, 14)]])
+  n = jnp.asarray([14])
+  policy = KVPolicy(method, budget=32, sinks=0, chunk=4, snap_window=2)
+  _, cache, _ = chunked_prefill(params, CFG, prompt, n, KVCache.init(CFG, 1, policy.slots),
+                                policy)
+  # The last chunk holds prompt tokens 12-13: TOVA's newest query is 13, SnapKV's window 12-13.
+  one_shot = with_mass(policy, KVCache.init(CFG, 1, policy.slots))
+  weights = jnp.ones((1, 14)) if method == "h2o" else mass_weights(policy, n, 14)
+  _, _, want = forward(params, CFG, prompt, jnp.arange(14)[None], one_shot, mass_weights=weights)
+  np.testing.assert_allclose(cache.mass[:, :, :14], want.mass[:, :, :14], rtol=1e-5, atol=1e-6)
+  assert float(jnp.abs(cache.mass[:, :, :14]).sum()) > 0
+
+
+def test_caote_is_the_attention_output_error_of_evicting_each_slot():
+  rng = np.random.default_rng(8)
+  L, B, S, K, D = 1, 1, 6, 1, 4
+  mass = rng.random((L, B, S, K)).astype(np.float32)
+  v = rng.standard_normal((L, B, S, K, D)).astype(np.float32)
+  cache = KVCache(k=jnp.zeros_like(v), v=jnp.asarray(v), lengths=jnp.asarray([5]),
+                  mass=jnp.asarray(mass))
+  got = np.asarray(caote(jnp.asarray(mass), cache))[0, 0, :5, 0]
+  a = mass[0, 0, :5, 0] / mass[0, 0, :5, 0].sum()
+  out = a @ v[0, 0, :5, 0]
+  for j in range(5):  # evict j, renormalise the rest, measure how far the output moves
+    rest = np.delete(np.arange(5), j)
+    moved = (a[rest] / a[rest].sum()) @ v[0, 0, rest, 0]
+    np.testing.assert_allclose(got[j], np.linalg.norm(out - moved), rtol=1e-4)
+  # A heavily attended slot whose value IS the output costs nothing to evict: CAOTE drops it.
+  v2 = v.copy()
+  mass2 = np.full_like(mass, 0.1)
+  mass2[0, 0, 2] = 0.6
+  a2 = mass2[0, 0, :5, 0] / mass2[0, 0, :5, 0].sum()
+  others = [0, 1, 3, 4]
+  v2[0, 0, 2, 0] = a2[others] @ v2[0, 0, others, 0] / (1 - a2[2])  # v_2 = the output itself
+  cache2 = KVCache(k=jnp.zeros_like(v), v=jnp.asarray(v2), lengths=jnp.asarray([5]),
+                   mass=jnp.asarray(mass2))
+  scores = np.asarray(caote(jnp.asarray(mass2), cache2))[0, 0, :5, 0]
+  assert np.argmin(scores) == 2 and np.argmax(mass2[0, 0, :5, 0]) == 2
+
+
+@pytest.mark.parametrize("method", ["keydiff", "streaming", "h2o", "tova", "snapkv",
+                                    "h2o+caote", "tova+caote", "snapkv+caote"])
+def test_every_policy_generates_under_a_binding_budget(params, method):
+  prompt = [int(x) for x in np.random.default_rng(9).integers(0, 97, 40)]
+  policy = KVPolicy(method, budget=16, sinks=2, chunk=8)
+  out = generate(params, CFG, [prompt, prompt[:9]], max_new_tokens=12, kv=policy)
+  seqs = out.sequences()
+  assert [len(s) for s in seqs] == [12, 12] and all(0 <= t < 97 for s in seqs for t in s)
+  # The short prompt never fills the budget during prefill (9 + 12 > 16 only while decoding).
+  assert seqs[1][:7] == generate(params, CFG, [prompt[:9]], max_new_tokens=7).sequences()[0]
+
+
+def test_attention_score_policies_refuse_a_kernel_that_cannot_give_scores(params):
+  import dataclasses
+  cfg = dataclasses.replace(CFG, attention_impl="pallas-interpret")
+  with pytest.raises(ValueError, match="attention probabilities"):
+    generate(params, cfg, [[1, 2, 3]], max_new_tokens=4, kv=KVPolicy("h2o", budget=16, chunk=8))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="snapkv-typo", budget=8), "unknown KV eviction method"),
+    (dict(method="keydiff+caote", budget=8), "unknown KV eviction method"),
     (dict(method="keydiff", budget=6, sinks=4, window=2, chunk=2), "exceed sinks \\+ window"),
     (dict(method="keydiff", budget=8, chunk=16), "chunk 16 is larger than the kv budget"),
     (dict(method="keydiff", budget=0), "budget must be a positive integer"),

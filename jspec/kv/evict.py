@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.kv.policy import KVPolicy
-from jspec.kv.scores import SCORES
+from jspec.kv.scores import slot_scores
 from jspec.models.cache import KVCache
 
 Array = jax.Array
@@ -22,7 +22,7 @@ Array = jax.Array
 
 def keep_scores(policy: KVPolicy, cache: KVCache) -> Array:
   """[L, B, S, K] scores with the sinks and the recent window at +inf, empty slots at -inf."""
-  scores = SCORES[policy.method](cache.k, cache.v, cache.lengths)
+  scores = slot_scores(cache, policy)
   slot = jnp.arange(cache.size)[None, :]  # [1, S]
   lengths = cache.lengths[:, None]  # [B, 1]
   protected = (slot < policy.sinks) | (slot >= lengths - policy.window)  # [B, S]
@@ -41,8 +41,53 @@ def compact(cache: KVCache, scores: Array, budget: int) -> KVCache:
     kept = jnp.take_along_axis(x, keep, axis=2)
     return jnp.concatenate([kept, x[:, :, budget:]], axis=2)
 
-  return dataclasses.replace(cache, k=gather(cache.k), v=gather(cache.v),
+  mass = cache.mass
+  if mass is not None:  # [L, B, S, K]: the same moves
+    mass = jnp.concatenate([jnp.take_along_axis(mass, keep[..., 0], axis=2),
+                            mass[:, :, budget:]], axis=2)
+  return dataclasses.replace(cache, k=gather(cache.k), v=gather(cache.v), mass=mass,
                              lengths=jnp.minimum(cache.lengths, budget))
+
+
+def mass_weights(policy: KVPolicy, n_new: Array, T: int) -> Array:
+  """[B, T] float32 weights of a block's queries in the attention mass: every committed one (H2O),
+  the newest (TOVA) or the last snap_window (SnapKV); n_new [B] of the T tokens are committed."""
+  t = jnp.arange(T)[None, :]
+  n = n_new[:, None]
+  if policy.base == "h2o":
+    keep = t < n
+  elif policy.base == "tova":
+    keep = t == n - 1
+  else:
+    keep = (t < n) & (t >= n - policy.snap_window)
+  return keep.astype(jnp.float32)
+
+
+def reset_mass(policy: KVPolicy, cache: KVCache, n_new: Array) -> KVCache:
+  """Before a forward that records attention mass: empty slots start at zero; TOVA and SnapKV
+  score by the newest block alone, so rows that commit queries in it start from zero too."""
+  slot = jnp.arange(cache.size)[None, :, None]  # [1, S, 1]
+  keep = slot < cache.lengths[:, None, None]  # [B, S, 1]
+  if policy.base != "h2o":
+    keep = keep & (n_new[:, None, None] == 0)
+  return dataclasses.replace(cache, mass=jnp.where(keep[None], cache.mass, 0.0))
+
+
+def with_mass(policy: KVPolicy, cache: KVCache) -> KVCache:
+  """A fresh cache with the attention-mass array the policy scores by (if it needs one)."""
+  if not policy.needs_attention:
+    return cache
+  L, B, S, K, _ = cache.k.shape
+  return dataclasses.replace(cache, mass=jnp.zeros((L, B, S, K), jnp.float32))
+
+
+def before_forward(policy: KVPolicy, cache: KVCache, n_new: Array,
+                   T: int) -> tuple[KVCache, Array | None]:
+  """(cache, mass_weights for `forward`) for a block of T tokens of which n_new [B] will be
+  committed: what attention-score policies record; (cache, None) for the others."""
+  if not policy.needs_attention:
+    return cache, None
+  return reset_mass(policy, cache, n_new), mass_weights(policy, n_new, T)
 
 
 def evict(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 
-# Methods that score slots from the cached keys alone (or their positions): they work with any
-# attention kernel. Attention-score methods (H2O, TOVA, SnapKV, CAOTE on top) come with the
-# attention statistics the model forward will report.
-METHODS = ("keydiff", "streaming")
+# Methods that score slots from the cached keys alone (or their positions) work with any attention
+# kernel; attention-score methods read the attention mass the forward accumulates in cache.mass
+# (XLA attention only). CAOTE ("+caote") sits on top of any attention-score method.
+KEY_METHODS = ("keydiff", "streaming")
+ATTENTION_METHODS = ("h2o", "tova", "snapkv")
+METHODS = KEY_METHODS + ATTENTION_METHODS + tuple(f"{m}+caote" for m in ATTENTION_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
 class KVPolicy:
   """Keep `budget` committed cache slots per row (in every layer and KV head).
 
-  method: "keydiff" (keep the keys least similar to the mean key of their layer and head) or
-    "streaming" (StreamingLLM: the `sinks` first tokens and the most recent ones).
+  method: "keydiff" (keep the keys least similar to the mean key of their layer and head),
+    "streaming" (StreamingLLM: the `sinks` first tokens and the most recent ones), "h2o"
+    (attention accumulated over every query so far), "tova" (the newest query's attention),
+    "snapkv" (attention of the last `snap_window` queries of each block, pooled over
+    `snap_kernel` neighbouring slots), or any of the last three + "+caote" (CAOTE: the error in
+    the attention output that evicting the slot would cause, from those scores and the values).
   sinks: the first positions, never evicted (attention sinks).
   window: the most recent committed slots, never evicted.
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: decoding steps between evictions (1: the cache never holds more than budget + 1).
+  snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (slots).
   """
 
   method: str
@@ -28,11 +35,13 @@ class KVPolicy:
   window: int = 0
   chunk: int = 128
   evict_every: int = 1
+  snap_window: int = 32
+  snap_kernel: int = 5
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"unknown KV eviction method {self.method!r}; jspec has {METHODS}")
-    for name in ("budget", "chunk", "evict_every"):
+    for name in ("budget", "chunk", "evict_every", "snap_window", "snap_kernel"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"KVPolicy {name} must be a positive integer, got {value!r}")
@@ -47,6 +56,19 @@ class KVPolicy:
     if self.chunk > self.budget:
       raise ValueError(f"prefill chunk {self.chunk} is larger than the kv budget {self.budget}: "
                        f"a chunk must fit the budget. Fix: chunk <= budget.")
+
+  @property
+  def base(self) -> str:
+    """The scoring method under "+caote"."""
+    return self.method.split("+")[0]
+
+  @property
+  def caote(self) -> bool:
+    return self.method.endswith("+caote")
+
+  @property
+  def needs_attention(self) -> bool:
+    return self.base in ATTENTION_METHODS
 
   @property
   def slots(self) -> int:

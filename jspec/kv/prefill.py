@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.kv.evict import evict
+from jspec.kv.evict import before_forward, evict, with_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -34,15 +34,17 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     tokens = jax.lax.dynamic_slice(prompt, (0, start), (B, C))  # [B, C]
     positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
     index = jnp.clip(last - start, 0, C - 1)[:, None]  # [B, 1]
+    n_new = jnp.clip(prompt_lengths - start, 0, C)  # [B]
+    cache, weights = before_forward(policy, cache, n_new, C)
     chunk_logits, _, cache = forward(params, cfg, tokens, positions, cache,
-                                     logits_indices=index)
+                                     logits_indices=index, mass_weights=weights)
     here = (last >= start) & (last < start + C)  # [B]: the row's last prompt token is here
     logits = jnp.where(here[:, None], chunk_logits[:, 0], logits)
-    cache = cache.commit(jnp.clip(prompt_lengths - start, 0, C))
+    cache = cache.commit(n_new)
     cache, dropped = evict(policy, cache)
     return cache, evicted + dropped, logits
 
-  cache = cache.with_lengths(jnp.zeros((B,), jnp.int32))
+  cache = with_mass(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
   logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
   cache, evicted, logits = jax.lax.fori_loop(
       0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits))

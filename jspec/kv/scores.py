@@ -1,8 +1,9 @@
 """Which cache slots deserve to stay: one pure function per method, the same signature for all.
 
-score(k, v, lengths) → [L, B, S, K] float32, higher = keep; k, v [L, B, S, K, D] the cache (keys
-after RoPE), lengths [B] the committed slots per row. Only slots below lengths[b] are read; the
-caller (evict.py) protects sinks and the recent window and never keeps an empty slot.
+score(cache, policy) → [L, B, S, K] float32, higher = keep; the cache's keys are stored after
+RoPE, `cache.mass` holds the attention mass the forwards accumulated (attention-score methods).
+Only slots below cache.lengths[b] matter; evict.py protects the sinks and the recent window and
+never keeps an empty slot. `caote` rescores any attention-score method.
 """
 
 from __future__ import annotations
@@ -10,31 +11,73 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jspec.kv.policy import KVPolicy
+from jspec.models.cache import KVCache
+
 Array = jax.Array
 
 
-def _valid(lengths: Array, size: int) -> Array:
-  return jnp.arange(size)[None, :] < lengths[:, None]  # [B, S]
+def _valid(cache: KVCache) -> Array:
+  """[1, B, S, 1]: the committed slots."""
+  return (jnp.arange(cache.size)[None, :] < cache.lengths[:, None])[None, :, :, None]
 
 
-def keydiff(k: Array, v: Array, lengths: Array) -> Array:
+def keydiff(cache: KVCache, policy: KVPolicy) -> Array:
   """KeyDiff: minus the cosine similarity of each key to the mean key of its layer and KV head
   (over the committed slots), so the most dissimilar keys are kept. Needs no attention weights."""
-  del v
-  valid = _valid(lengths, k.shape[2])[None, :, :, None, None]  # [1, B, S, 1, 1]
-  k = k.astype(jnp.float32)
-  count = jnp.maximum(lengths, 1).astype(jnp.float32)[None, :, None, None]  # [1, B, 1, 1]
+  valid = _valid(cache)[..., None]  # [1, B, S, 1, 1]
+  k = cache.k.astype(jnp.float32)  # [L, B, S, K, D]
+  count = jnp.maximum(cache.lengths, 1).astype(jnp.float32)[None, :, None, None]  # [1, B, 1, 1]
   mean = jnp.where(valid, k, 0.0).sum(axis=2) / count  # [L, B, K, D]
   dot = jnp.einsum("lbskd,lbkd->lbsk", k, mean)
   norms = jnp.linalg.norm(k, axis=-1) * jnp.linalg.norm(mean, axis=-1)[:, :, None, :]
   return -dot / jnp.maximum(norms, 1e-12)
 
 
-def streaming(k: Array, v: Array, lengths: Array) -> Array:
+def streaming(cache: KVCache, policy: KVPolicy) -> Array:
   """StreamingLLM: recency (with the sinks, which evict.py protects, nothing else is kept)."""
-  del v, lengths
-  L, B, S, K, _ = k.shape
+  L, B, S, K, _ = cache.k.shape
   return jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32)[None, None, :, None], (L, B, S, K))
 
 
-SCORES = {"keydiff": keydiff, "streaming": streaming}
+def h2o(cache: KVCache, policy: KVPolicy) -> Array:
+  """H2O (heavy hitters): the attention each slot received, summed over every query so far."""
+  return cache.mass
+
+
+def tova(cache: KVCache, policy: KVPolicy) -> Array:
+  """TOVA: the attention of the newest query (the mass array holds only that query's)."""
+  return cache.mass
+
+
+def snapkv(cache: KVCache, policy: KVPolicy) -> Array:
+  """SnapKV: the attention of the last `snap_window` queries of the latest block, average-pooled
+  over `snap_kernel` neighbouring slots so a kept token brings its neighbours' context."""
+  width = policy.snap_kernel
+  mass = jnp.where(_valid(cache), cache.mass, 0.0)
+  pooled = jax.lax.reduce_window(mass, 0.0, jax.lax.add, (1, 1, width, 1), (1, 1, 1, 1),
+                                 [(0, 0), (0, 0), (width // 2, (width - 1) // 2), (0, 0)])
+  return pooled / width
+
+
+def caote(scores: Array, cache: KVCache) -> Array:
+  """CAOTE: evicting slot j, whose normalised attention weight is a_j, changes the attention
+  output o = sum_i a_i v_i into (o - a_j v_j) / (1 - a_j), an error of a_j / (1 - a_j) * ||v_j - o||;
+  keep the slots whose eviction would cost most. `scores` [L, B, S, K] are the attention-score
+  method's (non-negative) masses, normalised here over the committed slots of each layer, row
+  and KV head; values are the cache's."""
+  mass = jnp.where(_valid(cache), jnp.maximum(scores, 0.0), 0.0)  # [L, B, S, K]
+  alpha = mass / jnp.maximum(mass.sum(axis=2, keepdims=True), 1e-30)
+  v = cache.v.astype(jnp.float32)  # [L, B, S, K, D]
+  out = jnp.einsum("lbsk,lbskd->lbkd", alpha, v)  # [L, B, K, D]
+  distance = jnp.linalg.norm(v - out[:, :, None], axis=-1)  # [L, B, S, K]
+  return alpha / jnp.maximum(1.0 - alpha, 1e-6) * distance
+
+
+SCORES = {"keydiff": keydiff, "streaming": streaming, "h2o": h2o, "tova": tova, "snapkv": snapkv}
+
+
+def slot_scores(cache: KVCache, policy: KVPolicy) -> Array:
+  """The policy's scores (CAOTE on top when asked)."""
+  scores = SCORES[policy.base](cache, policy)
+  return caote(scores, cache) if policy.caote else scores

@@ -24,6 +24,9 @@ class KVCache:
   k: jax.Array  # [L, B, S, K, D]
   v: jax.Array  # [L, B, S, K, D]
   lengths: jax.Array  # [B] int32, committed entries per row
+  # Under a KV budget whose policy scores slots by attention (jspec.kv): attention mass each slot
+  # received, accumulated by the forwards given `mass_weights`; moves with its slot on eviction.
+  mass: jax.Array | None = None  # [L, B, S, K] float32
 
   @property
   def size(self) -> int:

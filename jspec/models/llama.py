@@ -272,7 +272,8 @@ def lm_head(params: Params, hidden: Array) -> Array:
 
 
 def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
-            mask: Optional[Array] = None, *, logits_indices: Optional[Array] = None):
+            mask: Optional[Array] = None, *, logits_indices: Optional[Array] = None,
+            mass_weights: Optional[Array] = None):
   """Run T new tokens per row through the decoder.
 
   Args:
@@ -282,6 +283,10 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
     mask: [B, T, T] bool, which new tokens each new token sees (None: causal). Tree attention
       passes the ancestor mask here.
     logits_indices: optional [B, N] int32: compute logits only at these of the T positions.
+    mass_weights: optional [B, T] float32: add to cache.mass (which must exist) every slot's
+      attention probability from new token t, weighted by mass_weights[b, t] and averaged over the
+      query heads of each KV head (attention-score eviction: H2O, TOVA, SnapKV). XLA attention
+      only; the probabilities are recomputed beside the attention, which stays as it is.
 
   Returns:
     (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
@@ -289,7 +294,18 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   B, T = tokens.shape
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.is_quantized(params))
+  masses = None
+  if mass_weights is not None:
+    if cfg.attention_impl != "xla" or cache.mass is None:
+      raise ValueError(
+          "attention-score eviction needs the attention probabilities, which only "
+          f"attention_impl='xla' gives (got {cfg.attention_impl!r}), and a cache with a mass "
+          "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
+    attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
+                                     mass_weights)
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
+  if masses is not None:
+    cache = dataclasses.replace(cache, mass=cache.mass + jnp.stack(masses))
   picked = hidden
   if logits_indices is not None:
     picked = jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)  # [B, N, E]
@@ -318,6 +334,29 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
                            visible_attention(visible, quant.is_quantized(params)))
   return lm_head(params, hidden), cache
+
+
+def attention_mass(q: Array, k: Array, visible: Array, weights: Array) -> Array:
+  """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
+  of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
+  visible [B, T, S]."""
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * (D ** -0.5)
+  probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
+  return jnp.einsum("bkgts,bt->bsk", probs, weights.astype(jnp.float32)) / (H // K)
+
+
+def _recording_mass(attend: Callable, visible: Array, weights: Array):
+  """attend as given, also appending each layer's `attention_mass` to the returned list."""
+  masses = []
+
+  def attend_and_record(q, k_all, v_all, i):
+    masses.append(attention_mass(q, k_all[i], visible, weights))
+    return attend(q, k_all, v_all, i)
+
+  return attend_and_record, masses
 
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
