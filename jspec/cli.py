@@ -42,6 +42,29 @@ def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
                       "expected tokens per second (model drafters)")
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+  from jspec.kv.policy import METHODS
+  p.add_argument("--kv-budget", type=int, default=None,
+                 help="keep at most this many KV-cache entries per row: prompts of any length run "
+                      "in budget + chunk slots (chunked prefill, eviction by --kv-policy)")
+  p.add_argument("--kv-policy", default="keydiff", choices=METHODS,
+                 help="which entries survive under --kv-budget (default keydiff)")
+  p.add_argument("--kv-chunk", type=int, default=128, help="prefill tokens per block")
+  p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
+  p.add_argument("--kv-window", type=int, default=0, help="newest entries never evicted")
+  p.add_argument("--kv-evict-every", type=int, default=1, help="decoding steps between evictions")
+
+
+def _kv_policy(args):
+  """The KVPolicy the --kv-* flags ask for (None without --kv-budget)."""
+  if args.kv_budget is None:
+    return None
+  from jspec.kv.policy import KVPolicy
+  return KVPolicy(args.kv_policy, budget=args.kv_budget, sinks=args.kv_sinks,
+                  window=args.kv_window, chunk=min(args.kv_chunk, args.kv_budget),
+                  evict_every=args.kv_evict_every)
+
+
 def _gamma(text: str) -> int | str:
   if text == "auto":
     return text
@@ -86,6 +109,9 @@ def cmd_generate(args) -> int:
   from jspec.model import load
 
   sampling = _sampling(args)
+  kv = _kv_policy(args)  # bad settings fail here, before loading anything
+  if kv is not None and (args.drafter != "none" or args.tree):
+    raise ValueError("--kv-budget runs autoregressive decoding so far; drop --drafter/--tree")
   start = time.perf_counter()
   model = load(args.model, args.dtype)
   drafter = load_drafter(args.drafter, model, args.dtype)
@@ -98,7 +124,7 @@ def cmd_generate(args) -> int:
   with CompileCounter() as compiled:
     out = jax.block_until_ready(model.generate_ids(
         ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=gamma, tree=args.tree))
+        drafter=drafter, gamma=gamma, tree=args.tree, **({"kv": kv} if kv else {})))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   for prompt, seq in zip(prompts, out.sequences()):
     if len(prompts) > 1:
@@ -345,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                  help="wrap prompts in the model's chat template (default on)")
   _add_tree_arg(g)
+  _add_kv_args(g)
   g.set_defaults(fn=cmd_generate)
   b = sub.add_parser("bench", help="benchmark decoding speed on a prompt set")
   _add_model_args(b)

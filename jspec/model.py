@@ -15,6 +15,7 @@ from jspec.drafting.base import Drafter
 from jspec.generate import GenerateOutput, generate
 from jspec.io.load import DEFAULT, load_checkpoint
 from jspec.io.tokenizer import Tokenizer
+from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import GREEDY, SamplingParams
@@ -43,17 +44,21 @@ class Model:
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
                    stop: bool = True, drafter: Drafter | None = None, gamma: int = 4,
                    tree: TreeShape | str | None = None,
-                   precision: str = "fast") -> GenerateOutput | SpecOutput:
+                   precision: str = "fast", kv: KVPolicy | None = None
+                   ) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
     chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"). precision:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
-    greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics)."""
+    greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
+    (`jspec.kv.policy.KVPolicy`, autoregressive decoding): any prompt length in fixed memory."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
-                      sampling=sampling, key=key, stop_ids=stop_ids, precision=precision)
+                      sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv)
+    if kv is not None:
+      raise ValueError("a KV budget (kv=) runs with autoregressive decoding so far: drop drafter=")
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,

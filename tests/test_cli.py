@@ -31,6 +31,18 @@ def test_generate(tiny_model, capsys):
   assert "tokens/s" in captured.err
 
 
+def test_generate_under_a_kv_budget(tiny_model, capsys):
+  long_prompt = " ".join(["the sky is blue because of Rayleigh scattering"] * 12)
+  assert main(["generate", "--model", str(tiny_model), "--prompt", long_prompt,
+               "--max-new-tokens", "6", "--kv-budget", "24", "--kv-policy", "h2o+caote",
+               "--kv-chunk", "8"]) == 0
+  assert "tokens/s" in capsys.readouterr().err
+  # A budget that leaves nothing to choose: one clear line, exit 2, nothing loaded.
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--kv-budget", "4",
+               "--kv-sinks", "4"]) == 2
+  assert "exceed sinks + window" in capsys.readouterr().err
+
+
 @pytest.fixture
 def transformers_on_cpu(monkeypatch):
   """transformers beside jspec on the CPU in float32 whatever the machine (on CUDA it would also
