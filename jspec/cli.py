@@ -294,14 +294,19 @@ def cmd_eval_drafter(args) -> int:
 def cmd_bench_kernel(args) -> int:
   from jspec.bench import kernel, speed
 
-  shapes = kernel.select_shapes(args.shapes, args.small)
-  records = kernel.bench_tree_attention(
-      shapes, args.dtype, interpret=args.interpret, backend=args.backend, block_k=args.block_k,
-      repeats=args.repeats, warmup=args.warmup)
+  if args.kernel == "key-similarity":
+    records = kernel.bench_key_similarity(
+        kernel.select_key_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
+        backend=args.backend, block_s=args.block_s, repeats=args.repeats, warmup=args.warmup)
+  else:
+    records = kernel.bench_tree_attention(
+        kernel.select_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
+        backend=args.backend, block_k=args.block_k, repeats=args.repeats, warmup=args.warmup)
   stamp = _stamp(records)
   platform = records[0]["platform"] + ("-interpret" if args.interpret else "")
-  out = args.json or Path("benchmarks") / f"kernel_tree_attention_{platform}_{stamp}.json"
-  kernel.print_table(records)
+  name = args.kernel.replace("-", "_")
+  out = args.json or Path("benchmarks") / f"kernel_{name}_{platform}_{stamp}.json"
+  (kernel.print_key_table if args.kernel == "key-similarity" else kernel.print_table)(records)
   print(f"wrote {speed.write_records(records, out)}")
   wrong = [f"{r['name']}: {r['error']}" for r in records if "error" in r]
   if wrong:  # timings of a wrong kernel are withheld; say so where it cannot be missed
@@ -392,9 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="speculative and tree runs: skip the time-to-first-token calls (one compiled "
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   b.set_defaults(fn=cmd_bench)
-  k = sub.add_parser("bench-kernel", help="time the Pallas tree-attention kernel against its jnp "
+  k = sub.add_parser("bench-kernel", help="time a Pallas kernel (tree attention, key similarity) "
+                                          "against its jnp "
                                           "reference and the model's XLA attention (GPU/TPU)")
-  k.add_argument("--kernel", default="tree-attention", choices=["tree-attention"])
+  k.add_argument("--kernel", default="tree-attention", choices=["tree-attention", "key-similarity"],
+                 help="tree-attention (speculative verification) or key-similarity (KeyDiff "
+                      "scores for KV eviction)")
   k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   k.add_argument("--precision", choices=["fast", "exact"], default="fast",
                  help="matmul precision of the kernel and of XLA attention (exact: float32 at "
@@ -406,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="kernel flavour (default: this machine's; with --interpret, which kernel "
                       "to interpret, default gpu)")
   k.add_argument("--block-k", type=int, default=128, help="cache slots per key block")
+  k.add_argument("--block-s", type=int, default=64,
+                 help="key-similarity: cache slots per block")
   k.add_argument("--repeats", type=int, default=20, help="timed calls per shape (median reported)")
   k.add_argument("--warmup", type=int, default=3, help="untimed calls per shape after the first")
   k.add_argument("--shapes", default=None, metavar="NAME,NAME",

@@ -100,3 +100,13 @@ def test_cli_fails_loudly_on_wrong_kernel(monkeypatch, tmp_path, capsys):
   assert "WRONG" in captured.out and "timings withheld" in captured.err
   (r,) = json.loads(out.read_text())
   assert r["correct"] is False and r["kernel_s"] is None
+
+
+def test_key_similarity_cli_interpret_writes_json(tmp_path, capsys):
+  out = tmp_path / "ks.json"
+  assert main(["bench-kernel", "--kernel", "key-similarity", "--small", "--interpret",
+               "--block-s", "32", "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+  (r,) = json.loads(out.read_text())
+  assert r["kernel"] == "key-similarity" and r["name"] == "tiny-keys" and r["correct"]
+  assert r["rel_err"] < 1e-3 and r["speedup_vs_reference"] is None and r["block_s"] == 32
+  assert "tiny-keys" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""`jspec bench-kernel`: the Pallas tree-attention kernel timed against what it replaces.
+"""`jspec bench-kernel`: the Pallas kernels timed against what they replace (tree attention
+below; the key-similarity kernel of KV eviction at the end).
 
 Each shape is timed three ways on the same inputs: the kernel, the pure-jnp reference
 (`tree_attention_reference`, jitted) and the XLA attention the model runs otherwise
@@ -28,6 +29,7 @@ import numpy as np
 
 from jspec.models import llama
 from jspec.models.numerics import precision_label
+from jspec.pallas.key_similarity import key_similarity, key_similarity_reference
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 from jspec.bench.profiling import machine_info
 
@@ -268,3 +270,93 @@ def print_table(records: list[dict]) -> None:
   if records and records[0]["interpret"]:
     print("interpret mode: kernel times are the Pallas interpreter's, not the kernel's; "
           "no speedups.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The key-similarity (KeyDiff) kernel: the whole stacked cache scored, against its jnp reference.
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+  """A stacked KV cache: L layers, B rows, S slots, K kv heads of width D."""
+
+  name: str
+  L: int
+  B: int
+  S: int
+  K: int
+  D: int
+
+
+KEY_SHAPES = (
+    CacheShape("smollm2-s2048-b1", L=30, B=1, S=2048, K=3, D=64),
+    CacheShape("smollm2-s2048-b8", L=30, B=8, S=2048, K=3, D=64),
+    CacheShape("llama3-8b-s8192-b1", L=32, B=1, S=8192, K=8, D=128),
+)
+SMALL_KEY_SHAPES = (CacheShape("tiny-keys", L=2, B=3, S=256, K=2, D=16),)
+_key_reference = jax.jit(key_similarity_reference)
+
+
+def select_key_shapes(names: Optional[str], small: bool) -> list[CacheShape]:
+  known = {s.name: s for s in KEY_SHAPES + SMALL_KEY_SHAPES}
+  if not names:
+    return list(SMALL_KEY_SHAPES if small else KEY_SHAPES)
+  unknown = [n for n in names.split(",") if n not in known]
+  if unknown:
+    raise ValueError(f"unknown cache shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
+  return [known[n] for n in names.split(",")]
+
+
+def bench_key_similarity(shapes: Sequence[CacheShape], dtype: str = "bfloat16", *,
+                         interpret: bool, backend: Optional[str] = None, block_s: int = 64,
+                         repeats: int = 20, warmup: int = 3) -> list[dict]:
+  """One record per shape: median seconds of the kernel and of the jitted jnp reference, the
+  kernel's error over the committed slots (NaN fills the rest, which must not leak into the
+  mean), and the speedup (compiled runs only; a wrong kernel gets no timing)."""
+  if dtype not in DTYPES:
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+  flavour = kernel_backend(backend, interpret)
+  device = jax.devices()[0]
+  records = []
+  for shape in shapes:
+    L, B, S, K, D = shape.L, shape.B, shape.S, shape.K, shape.D
+    lengths = jnp.asarray(np.linspace(S // 4, S, B).round().astype(np.int32) if B > 1
+                          else np.array([3 * S // 4], np.int32))
+    keys = jax.random.normal(jax.random.key(0), (L, B, S, K, D), jnp.float32)
+    used = (jnp.arange(S)[None, :] < lengths[:, None])[None, :, :, None, None]
+    keys = jnp.where(used, keys, jnp.nan).astype(DTYPES[dtype])
+    kernel = lambda k, n: key_similarity(k, n, block_s=block_s, interpret=interpret,
+                                         backend=flavour)
+    valid = used[..., 0]  # [1, B, S, 1]
+    want = jnp.where(valid, _key_reference(keys, lengths), 0.0)
+    got = jnp.where(valid, kernel(keys, lengths), 0.0)
+    err, rel = compare(got, want)
+    correct = math.isfinite(err) and rel <= 1e-3  # both accumulate in float32
+    kernel_s = median_seconds(kernel, (keys, lengths), repeats, warmup) if correct else None
+    reference_s = median_seconds(_key_reference, (keys, lengths), repeats, warmup)
+    timed = kernel_s is not None and not interpret
+    min_bytes = int(np.asarray(lengths).sum()) * L * K * D * jnp.dtype(DTYPES[dtype]).itemsize
+    records.append({
+        "kernel": "key-similarity", **dataclasses.asdict(shape), "dtype": dtype,
+        "block_s": block_s, "backend": flavour, "interpret": interpret,
+        "device_kind": device.device_kind, "platform": device.platform,
+        "lengths": [int(x) for x in np.asarray(lengths)], "repeats": repeats, "warmup": warmup,
+        "correct": correct, "max_abs_err": err, "rel_err": rel, "kernel_s": kernel_s,
+        "reference_s": reference_s,
+        "speedup_vs_reference": reference_s / kernel_s if timed else None,
+        "min_bytes": min_bytes, "kernel_gbps": min_bytes / kernel_s / 1e9 if timed else None,
+        **({} if correct else {"error": f"kernel scores differ from the reference: max |err| "
+                                        f"{err:.3g} ({rel:.3g} relative)"}),
+        "machine": machine_info(),
+    })
+  return records
+
+
+def print_key_table(records: list[dict]) -> None:
+  ms = lambda s: "-" if s is None else f"{s * 1e3:.3f}"
+  print("shape | L/B/S/K/D | kernel ms | reference ms | vs reference | rel err")
+  for r in records:
+    speed = r["speedup_vs_reference"]
+    print(" | ".join([r["name"], f"{r['L']}/{r['B']}/{r['S']}/{r['K']}/{r['D']}",
+                      ms(r["kernel_s"]) if r["correct"] else "WRONG", ms(r["reference_s"]),
+                      "-" if speed is None else f"{speed:.2f}x", f"{r['rel_err']:.2e}"]))

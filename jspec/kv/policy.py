@@ -9,6 +9,7 @@ import dataclasses
 # (XLA attention only). CAOTE ("+caote") sits on top of any attention-score method.
 KEY_METHODS = ("keydiff", "streaming")
 ATTENTION_METHODS = ("h2o", "tova", "snapkv")
+SCORE_IMPLS = ("xla", "pallas", "pallas-interpret")
 METHODS = KEY_METHODS + ATTENTION_METHODS + tuple(f"{m}+caote" for m in ATTENTION_METHODS)
 
 
@@ -27,6 +28,8 @@ class KVPolicy:
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: decoding steps between evictions (1: the cache never holds more than budget + 1).
   snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (slots).
+  score_impl: how KeyDiff's scores are computed: "xla" (jnp), "pallas" (the key-similarity kernel,
+    GPU/TPU) or "pallas-interpret" (that kernel interpreted: CPU tests).
   """
 
   method: str
@@ -37,6 +40,7 @@ class KVPolicy:
   evict_every: int = 1
   snap_window: int = 32
   snap_kernel: int = 5
+  score_impl: str = "xla"
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -49,6 +53,11 @@ class KVPolicy:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"KVPolicy {name} must be a non-negative integer, got {value!r}")
+    if self.score_impl not in SCORE_IMPLS:
+      raise ValueError(f"score_impl must be one of {SCORE_IMPLS}, got {self.score_impl!r}")
+    if self.score_impl != "xla" and self.base != "keydiff":
+      raise ValueError(f"score_impl={self.score_impl!r} is the key-similarity kernel, which "
+                       f"scores KeyDiff only; method {self.method!r} runs with score_impl='xla'")
     if self.budget <= self.sinks + self.window:
       raise ValueError(
           f"kv budget {self.budget} leaves no slot to choose: it must exceed sinks + window = "

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
+from jspec.pallas.key_similarity import block_size, key_similarity
 
 Array = jax.Array
 
@@ -24,7 +25,11 @@ def _valid(cache: KVCache) -> Array:
 
 def keydiff(cache: KVCache, policy: KVPolicy) -> Array:
   """KeyDiff: minus the cosine similarity of each key to the mean key of its layer and KV head
-  (over the committed slots), so the most dissimilar keys are kept. Needs no attention weights."""
+  (over the committed slots), so the most dissimilar keys are kept. Needs no attention weights.
+  policy.score_impl "pallas" / "pallas-interpret" computes it with the key-similarity kernel."""
+  if policy.score_impl != "xla":
+    return key_similarity(cache.k, cache.lengths, block_s=block_size(cache.size),
+                          interpret=policy.score_impl == "pallas-interpret")
   valid = _valid(cache)[..., None]  # [1, B, S, 1, 1]
   k = cache.k.astype(jnp.float32)  # [L, B, S, K, D]
   count = jnp.maximum(cache.lengths, 1).astype(jnp.float32)[None, :, None, None]  # [1, B, 1, 1]

@@ -1,0 +1,77 @@
+"""The key-similarity (KeyDiff) Pallas kernel: interpreted on CPU against its jnp reference, with
+NaN in every slot past a row's length (a kernel that lets one into the mean is caught), and the
+KeyDiff eviction it drives equal to the jnp one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.generate import generate
+from jspec.kv.policy import KVPolicy
+from jspec.models.config import Config
+from jspec.models.llama import init_params
+from jspec.pallas.key_similarity import key_similarity, key_similarity_reference
+
+
+def nan_padded_keys(L, B, S, K, D, lengths, dtype=jnp.float32, seed=0):
+  keys = jax.random.normal(jax.random.key(seed), (L, B, S, K, D), jnp.float32)
+  used = (jnp.arange(S)[None, :] < jnp.asarray(lengths)[:, None])[None, :, :, None, None]
+  return jnp.where(used, keys, jnp.nan).astype(dtype), used[..., 0]
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("L,B,S,K,D,block_s,lengths,dtype", [
+    (2, 3, 128, 2, 16, 32, [100, 1, 128], jnp.float32),
+    (1, 2, 256, 3, 128, 64, [7, 200], jnp.bfloat16),
+    (3, 1, 64, 1, 32, 16, [33], jnp.float32),
+])
+def test_kernel_matches_reference_and_ignores_nan_past_lengths(L, B, S, K, D, block_s, lengths,
+                                                               dtype, backend):
+  if backend == "tpu" and (D % 128 or block_s % 8):
+    pytest.skip("TPU tiles need head_dim % 128 == 0")
+  keys, used = nan_padded_keys(L, B, S, K, D, lengths, dtype)
+  n = jnp.asarray(lengths, jnp.int32)
+  got = key_similarity(keys, n, block_s=block_s, interpret=True, backend=backend)
+  want = key_similarity_reference(keys, n)
+  assert got.shape == (L, B, S, K) and got.dtype == jnp.float32
+  np.testing.assert_allclose(np.where(used, got, 0), np.where(used, want, 0), rtol=2e-5,
+                             atol=2e-6)
+  assert np.isfinite(np.where(used, got, 0)).all()
+
+
+def test_reference_is_minus_the_cosine_to_the_mean_key():
+  k = np.zeros((1, 1, 4, 1, 2), np.float32)
+  k[0, 0, :, 0] = [[1, 0], [1, 0], [1, 0], [0, 1]]  # mean (0.75, 0.25)
+  got = np.asarray(key_similarity_reference(jnp.asarray(k), jnp.asarray([4])))[0, 0, :, 0]
+  mean = np.array([0.75, 0.25])
+  want = [-(row @ mean) / np.linalg.norm(row) / np.linalg.norm(mean) for row in k[0, 0, :, 0]]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert got[3] > got[0]  # the odd key out scores highest: it is kept
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_s=40), "dividing the cache size"),
+    (dict(block_s=8, backend="gpu"), "power of two"),
+])
+def test_bad_inputs_are_refused(kwargs, match):
+  keys, _ = nan_padded_keys(1, 1, 96, 1, 16, [10])
+  with pytest.raises(ValueError, match=match):
+    key_similarity(keys, jnp.asarray([10]), interpret=True, **kwargs)
+  with pytest.raises(ValueError, match="stacked cache"):
+    key_similarity(keys[0], jnp.asarray([10]), interpret=True)
+
+
+def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores():
+  cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+  params = init_params(cfg, jax.random.key(0), scale=0.3)
+  prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
+  outs = [generate(params, cfg, [prompt], max_new_tokens=8,
+                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=impl),
+                   record_top_k=2)
+          for impl in ("xla", "pallas-interpret")]
+  assert outs[0].sequences() == outs[1].sequences()
+  np.testing.assert_allclose(outs[0].top_logprobs, outs[1].top_logprobs, rtol=1e-4, atol=1e-4)
+  with pytest.raises(ValueError, match="scores KeyDiff only"):
+    KVPolicy("h2o", budget=24, chunk=8, score_impl="pallas")
