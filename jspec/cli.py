@@ -110,8 +110,9 @@ def cmd_generate(args) -> int:
 
   sampling = _sampling(args)
   kv = _kv_policy(args)  # bad settings fail here, before loading anything
-  if kv is not None and (args.drafter != "none" or args.tree):
-    raise ValueError("--kv-budget runs autoregressive decoding so far; drop --drafter/--tree")
+  if kv is not None and args.tree:
+    raise ValueError("--kv-budget runs autoregressive decoding and drafted chains so far; drop "
+                     "--tree")
   start = time.perf_counter()
   model = load(args.model, args.dtype)
   drafter = load_drafter(args.drafter, model, args.dtype)
@@ -316,6 +317,31 @@ def cmd_bench_kernel(args) -> int:
   return 0
 
 
+def cmd_bench_kv(args) -> int:
+  from jspec.bench import kv as bench_kv, speed
+  from jspec.bench.profiling import machine_info
+  from jspec.model import load
+  from jspec.train.prompts import sharegpt_conversations
+
+  setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
+      methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],
+      context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
+      chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
+  model = load(args.model, args.dtype)
+  records = bench_kv.run_bench_kv(model, setup, sharegpt_conversations(),
+                                  progress=lambda r: print(r, flush=True))
+  stamp = _stamp(records)
+  machine = machine_info()
+  for r in records:
+    r.update(model=model.source, weights=args.dtype, machine=machine)
+  out = args.json or Path("benchmarks") / f"kv_{args.context}_{stamp}.json"
+  print(f"wrote {speed.write_records(records, out)}")
+  if args.plot:
+    bench_kv.plot(records, args.plot)
+    print(f"wrote {args.plot}")
+  return 0
+
+
 def cmd_bench_tau(args) -> int:
   from jspec.bench import paired_tau, speed
   from jspec.models.numerics import precision_label
@@ -397,6 +423,24 @@ def build_parser() -> argparse.ArgumentParser:
                  help="speculative and tree runs: skip the time-to-first-token calls (one compiled "
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   b.set_defaults(fn=cmd_bench)
+  v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "
+                                      "(passkey, multi-key retrieval; KL vs the full cache)")
+  v.add_argument("--model", default="default")
+  v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
+                 choices=["float32", "bfloat16", "int8"])
+  v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
+                                      "tova+caote,snapkv+caote")
+  v.add_argument("--budgets", default="256,512", help="KV slots kept per row, comma-separated")
+  v.add_argument("--context", type=int, default=2048, help="context tokens per sample")
+  v.add_argument("--tasks", default="passkey,multikey,kl")
+  v.add_argument("--num-samples", type=int, default=8)
+  v.add_argument("--chunk", type=int, default=128)
+  v.add_argument("--sinks", type=int, default=4)
+  v.add_argument("--window", type=int, default=0)
+  v.add_argument("--seed", type=int, default=0)
+  v.add_argument("--json", type=Path, default=None)
+  v.add_argument("--plot", type=Path, default=None, help="also a PNG of score vs budget")
+  v.set_defaults(fn=cmd_bench_kv)
   k = sub.add_parser("bench-kernel", help="time a Pallas kernel (tree attention, key similarity) "
                                           "against its jnp "
                                           "reference and the model's XLA attention (GPU/TPU)")

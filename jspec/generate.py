@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
-from jspec.kv.evict import before_forward, evict
+from jspec.kv.evict import before_forward, evict_when_full
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache
@@ -87,7 +87,7 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
     cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype)
-    logits, cache, evicted = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv)
+    logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
@@ -126,9 +126,7 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
     cache, evicted = cache.commit(1), s.evicted
     if kv is not None:
-      cache, dropped = jax.lax.cond(
-          s.step % kv.evict_every == 0, lambda c: evict(kv, c),
-          lambda c: (c, jnp.zeros((B,), jnp.int32)), cache)
+      cache, dropped = evict_when_full(kv, cache)
       evicted = evicted + dropped
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,

@@ -17,7 +17,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import (attention_mass, forward, forward_at, init_params,
                                 masked_attention)
-from jspec.sampling.processing import GREEDY
+from jspec.sampling.processing import GREEDY, SamplingParams
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -258,7 +258,7 @@ def test_chunked_prefill_records_the_attention_mass_of_a_one_shot_forward(params
   prompt = jnp.asarray([[int(x) for x in np.random.default_rng(7).integers(0, 97, 14)]])
   n = jnp.asarray([14])
   policy = KVPolicy(method, budget=32, sinks=0, chunk=4, snap_window=2)
-  _, cache, _ = chunked_prefill(params, CFG, prompt, n, KVCache.init(CFG, 1, policy.slots),
+  _, cache, _, _ = chunked_prefill(params, CFG, prompt, n, KVCache.init(CFG, 1, policy.slots),
                                 policy)
   # The last chunk holds prompt tokens 12-13: TOVA's newest query is 13, SnapKV's window 12-13.
   one_shot = with_mass(policy, KVCache.init(CFG, 1, policy.slots))
@@ -331,3 +331,47 @@ def test_cache_size_and_a_budget_are_exclusive(params):
   with pytest.raises(ValueError, match="exclusive"):
     generate(params, CFG, [[1, 2, 3]], max_new_tokens=4, cache_size=64,
              kv=KVPolicy("keydiff", budget=16, chunk=8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding under a budget: exact with respect to the target as it runs with eviction.
+
+
+@pytest.fixture(scope="module")
+def drafters(params):
+  from jspec.drafting.model import ModelDrafter, self_drafter
+  return {"self": self_drafter(params, CFG),
+          "random": ModelDrafter(init_params(CFG, jax.random.key(3), scale=0.3), CFG)}
+
+
+@pytest.mark.parametrize("method,evict_every,drafter", [
+    ("keydiff", 1, "self"), ("keydiff", 3, "random"), ("keydiff", 4, "self"),
+    ("streaming", 1, "random"), ("streaming", 6, "self")])
+def test_greedy_speculative_equals_greedy_autoregressive_under_the_same_budget(
+    params, drafters, method, evict_every, drafter):
+  """The self drafter accepts whole blocks, so evictions fall inside verification blocks and the
+  round must stop where autoregressive decoding would have evicted; the random drafter rejects.
+  With evict_every=1 a full cache evicts after every token, so a round can use one token only;
+  evict_every >= gamma + 1 lets whole blocks through."""
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  rng = np.random.default_rng(11)
+  prompts = [[int(x) for x in rng.integers(0, 97, 40)], [int(x) for x in rng.integers(0, 97, 9)]]
+  policy = KVPolicy(method, budget=16, sinks=2, chunk=8, evict_every=evict_every)
+  want = generate(params, CFG, prompts, max_new_tokens=24, kv=policy).sequences()
+  out = speculative_generate(params, CFG, drafters[drafter], prompts, kv=policy,
+                             spec=SpecConfig(gamma=3, max_new_tokens=24))
+  assert out.sequences() == want
+  if drafter == "self" and evict_every > 3:
+    assert int(out.accept_hist[-1]) > 0  # whole blocks went through between evictions
+
+
+def test_sampled_speculative_runs_under_a_budget(params, drafters):
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8)
+  out = speculative_generate(params, CFG, drafters["self"], [list(range(1, 41))], kv=policy,
+                             spec=SpecConfig(gamma=3, max_new_tokens=20),
+                             sampling=SamplingParams(temperature=1.0), key=3)
+  assert len(out.sequences()[0]) == 20
+  with pytest.raises(ValueError, match="scores by attention"):
+    speculative_generate(params, CFG, drafters["self"], [[1, 2, 3]], spec=SpecConfig(
+        gamma=2, max_new_tokens=4), kv=KVPolicy("h2o", budget=16, chunk=8))

@@ -90,7 +90,22 @@ def before_forward(policy: KVPolicy, cache: KVCache, n_new: Array,
   return reset_mass(policy, cache, n_new), mass_weights(policy, n_new, T)
 
 
-def evict(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:
-  """(cache evicted down to the budget, [B] entries dropped per row)."""
+def evict(policy: KVPolicy, cache: KVCache, due: Array | None = None) -> tuple[KVCache, Array]:
+  """(cache evicted down to the budget, [B] entries dropped per row); with `due` [B] bool, only
+  those rows are evicted (the others are returned as they were)."""
   evicted = compact(cache, keep_scores(policy, cache), policy.budget)
+  if due is not None:
+    rows = lambda new, old: jnp.where(due.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old)
+    evicted = KVCache(k=rows(evicted.k, cache.k), v=rows(evicted.v, cache.v),
+                      lengths=jnp.where(due, evicted.lengths, cache.lengths),
+                      mass=None if cache.mass is None else rows(evicted.mass, cache.mass))
   return evicted, cache.lengths - evicted.lengths
+
+
+def evict_when_full(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:
+  """Decoding's schedule, the same in every engine: a row is evicted down to the budget once it
+  holds budget + evict_every entries, so each token is scored over the same cache whether it was
+  decoded alone or verified in a block."""
+  due = cache.lengths >= policy.budget + policy.evict_every
+  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, due),
+                      lambda c: (c, jnp.zeros_like(c.lengths)), cache)

@@ -26,7 +26,8 @@ class KVPolicy:
   sinks: the first positions, never evicted (attention sinks).
   window: the most recent committed slots, never evicted.
   chunk: prompt tokens per prefill block; eviction follows each block.
-  evict_every: decoding steps between evictions (1: the cache never holds more than budget + 1).
+  evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
+    (1: every decoded token once the budget is full).
   snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (slots).
   score_impl: how KeyDiff's scores are computed: "xla" (jnp), "pallas" (the key-similarity kernel,
     GPU/TPU) or "pallas-interpret" (that kernel interpreted: CPU tests).

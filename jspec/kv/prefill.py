@@ -15,12 +15,14 @@ Array = jax.Array
 
 
 def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
-                    cache: KVCache, policy: KVPolicy) -> tuple[Array, KVCache, Array]:
+                    cache: KVCache, policy: KVPolicy, *, keep_hidden: bool = False
+                    ) -> tuple[Array, KVCache, Array, Array | None]:
   """Run right-padded prompts [B, P] through an empty cache of `policy.slots` slots, `policy.chunk`
   tokens at a time, evicting down to the budget after each chunk.
 
   Returns (logits [B, V] at each row's last prompt token, cache, evicted [B]: entries dropped per
-  row, so the next token's RoPE position is cache.lengths + evicted).
+  row, so the next token's RoPE position is cache.lengths + evicted, and with keep_hidden the final
+  hidden states of every prompt position [B, P, E] (what feature drafters start from), else None).
   """
   B, P = prompt.shape
   C = policy.chunk
@@ -29,23 +31,29 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   last = prompt_lengths - 1  # [B]
 
   def one_chunk(c, carry):
-    cache, evicted, logits = carry
+    cache, evicted, logits, hidden = carry
     start = c * C
     tokens = jax.lax.dynamic_slice(prompt, (0, start), (B, C))  # [B, C]
     positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
     index = jnp.clip(last - start, 0, C - 1)[:, None]  # [B, 1]
     n_new = jnp.clip(prompt_lengths - start, 0, C)  # [B]
     cache, weights = before_forward(policy, cache, n_new, C)
-    chunk_logits, _, cache = forward(params, cfg, tokens, positions, cache,
-                                     logits_indices=index, mass_weights=weights)
+    chunk_logits, chunk_hidden, cache = forward(params, cfg, tokens, positions, cache,
+                                                logits_indices=index, mass_weights=weights)
+    if keep_hidden:
+      hidden = jax.lax.dynamic_update_slice(hidden, chunk_hidden,
+                                            (0, start, 0))
     here = (last >= start) & (last < start + C)  # [B]: the row's last prompt token is here
     logits = jnp.where(here[:, None], chunk_logits[:, 0], logits)
     cache = cache.commit(n_new)
     cache, dropped = evict(policy, cache)
-    return cache, evicted + dropped, logits
+    return cache, evicted + dropped, logits, hidden
 
   cache = with_mass(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
   logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-  cache, evicted, logits = jax.lax.fori_loop(
-      0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits))
-  return logits, cache, evicted
+  hidden_dtype = jax.eval_shape(
+      lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache)[1]).dtype
+  hidden = jnp.zeros((B, n_chunks * C if keep_hidden else 0, cfg.hidden_size), hidden_dtype)
+  cache, evicted, logits, hidden = jax.lax.fori_loop(
+      0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits, hidden))
+  return logits, cache, evicted, (hidden[:, :P] if keep_hidden else None)

@@ -16,10 +16,12 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
+from jspec.kv.evict import evict_when_full
+from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
 
@@ -44,28 +46,46 @@ class SpecConfig:
 def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                 prompt_lengths: Array, key: Array,
                                 sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
-                                cache_size: int) -> SpecOutput:
-  """Pure, jit-friendly speculative generation; `cfg`, `spec` and `cache_size` are static."""
+                                cache_size: int, kv: KVPolicy | None = None) -> SpecOutput:
+  """Pure, jit-friendly speculative generation; `cfg`, `spec`, `cache_size` and `kv` are static.
+
+  kv: a KV budget for the target (key-scored policies). Verification then stays exact with respect
+  to the target as it runs under that budget: a round uses the target's scores only up to the
+  token after which autoregressive decoding would have evicted (`evict_when_full`), then evicts as
+  it would, so greedy output equals greedy autoregressive output under the same policy."""
   G, N = spec.gamma, spec.max_new_tokens
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=G)
+                        cache_size, max_accepted=G, kv=kv)
 
   def body(s: SpecState) -> SpecState:
-    key, k_draft, k_verify = jax.random.split(s.key, 3)
+    key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
     # Verify [last token, d_1 .. d_G] in one forward; the cache holds everything before it.
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
     positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
     target_logits, hidden, cache = forward(params, cfg, block, positions,
-                                           s.cache.with_lengths(start))
+                                           s.cache.with_lengths(start) if kv is None else s.cache)
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
+    if kv is not None:
+      # Block token j is scored over the same cache as in autoregressive decoding only while no
+      # eviction would have come between: j <= cut. Past it, stop: d_1 .. d_cut stand and the next
+      # token is drawn afresh from the target at `cut` (the event n_acc >= cut depends on the
+      # first cut draws alone, so this keeps the output law exact).
+      cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      at_cut = jnp.take_along_axis(target_logits, jnp.clip(cut, 0, G)[:, None, None], axis=1)
+      stopped = n_acc >= cut
+      nxt = jnp.where(stopped, sample(k_cut, at_cut[:, 0], sampling), nxt)
+      n_acc = jnp.minimum(n_acc, cut)
 
     # Emitted this round: d_1 .. d_n, then the target's token.
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
+    if kv is not None:
+      cache, dropped = evict_when_full(kv, new.cache)
+      new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     return dataclasses.replace(new, draft=drafter.update(
         draft, new.seq_len, Features(hidden=hidden, tokens=emitted, start=start)))
 
@@ -76,13 +96,14 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
 
 
 _spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
-                       static_argnames=("spec", "cache_size"))
+                       static_argnames=("spec", "cache_size", "kv"))
 
 
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                          prompts: Sequence[Sequence[int]], *, spec: SpecConfig,
                          sampling: SamplingParams = GREEDY, key: Array | int = 0,
-                         cache_size: int | None = None, precision: str = "fast") -> SpecOutput:
+                         cache_size: int | None = None, precision: str = "fast",
+                         kv: KVPolicy | None = None) -> SpecOutput:
   """Validated, bucketed, jitted speculative generation from token-id prompts.
 
   Example:
@@ -92,12 +113,17 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
-  jspec.models.numerics).
+  jspec.models.numerics). kv: a KV budget for the target (`jspec.kv.policy.KVPolicy`, KeyDiff or
+  StreamingLLM): greedy output equals `generate(..., kv=kv)`'s; the drafter keeps a full cache.
   """
   check_drafter(cfg, drafter)
+  if kv is not None and kv.needs_attention:
+    raise ValueError(f"kv method {kv.method!r} scores by attention, which speculative decoding "
+                     f"does not record yet (rejected drafts' queries must not count). Fix: "
+                     f"kv method 'keydiff' or 'streaming', or decode without a drafter.")
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
                     reserve_for="gamma + 1 (the draft block)")
   return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision)
+                   cache_size=b.cache_size, precision=precision, kv=kv)

@@ -13,6 +13,8 @@ import numpy as np
 
 from jspec.decode import PAD, is_stop, prefill, trimmed_rows
 from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.kv.policy import KVPolicy
+from jspec.kv.prefill import chunked_prefill
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -75,19 +77,31 @@ class SpecState:
   row_rounds: Array
   accept_hist: Array
   accepted_at: Array
+  # Under a KV budget: target entries evicted per row, so the target cache holds
+  # seq_len - 1 - evicted entries and RoPE positions still count from the prompt's start.
+  evicted: Array | None = None
 
 
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                   prompt_lengths: Array, key: Array, sampling: SamplingParams, spec,
-                  cache_size: int, *, max_accepted: int) -> SpecState:
+                  cache_size: int, *, max_accepted: int,
+                  kv: KVPolicy | None = None) -> SpecState:
   """Prefill target and drafter, sample the first token: the loop state before round one.
 
   `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
+  kv: a KV budget for the target (chunked prefill into kv.slots slots); the drafter keeps its
+  own cache of `cache_size` slots.
   """
   B, P = prompt.shape
   N = spec.max_new_tokens
-  cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
-  logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  evicted = None
+  if kv is None:
+    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
+    logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+  else:
+    cache = KVCache.init(cfg, B, kv.slots, params.embed.dtype)
+    logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
+                                                     kv, keep_hidden=True)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   # The token after each prompt position: the prompt shifted by one, then the first sample.
@@ -103,15 +117,15 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
       lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
-      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted))
+      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted)
 
 
 def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
             cache: KVCache) -> SpecState:
   """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
   index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
-  two tokens and counters updated; `cache` gets lengths seq_len - 1. The drafter state is left as
-  it was: the caller updates it from the new seq_len."""
+  two tokens and counters updated; `cache` gets lengths seq_len - 1 (less what was evicted). The
+  drafter state is left as it was: the caller updates it from the new seq_len."""
   B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
   N = spec.max_new_tokens
   active = ~s.done
@@ -134,7 +148,8 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   act = active.astype(jnp.int32)
   return SpecState(
       done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
-      cache=cache.with_lengths(seq_len - 1), draft=s.draft,
+      cache=cache.with_lengths(seq_len - 1 - (0 if s.evicted is None else s.evicted)),
+      draft=s.draft, evicted=s.evicted,
       rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
       row_rounds=s.row_rounds + jnp.sum(act),
       accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)

@@ -78,6 +78,17 @@ def iter_sharegpt(path: str | Path, stats: collections.Counter | None = None
       yield str(conv.get("id", "")), text
 
 
+def sharegpt_conversations(path: str | Path | None = None) -> Iterator[str]:
+  """Whole ShareGPT conversations (every turn's text, joined by blank lines), streamed: long real
+  text for haystacks. `path=None` fetches SHAREGPT."""
+  with open(fetch(SHAREGPT) if path is None else path, encoding="utf-8") as f:
+    for conv in _json_array_items(f, collections.Counter()):
+      turns = [t.get("value") for t in conv.get("conversations") or []]
+      text = "\n\n".join(t.strip() for t in turns if isinstance(t, str) and t.strip())
+      if text:
+        yield text
+
+
 def normalise(text: str) -> str:
   """Whitespace runs collapsed to one space, case folded: the key for dedup and eval overlap."""
   return " ".join(text.split()).casefold()

@@ -1,0 +1,240 @@
+"""`jspec bench-kv`: KV-cache policies on long contexts built from real text, against the full cache.
+
+Tasks (each context is `context` tokens of ShareGPT conversations, the real text the project
+already fetches):
+- passkey: a pass key (5 random digits) hidden at a random depth of the haystack, asked for at the
+  end; correct when the greedy answer contains it.
+- multikey: four keys for four names hidden at random depths (RULER's multi-key needle), one name
+  asked for; correct when the answer contains that name's key and no other key.
+- kl: a conversation's next `continuation` tokens teacher-forced after `context` tokens of it: the
+  mean KL divergence of the policy's next-token distributions from the full cache's, and how often
+  their top-1 tokens agree.
+
+"full" runs the same chunked prefill with a budget that never binds (exact attention over every
+token), so every method sees the same chunking and only eviction differs. Each record: method,
+budget, context, task, the score, peak KV-cache bytes, prefill seconds and decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.kv.evict import before_forward, evict_when_full
+from jspec.kv.policy import METHODS, KVPolicy
+from jspec.kv.prefill import chunked_prefill
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import Params, forward
+from jspec.models.numerics import engine_jit
+
+Array = jax.Array
+TASKS = ("passkey", "multikey", "kl")
+NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
+
+
+def haystack_ids(tokenizer, texts: Iterator[str], n_tokens: int) -> list[int]:
+  """Token ids of real text, conversations joined by blank lines, until n_tokens."""
+  ids: list[int] = []
+  for text in texts:
+    ids += tokenizer.encode(text.strip() + "\n\n", add_special_tokens=False)
+    if len(ids) >= n_tokens:
+      return ids[:n_tokens]
+  raise ValueError(f"the corpus ran out before {n_tokens} tokens of haystack")
+
+
+def retrieval_prompt(tokenizer, filler: list[int], context: int, needles: Sequence[str],
+                     question: str, rng: np.random.Generator) -> list[int]:
+  """`context` tokens: an instruction, the filler with the needles at random depths, the question
+  (a plain continuation, no chat template)."""
+  head = tokenizer.encode("There is important information hidden inside a lot of irrelevant "
+                          "text. Find it and memorize it.\n\n", add_special_tokens=True)
+  tail = tokenizer.encode("\n\n" + question, add_special_tokens=False)
+  pieces = [tokenizer.encode(" " + n.strip() + " ", add_special_tokens=False) for n in needles]
+  room = context - len(head) - len(tail) - sum(len(p) for p in pieces)
+  if room < 16:
+    raise ValueError(f"context {context} is too short for the task's text")
+  cuts = sorted(int(x) for x in rng.integers(0, room, len(pieces)))
+  body, last = [], 0
+  for cut, piece in zip(cuts, pieces):
+    body += filler[last:cut] + piece
+    last = cut
+  body += filler[last:room]
+  return head + body + tail
+
+
+def make_task(task: str, tokenizer, filler: list[int], context: int,
+              rng: np.random.Generator) -> tuple[list[int], str, list[str]]:
+  """(prompt ids, the key asked for, the other keys) of one passkey or multikey sample."""
+  if task == "passkey":
+    key = str(rng.integers(10000, 100000))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    return (retrieval_prompt(tokenizer, filler, context, [needle],
+                             "What is the pass key? The pass key is", rng), key, [])
+  names = list(rng.choice(NAMES, 4, replace=False))
+  keys = [str(k) for k in rng.choice(np.arange(10000, 100000), 4, replace=False)]
+  needles = [f"The pass key for {n} is {k}." for n, k in zip(names, keys)]
+  ask = int(rng.integers(0, 4))
+  prompt = retrieval_prompt(tokenizer, filler, context, needles,
+                            f"What is the pass key for {names[ask]}? The pass key for "
+                            f"{names[ask]} is", rng)
+  return prompt, keys[ask], keys[:ask] + keys[ask + 1:]
+
+
+def is_correct(answer: str, key: str, others: Sequence[str]) -> bool:
+  found = re.findall(r"\d{5}", answer)
+  return key in found and not any(o in found for o in others)
+
+
+def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: int,
+                          policy: KVPolicy) -> Array:
+  """Log-probabilities [M, V] of the next token at each of the M = T - n_prefix positions of
+  tokens [1, T] from n_prefix - 1 on, under `policy`: the prefix chunk-prefilled, the rest
+  teacher-forced one token at a time with eviction as decoding does it."""
+  prefix = tokens[:, :n_prefix]
+  cache = KVCache.init(cfg, 1, policy.slots, params.embed.dtype)
+  logits, cache, evicted, _ = chunked_prefill(params, cfg, prefix, jnp.asarray([n_prefix]),
+                                              cache, policy)
+  M = tokens.shape[1] - n_prefix
+
+  def step(i, carry):
+    cache, evicted, out = carry
+    cache, weights = before_forward(policy, cache, jnp.ones((1,), jnp.int32), 1)
+    position = (cache.lengths + evicted)[:, None]
+    token = jax.lax.dynamic_slice(tokens, (0, n_prefix + i - 1), (1, 1))
+    logits, _, cache = forward(params, cfg, token, position, cache, mass_weights=weights)
+    cache, dropped = evict_when_full(policy, cache.commit(1))
+    out = out.at[i].set(jax.nn.log_softmax(logits[0, 0]))
+    return cache, evicted + dropped, out
+
+  out = jnp.zeros((M, cfg.vocab_size), jnp.float32).at[0].set(jax.nn.log_softmax(logits[0]))
+  _, _, out = jax.lax.fori_loop(1, M, step, (cache, evicted, out))
+  return out
+
+
+_continuation_jit = engine_jit(continuation_logprobs, static_argnums=(1, 3, 4))
+
+
+def kl_and_agreement(full: Array, policy: Array) -> tuple[float, float]:
+  """Mean KL(full || policy) in nats and top-1 agreement over the positions."""
+  kl = jnp.sum(jnp.exp(full) * (full - policy), axis=-1)
+  agree = jnp.argmax(full, -1) == jnp.argmax(policy, -1)
+  return float(kl.mean()), float(agree.mean())
+
+
+def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int, sinks: int,
+               window: int) -> KVPolicy:
+  """The method's policy; "full" is a budget no run can fill (same chunked prefill, no eviction)."""
+  if method == "full":
+    return KVPolicy("streaming", budget=context + max_new + chunk, sinks=0, chunk=chunk)
+  return KVPolicy(method, budget=budget, sinks=sinks, window=window, chunk=min(chunk, budget))
+
+
+def cache_bytes(cfg: Config, policy: KVPolicy, itemsize: int) -> int:
+  """Peak KV-cache bytes of one row: keys and values of every slot (+ attention mass)."""
+  kv = 2 * cfg.num_layers * policy.slots * cfg.num_kv_heads * cfg.head_dim * itemsize
+  mass = cfg.num_layers * policy.slots * cfg.num_kv_heads * 4 if policy.needs_attention else 0
+  return kv + mass
+
+
+@dataclasses.dataclass
+class BenchKV:
+  """What to run: methods ("full" and METHODS), budgets (slots), the context length, tasks."""
+
+  methods: Sequence[str]
+  budgets: Sequence[int]
+  context: int
+  tasks: Sequence[str] = ("passkey",)
+  num_samples: int = 8
+  chunk: int = 128
+  sinks: int = 4
+  window: int = 0
+  continuation: int = 32
+  seed: int = 0
+
+  def __post_init__(self):
+    unknown = [m for m in self.methods if m != "full" and m not in METHODS]
+    if unknown:
+      raise ValueError(f"unknown KV method(s) {unknown}; known: full, {', '.join(METHODS)}")
+    bad = [t for t in self.tasks if t not in TASKS]
+    if bad:
+      raise ValueError(f"unknown task(s) {bad}; known: {', '.join(TASKS)}")
+    if any(b >= self.context for b in self.budgets):
+      raise ValueError(f"budgets {list(self.budgets)} must be below the context {self.context} "
+                       f"(a budget that holds the whole context is the full cache)")
+
+
+def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) -> list[dict]:
+  """Records of every (task, method, budget) over the same samples."""
+  rng = np.random.default_rng(setup.seed)
+  cfg, params = model.cfg, model.params
+  itemsize = jnp.dtype(params.embed.dtype).itemsize if hasattr(params.embed, "dtype") else 4
+  need = setup.context + (setup.continuation if "kl" in setup.tasks else 0)
+  samples = [haystack_ids(model.tokenizer, texts, need) for _ in range(setup.num_samples)]
+  runs = [("full", setup.context)] + [(m, b) for m in setup.methods if m != "full"
+                                      for b in setup.budgets]
+  records = []
+  for task in setup.tasks:
+    if task == "kl":
+      full_policy = policy_for("full", 0, need, 0, setup.chunk, 0, 0)
+      tokens = [jnp.asarray([s]) for s in samples]
+      reference = [_continuation_jit(params, cfg, t, setup.context, full_policy) for t in tokens]
+    else:
+      built = [make_task(task, model.tokenizer, s, setup.context, rng) for s in samples]
+    for method, budget in runs:
+      if task == "kl" and method == "full":
+        continue
+      policy = policy_for(method, budget, setup.context, 16, setup.chunk, setup.sinks,
+                          setup.window)
+      start = time.perf_counter()
+      if task == "kl":
+        scores = [kl_and_agreement(ref, _continuation_jit(params, cfg, t, setup.context, policy))
+                  for ref, t in zip(reference, tokens)]
+        result = {"kl": float(np.mean([s[0] for s in scores])),
+                  "top1_agreement": float(np.mean([s[1] for s in scores]))}
+      else:
+        correct = []
+        for prompt, key, others in built:
+          out = model.generate_ids([prompt], max_new_tokens=12, kv=policy, stop=False)
+          correct.append(is_correct(model.tokenizer.decode(out.sequences()[0]), key, others))
+        result = {"accuracy": float(np.mean(correct)), "correct": [bool(c) for c in correct]}
+      seconds = time.perf_counter() - start
+      record = {"task": task, "method": method, "budget": policy.budget if method != "full"
+                else None, "budget_fraction": budget / setup.context if method != "full" else 1.0,
+                "context": setup.context, "num_samples": setup.num_samples, **result,
+                "peak_kv_bytes": cache_bytes(cfg, policy, itemsize), "seconds": seconds,
+                "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.window}
+      progress({k: v for k, v in record.items() if k != "correct"})
+      records.append(record)
+  return records
+
+
+def plot(records: list[dict], path) -> None:
+  """Score vs budget fraction, one line per method, one panel per task (full as a dashed line)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  tasks = sorted({r["task"] for r in records})
+  fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    key = "kl" if task == "kl" else "accuracy"
+    rows = [r for r in records if r["task"] == task]
+    for method in sorted({r["method"] for r in rows}):
+      pts = sorted((r["budget_fraction"], r[key]) for r in rows if r["method"] == method)
+      if method == "full":
+        ax.axhline(pts[0][1], color="black", linestyle="--", label="full")
+      else:
+        ax.plot(*zip(*pts), marker="o", label=method)
+    ax.set_xlabel("KV budget / context")
+    ax.set_ylabel("KL(full || policy), nats" if key == "kl" else "accuracy")
+    ax.set_title(f"{task}, context {rows[0]['context']}")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)

@@ -1,0 +1,97 @@
+"""jspec bench-kv: task construction (lengths, needles, scoring), the teacher-forced KL path (zero
+for a budget that never binds, positive for one that does), records and the plot."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.bench import kv as bench_kv
+from jspec.kv.policy import KVPolicy
+from jspec.model import load
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward
+
+import ggufutil
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the rain in Spain stays mainly in the "
+        "plain, and everyone agrees that tests should be able to fail. ")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), "llama",
+                                        max_position_embeddings=2048)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return load(str(d))
+
+
+def texts():
+  return itertools.repeat(TEXT)
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey"])
+def test_retrieval_prompts_have_the_context_length_and_their_needles(tiny, task):
+  rng = np.random.default_rng(0)
+  filler = bench_kv.haystack_ids(tiny.tokenizer, texts(), 400)
+  prompt, key, others = bench_kv.make_task(task, tiny.tokenizer, filler, 400, rng)
+  assert len(prompt) == 400
+  text = tiny.tokenizer.decode(prompt)
+  assert key in text and all(o in text for o in others) and len(others) == (3 if task ==
+                                                                             "multikey" else 0)
+  assert text.rstrip().endswith("is")
+
+
+def test_answers_are_scored_by_the_asked_key_alone():
+  assert bench_kv.is_correct(" 12345. Remember", "12345", [])
+  assert not bench_kv.is_correct(" 1234", "12345", [])
+  assert not bench_kv.is_correct(" 12345 or 54321", "12345", ["54321"])  # hedging is wrong
+
+
+def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
+  tokens = jnp.asarray([bench_kv.haystack_ids(tiny.tokenizer, texts(), 200)])
+  full = bench_kv.policy_for("full", 0, 200, 0, 32, 0, 0)
+  ref = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160, full)
+  # The same run on a cache exactly as big as needed (never evicts) gives the same distributions.
+  same = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160,
+                                    KVPolicy("streaming", budget=232, sinks=0, chunk=16))
+  kl, agree = bench_kv.kl_and_agreement(ref, same)
+  assert abs(kl) < 1e-5 and agree == 1.0
+  tight = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160,
+                                     KVPolicy("keydiff", budget=24, sinks=2, chunk=16))
+  kl, agree = bench_kv.kl_and_agreement(ref, tight)
+  assert kl > 1e-4 and 0.0 <= agree <= 1.0
+  # Teacher forcing is right: row i is the next-token distribution after tokens[:160 + i], as one
+  # uncached forward over the whole sequence computes it.
+  logits, _, _ = forward(tiny.params, tiny.cfg, tokens, jnp.arange(200)[None],
+                         KVCache.init(tiny.cfg, 1, 200))
+  np.testing.assert_allclose(ref, jax.nn.log_softmax(logits[0, 159:199]), rtol=1e-4, atol=1e-4)
+
+
+def test_records_and_plot(tiny, tmp_path):
+  setup = bench_kv.BenchKV(methods=["full", "keydiff", "h2o+caote"], budgets=[48], context=160,
+                           tasks=["passkey", "kl"], num_samples=1, chunk=16, continuation=8)
+  records = bench_kv.run_bench_kv(tiny, setup, texts(), progress=lambda r: None)
+  got = {(r["task"], r["method"]) for r in records}
+  assert got == {("passkey", "full"), ("passkey", "keydiff"), ("passkey", "h2o+caote"),
+                 ("kl", "keydiff"), ("kl", "h2o+caote")}
+  full = next(r for r in records if r["method"] == "full")
+  kd = next(r for r in records if r["method"] == "keydiff" and r["task"] == "kl")
+  assert kd["peak_kv_bytes"] < full["peak_kv_bytes"] and kd["kl"] >= 0
+  assert kd["budget"] == 48 and kd["budget_fraction"] == pytest.approx(48 / 160)
+  pytest.importorskip("matplotlib")
+  bench_kv.plot(records, tmp_path / "kv.png")
+  assert (tmp_path / "kv.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(methods=["keydif"]), "unknown KV method"),
+    (dict(tasks=["needle"]), "unknown task"),
+    (dict(budgets=[4096]), "must be below the context"),
+])
+def test_bad_settings_are_refused(kwargs, match):
+  base = dict(methods=["full"], budgets=[64], context=512)
+  with pytest.raises(ValueError, match=match):
+    bench_kv.BenchKV(**{**base, **kwargs})
