@@ -40,9 +40,9 @@ def test_kernel_matches_reference_and_ignores_nan_past_lengths(L, B, S, K, D, bl
   assert np.isfinite(np.where(used, got, 0)).all()
 
 
-def test_reference_is_minus_the_cosine_to_the_mean_key():
+def test_reference_is_minus_the_cosine_to_the_mean_unit_key():
   k = np.zeros((1, 1, 4, 1, 2), np.float32)
-  k[0, 0, :, 0] = [[1, 0], [1, 0], [1, 0], [0, 1]]  # mean (0.75, 0.25)
+  k[0, 0, :, 0] = [[2, 0], [1, 0], [1, 0], [0, 9]]  # unit keys' mean (0.75, 0.25): norms ignored
   got = np.asarray(key_similarity_reference(jnp.asarray(k), jnp.asarray([4])))[0, 0, :, 0]
   mean = np.array([0.75, 0.25])
   want = [-(row @ mean) / np.linalg.norm(row) / np.linalg.norm(mean) for row in k[0, 0, :, 0]]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
-from jspec.pallas.key_similarity import block_size, key_similarity
+from jspec.pallas.key_similarity import block_size, key_similarity, key_similarity_reference
 
 Array = jax.Array
 
@@ -24,19 +24,14 @@ def _valid(cache: KVCache) -> Array:
 
 
 def keydiff(cache: KVCache, policy: KVPolicy) -> Array:
-  """KeyDiff: minus the cosine similarity of each key to the mean key of its layer and KV head
-  (over the committed slots), so the most dissimilar keys are kept. Needs no attention weights.
-  policy.score_impl "pallas" / "pallas-interpret" computes it with the key-similarity kernel."""
+  """KeyDiff: minus the cosine similarity of each key to the anchor of its layer and KV head (the
+  mean of the committed keys after normalising each), so the most distinctive keys are kept.
+  Needs no attention weights. policy.score_impl "pallas" / "pallas-interpret" computes it with the
+  key-similarity kernel."""
   if policy.score_impl != "xla":
     return key_similarity(cache.k, cache.lengths, block_s=block_size(cache.size),
                           interpret=policy.score_impl == "pallas-interpret")
-  valid = _valid(cache)[..., None]  # [1, B, S, 1, 1]
-  k = cache.k.astype(jnp.float32)  # [L, B, S, K, D]
-  count = jnp.maximum(cache.lengths, 1).astype(jnp.float32)[None, :, None, None]  # [1, B, 1, 1]
-  mean = jnp.where(valid, k, 0.0).sum(axis=2) / count  # [L, B, K, D]
-  dot = jnp.einsum("lbskd,lbkd->lbsk", k, mean)
-  norms = jnp.linalg.norm(k, axis=-1) * jnp.linalg.norm(mean, axis=-1)[:, :, None, :]
-  return -dot / jnp.maximum(norms, 1e-12)
+  return key_similarity_reference(cache.k, cache.lengths)
 
 
 def streaming(cache: KVCache, policy: KVPolicy) -> Array:

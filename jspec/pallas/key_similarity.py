@@ -1,7 +1,9 @@
-"""KeyDiff's score as a Pallas kernel: how unlike the mean key of its layer and KV head each
-cached key is, read straight from the stacked cache.
+"""KeyDiff's score as a Pallas kernel: how unlike the anchor of its layer and KV head each cached
+key is, read straight from the stacked cache.
 
-score[l, b, s, n] = -cos(k[l, b, s, n], mean over s' < lengths[b] of k[l, b, s', n])
+score[l, b, s, n] = -cos(k[l, b, s, n], anchor[l, b, n]),
+anchor = mean over s' < lengths[b] of k[l, b, s', n] / ||k[l, b, s', n]||  (KeyDiff's anchor is
+the mean of the *normalised* keys, so a few long keys do not pull it their way)
 
 One program per (layer, row, KV head) streams that head's keys twice in blocks of `block_s` slots:
 once to sum the committed keys (the mean), once to write each slot's score. The cache is read as
@@ -35,16 +37,16 @@ EPS = 1e-12
 
 def key_similarity_reference(k: Array, lengths: Array) -> Array:
   """[L, B, S, K] float32 minus cosine similarity of each key of k [L, B, S, K, D] to the mean of
-  the first lengths[b] keys of its layer, row and KV head (slots past lengths[b] get a score too;
-  callers mask them)."""
+  the normalised first lengths[b] keys of its layer, row and KV head (slots past lengths[b] get a
+  score too; callers mask them)."""
   S = k.shape[2]
   k = k.astype(jnp.float32)
+  unit = k / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), EPS)
   valid = (jnp.arange(S)[None, :] < lengths[:, None])[None, :, :, None, None]  # [1, B, S, 1, 1]
   count = jnp.maximum(lengths, 1).astype(jnp.float32)[None, :, None, None]
-  mean = jnp.where(valid, k, 0.0).sum(axis=2) / count  # [L, B, K, D]
-  dot = jnp.einsum("lbskd,lbkd->lbsk", k, mean)
-  norms = jnp.linalg.norm(k, axis=-1) * jnp.linalg.norm(mean, axis=-1)[:, :, None, :]
-  return -dot / jnp.maximum(norms, EPS)
+  anchor = jnp.where(valid, unit, 0.0).sum(axis=2) / count  # [L, B, K, D]
+  cos = jnp.einsum("lbskd,lbkd->lbsk", unit, anchor)
+  return -cos / jnp.maximum(jnp.linalg.norm(anchor, axis=-1)[:, :, None, :], EPS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,21 +86,23 @@ def _kernel(lengths_ref, k_ref, o_ref, *, block_s: int):
   length = lengths_ref[()]
   offsets = lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
 
-  def add_block(j, total):  # total [1, D]: sum of the committed keys so far
-    keys = k_ref[pl.ds(j * block_s, block_s), :].astype(jnp.float32)  # [bs, D]
-    keys = jnp.where(j * block_s + offsets < length, keys, 0.0)
-    return total + jnp.sum(keys, axis=0, keepdims=True)
+  def unit_keys(j):  # [bs, D] block j's keys over their norms
+    keys = k_ref[pl.ds(j * block_s, block_s), :].astype(jnp.float32)
+    norms = jnp.sqrt(jnp.sum(keys * keys, axis=1, keepdims=True))
+    return keys / jnp.maximum(norms, EPS)
+
+  def add_block(j, total):  # total [1, D]: sum of the committed unit keys so far
+    unit = jnp.where(j * block_s + offsets < length, unit_keys(j), 0.0)
+    return total + jnp.sum(unit, axis=0, keepdims=True)
 
   n_valid = lax.div(length + block_s - 1, block_s)
   total = lax.fori_loop(0, n_valid, add_block, jnp.zeros((1, D), jnp.float32))
-  mean = total / jnp.maximum(length, 1).astype(jnp.float32)  # [1, D]
-  mean_norm = jnp.sqrt(jnp.sum(mean * mean, axis=1, keepdims=True))  # [1, 1]
+  anchor = total / jnp.maximum(length, 1).astype(jnp.float32)  # [1, D]
+  anchor_norm = jnp.sqrt(jnp.sum(anchor * anchor, axis=1, keepdims=True))  # [1, 1]
 
   def score_block(j, carry):
-    keys = k_ref[pl.ds(j * block_s, block_s), :].astype(jnp.float32)  # [bs, D]
-    dot = jnp.sum(keys * mean, axis=1)  # [bs]
-    norms = jnp.sqrt(jnp.sum(keys * keys, axis=1)) * mean_norm[0, 0]
-    o_ref[0, pl.ds(j * block_s, block_s)] = -dot / jnp.maximum(norms, EPS)
+    cos = jnp.sum(unit_keys(j) * anchor, axis=1)  # [bs]
+    o_ref[0, pl.ds(j * block_s, block_s)] = -cos / jnp.maximum(anchor_norm[0, 0], EPS)
     return carry
 
   lax.fori_loop(0, S // block_s, score_block, 0)
