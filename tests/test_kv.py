@@ -346,11 +346,13 @@ def drafters(params):
 
 @pytest.mark.parametrize("method,evict_every,drafter", [
     ("keydiff", 1, "self"), ("keydiff", 3, "random"), ("keydiff", 4, "self"),
-    ("streaming", 1, "random"), ("streaming", 6, "self")])
+    ("streaming", 1, "random"), ("streaming", 6, "self"), ("h2o", 4, "self"),
+    ("tova+caote", 1, "random"), ("snapkv", 5, "self"), ("h2o+caote", 2, "random")])
 def test_greedy_speculative_equals_greedy_autoregressive_under_the_same_budget(
     params, drafters, method, evict_every, drafter):
   """The self drafter accepts whole blocks, so evictions fall inside verification blocks and the
-  round must stop where autoregressive decoding would have evicted; the random drafter rejects.
+  round must stop where autoregressive decoding would have evicted; the random drafter rejects,
+  so attention-score policies must count the committed tokens' queries and no rejected one's.
   With evict_every=1 a full cache evicts after every token, so a round can use one token only;
   evict_every >= gamma + 1 lets whole blocks through."""
   from jspec.speculative.chain import SpecConfig, speculative_generate
@@ -372,6 +374,3 @@ def test_sampled_speculative_runs_under_a_budget(params, drafters):
                              spec=SpecConfig(gamma=3, max_new_tokens=20),
                              sampling=SamplingParams(temperature=1.0), key=3)
   assert len(out.sequences()[0]) == 20
-  with pytest.raises(ValueError, match="scores by attention"):
-    speculative_generate(params, CFG, drafters["self"], [[1, 2, 3]], spec=SpecConfig(
-        gamma=2, max_new_tokens=4), kv=KVPolicy("h2o", budget=16, chunk=8))

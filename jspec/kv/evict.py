@@ -90,6 +90,27 @@ def before_forward(policy: KVPolicy, cache: KVCache, n_new: Array,
   return reset_mass(policy, cache, n_new), mass_weights(policy, n_new, T)
 
 
+def block_mass(cache: KVCache, T: int) -> tuple[KVCache, Array]:
+  """For a verification block of T tokens whose committed count is known only afterwards: the
+  cache with a zero [L, B, S, K, T] mass (one column per query) and the [B, T, T] identity
+  weights that make the forward fill it; `fold_block_mass` then keeps the committed queries'."""
+  L, B, S, K, _ = cache.k.shape
+  eye = jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32), (B, T, T))
+  return dataclasses.replace(cache, mass=jnp.zeros((L, B, S, K, T), jnp.float32)), eye
+
+
+def fold_block_mass(policy: KVPolicy, before: KVCache, after: KVCache, n_new: Array) -> KVCache:
+  """`after` (a forward's output over `before`, with `block_mass`'s per-query columns) with the
+  mass that decoding the first n_new [B] block tokens one at a time would have left: every one of
+  them for H2O, the newest for TOVA and SnapKV (one token per block while decoding)."""
+  T = after.mass.shape[-1]
+  reset = reset_mass(policy, before, n_new)
+  t = jnp.arange(T)[None, :]
+  weights = t < n_new[:, None] if policy.base == "h2o" else t == n_new[:, None] - 1
+  added = jnp.einsum("lbskt,bt->lbsk", after.mass, weights.astype(jnp.float32))
+  return dataclasses.replace(after, mass=reset.mass + added)
+
+
 def evict(policy: KVPolicy, cache: KVCache, due: Array | None = None) -> tuple[KVCache, Array]:
   """(cache evicted down to the budget, [B] entries dropped per row); with `due` [B] bool, only
   those rows are evicted (the others are returned as they were)."""

@@ -285,8 +285,9 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
     logits_indices: optional [B, N] int32: compute logits only at these of the T positions.
     mass_weights: optional [B, T] float32: add to cache.mass (which must exist) every slot's
       attention probability from new token t, weighted by mass_weights[b, t] and averaged over the
-      query heads of each KV head (attention-score eviction: H2O, TOVA, SnapKV). XLA attention
-      only; the probabilities are recomputed beside the attention, which stays as it is.
+      query heads of each KV head (attention-score eviction: H2O, TOVA, SnapKV). [B, T, J]: J
+      weightings at once, into a cache.mass of [L, B, S, K, J]. XLA attention only; the
+      probabilities are recomputed beside the attention, which stays as it is.
 
   Returns:
     (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
@@ -339,13 +340,14 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
 def attention_mass(q: Array, k: Array, visible: Array, weights: Array) -> Array:
   """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
   of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
-  visible [B, T, S]."""
+  visible [B, T, S]. weights [B, T, J] give [B, S, K, J]."""
   B, T, H, D = q.shape
   K = k.shape[2]
   scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
                       preferred_element_type=jnp.float32) * (D ** -0.5)
   probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
-  return jnp.einsum("bkgts,bt->bsk", probs, weights.astype(jnp.float32)) / (H // K)
+  spec = "bkgts,bt->bsk" if weights.ndim == 2 else "bkgts,btj->bskj"
+  return jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)
 
 
 def _recording_mass(attend: Callable, visible: Array, weights: Array):

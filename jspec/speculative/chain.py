@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
-from jspec.kv.evict import evict_when_full
+from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -49,7 +49,8 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
                                 cache_size: int, kv: KVPolicy | None = None) -> SpecOutput:
   """Pure, jit-friendly speculative generation; `cfg`, `spec`, `cache_size` and `kv` are static.
 
-  kv: a KV budget for the target (key-scored policies). Verification then stays exact with respect
+  kv: a KV budget for the target (any policy; attention-score ones count the committed tokens'
+  queries only, as decoding them one at a time would). Verification then stays exact with respect
   to the target as it runs under that budget: a round uses the target's scores only up to the
   token after which autoregressive decoding would have evicted (`evict_when_full`), then evicts as
   it would, so greedy output equals greedy autoregressive output under the same policy."""
@@ -64,8 +65,13 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
     positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
-    target_logits, hidden, cache = forward(params, cfg, block, positions,
-                                           s.cache.with_lengths(start) if kv is None else s.cache)
+    cache_in, weights = s.cache.with_lengths(start), None
+    if kv is not None:
+      cache_in = s.cache
+      if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
+        cache_in, weights = block_mass(s.cache, G + 1)
+    target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in,
+                                           mass_weights=weights)
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
     if kv is not None:
       # Block token j is scored over the same cache as in autoregressive decoding only while no
@@ -84,7 +90,10 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
     if kv is not None:
-      cache, dropped = evict_when_full(kv, new.cache)
+      cache = new.cache
+      if kv.needs_attention:
+        cache = fold_block_mass(kv, s.cache, cache, new.seq_len - s.seq_len)
+      cache, dropped = evict_when_full(kv, cache)
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     return dataclasses.replace(new, draft=drafter.update(
         draft, new.seq_len, Features(hidden=hidden, tokens=emitted, start=start)))
@@ -113,14 +122,10 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
-  jspec.models.numerics). kv: a KV budget for the target (`jspec.kv.policy.KVPolicy`, KeyDiff or
-  StreamingLLM): greedy output equals `generate(..., kv=kv)`'s; the drafter keeps a full cache.
+  jspec.models.numerics). kv: a KV budget for the target (`jspec.kv.policy.KVPolicy`): greedy
+  output equals `generate(..., kv=kv)`'s; the drafter keeps a full cache.
   """
   check_drafter(cfg, drafter)
-  if kv is not None and kv.needs_attention:
-    raise ValueError(f"kv method {kv.method!r} scores by attention, which speculative decoding "
-                     f"does not record yet (rejected drafts' queries must not count). Fix: "
-                     f"kv method 'keydiff' or 'streaming', or decode without a drafter.")
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
