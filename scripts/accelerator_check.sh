@@ -52,6 +52,9 @@ fi
 KERNEL_STATUS=0
 jspec bench-kernel --dtype bfloat16 --json "$OUT"_kernel_bf16.json || KERNEL_STATUS=$?
 jspec bench-kernel --dtype float32 --precision exact --json "$OUT"_kernel_f32.json || KERNEL_STATUS=$?
+# The key-similarity (KeyDiff) kernel of KV eviction against its jnp reference (issue #19).
+jspec bench-kernel --kernel key-similarity --dtype bfloat16 --json "$OUT"_kernel_keysim.json \
+    || KERNEL_STATUS=$?
 # Greedy identity per weight format and precision (fast = TF32 on GPUs).
 python benchmarks/greedy_identity.py --model "$MODEL" --drafters "self,$DRAFTERS" \
     --weights float32,bfloat16 --dataset mt-bench --num-prompts "$NUM_PROMPTS" --max-new-tokens 64 \
