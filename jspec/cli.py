@@ -328,14 +328,18 @@ def cmd_bench_kv(args) -> int:
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
       chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
   model = load(args.model, args.dtype)
-  records = bench_kv.run_bench_kv(model, setup, sharegpt_conversations(),
-                                  progress=lambda r: print(r, flush=True))
-  stamp = _stamp(records)
-  machine = machine_info()
-  for r in records:
-    r.update(model=model.source, weights=args.dtype, machine=machine)
-  out = args.json or Path("benchmarks") / f"kv_{args.context}_{stamp}.json"
-  print(f"wrote {speed.write_records(records, out)}")
+  out = args.json or Path("benchmarks") / f"kv_{args.context}_{_stamp([])}.json"
+  machine, done = machine_info(), []
+
+  def save(record):  # every record as it comes, so an interrupted run keeps what it measured
+    record.update(model=model.source, weights=args.dtype, machine=machine)
+    _stamp([record])
+    done.append(record)
+    speed.write_records(done, out)
+    print({k: v for k, v in record.items() if k not in ("correct", "machine")}, flush=True)
+
+  records = bench_kv.run_bench_kv(model, setup, sharegpt_conversations(), progress=save)
+  print(f"wrote {out}")
   if args.plot:
     bench_kv.plot(records, args.plot)
     print(f"wrote {args.plot}")

@@ -171,7 +171,8 @@ class BenchKV:
 
 
 def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) -> list[dict]:
-  """Records of every (task, method, budget) over the same samples."""
+  """Records of every (task, method, budget) over the same samples; `progress(record)` is called
+  as each one is done (the CLI saves them as it goes: a long run keeps what it measured)."""
   rng = np.random.default_rng(setup.seed)
   cfg, params = model.cfg, model.params
   itemsize = jnp.dtype(params.embed.dtype).itemsize if hasattr(params.embed, "dtype") else 4
@@ -210,8 +211,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
                 "context": setup.context, "num_samples": setup.num_samples, **result,
                 "peak_kv_bytes": cache_bytes(cfg, policy, itemsize), "seconds": seconds,
                 "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.window}
-      progress({k: v for k, v in record.items() if k != "correct"})
       records.append(record)
+      progress(record)
   return records
 
 
