@@ -59,7 +59,10 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
                         cache_size, max_accepted=G, kv=kv)
 
   def body(s: SpecState) -> SpecState:
-    key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
+    if kv is None:
+      key, k_draft, k_verify = jax.random.split(s.key, 3)
+    else:  # one more key, for the fresh draw at a cut
+      key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
     # Verify [last token, d_1 .. d_G] in one forward; the cache holds everything before it.
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
