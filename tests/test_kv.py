@@ -374,3 +374,39 @@ def test_sampled_speculative_runs_under_a_budget(params, drafters):
                              spec=SpecConfig(gamma=3, max_new_tokens=20),
                              sampling=SamplingParams(temperature=1.0), key=3)
   assert len(out.sequences()[0]) == 20
+
+
+def test_sampled_speculative_follows_the_budgeted_targets_distribution():
+  """Temperature 1 under a budget that binds in prefill and decoding (and a cut in most rounds):
+  the sampled tokens must follow the distribution of autoregressive decoding under the same policy,
+  computed exactly by enumerating every continuation and teacher-forcing it through the evicting
+  cache."""
+  from test_speculative import TINY, chi_square, noised_drafter  # noqa: F401
+  import itertools
+  from jspec.bench.kv import continuation_logprobs
+  from jspec.drafting.model import ModelDrafter
+  from jspec.sampling.processing import processed_logprobs
+  from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+
+  params = init_params(TINY, jax.random.key(20), scale=0.8)
+  drafter = ModelDrafter(init_params(TINY, jax.random.key(21), scale=0.8), TINY)
+  policy = KVPolicy("keydiff", budget=6, sinks=1, chunk=4, evict_every=2)
+  sp = SamplingParams(temperature=1.0)
+  prompt = [3, 7, 1, 12, 5, 9, 0, 4, 11, 2]
+  V, P = TINY.vocab_size, len(prompt)
+  seqs = jnp.asarray([prompt + [a, b, 0] for a, b in itertools.product(range(V), repeat=2)])
+  logprobs = jax.jit(jax.vmap(lambda s: continuation_logprobs(params, TINY, s[None], P, policy)))(
+      seqs)  # [V^2, 3, V]: after the prompt, after +a, after +a+b (the 0 is never read)
+  probs = np.exp(np.asarray(processed_logprobs(logprobs, sp), np.float64))
+  first, second, third = probs[:, 0], probs[:, 1], probs[:, 2]  # rows indexed by (a, b)
+  joint = (first[0][:, None, None] * second.reshape(V, V, V)[:, 0][:, :, None]
+           * third.reshape(V, V, V))  # p(a) p(b | a) p(c | a, b)
+  lengths = jnp.asarray([P])
+  padded = jnp.asarray([prompt + [0] * 6])
+  run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
+      params, TINY, drafter, padded, lengths, key, sp, spec=SpecConfig(gamma=2, max_new_tokens=3),
+      cache_size=32, kv=policy).tokens[0]))
+  tokens = np.asarray(run(jax.random.split(jax.random.key(7), 20000)))
+  codes = tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2]
+  stat, dof, ok = chi_square(codes, (joint / joint.sum()).reshape(-1))
+  assert ok, (stat, dof)
