@@ -381,7 +381,7 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution():
   the sampled tokens must follow the distribution of autoregressive decoding under the same policy,
   computed exactly by enumerating every continuation and teacher-forcing it through the evicting
   cache."""
-  from test_speculative import TINY, chi_square, noised_drafter  # noqa: F401
+  from test_speculative import TINY, chi_square
   import itertools
   from jspec.bench.kv import continuation_logprobs
   from jspec.drafting.model import ModelDrafter
