@@ -110,9 +110,6 @@ def cmd_generate(args) -> int:
 
   sampling = _sampling(args)
   kv = _kv_policy(args)  # bad settings fail here, before loading anything
-  if kv is not None and args.tree:
-    raise ValueError("--kv-budget runs autoregressive decoding and drafted chains so far; drop "
-                     "--tree")
   start = time.perf_counter()
   model = load(args.model, args.dtype)
   drafter = load_drafter(args.drafter, model, args.dtype)

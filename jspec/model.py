@@ -50,22 +50,18 @@ class Model:
     chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"). precision:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
     greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
-    (`jspec.kv.policy.KVPolicy`; autoregressive decoding or chains): any prompt length in a
-    fixed target memory."""
+    (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv)
-    if kv is not None and tree is not None:
-      raise ValueError("a KV budget (kv=) runs with autoregressive decoding and drafted chains so "
-                       "far, not trees: drop tree=")
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
           spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
-          precision=precision)
+          precision=precision, kv=kv)
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key, precision=precision, kv=kv)

@@ -410,3 +410,23 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution():
   codes = tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2]
   stat, dof, ok = chi_square(codes, (joint / joint.sum()).reshape(-1))
   assert ok, (stat, dof)
+
+
+@pytest.mark.parametrize("method,evict_every,drafter,tree", [
+    ("keydiff", 4, "self", "fixed:2-2-1"), ("streaming", 1, "random", "fixed:3-2"),
+    ("keydiff", 2, "random", "dynamic:6")])
+def test_greedy_tree_speculative_equals_greedy_autoregressive_under_the_same_budget(
+    params, drafters, method, evict_every, drafter, tree):
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  rng = np.random.default_rng(12)
+  prompts = [[int(x) for x in rng.integers(0, 97, 40)], [int(x) for x in rng.integers(0, 97, 9)]]
+  policy = KVPolicy(method, budget=16, sinks=2, chunk=8, evict_every=evict_every)
+  want = generate(params, CFG, prompts, max_new_tokens=20, kv=policy).sequences()
+  out = tree_speculative_generate(params, CFG, drafters[drafter], prompts, kv=policy,
+                                  spec=TreeSpecConfig(tree, max_new_tokens=20))
+  assert out.sequences() == want
+  if drafter == "self" and evict_every > 3:
+    assert int(out.accept_hist[-1]) > 0  # whole paths went through between evictions
+  with pytest.raises(ValueError, match="scores by attention"):
+    tree_speculative_generate(params, CFG, drafters[drafter], prompts, spec=TreeSpecConfig(
+        tree, max_new_tokens=4), kv=KVPolicy("h2o", budget=16, chunk=8))

@@ -85,12 +85,12 @@ class SpecState:
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                   prompt_lengths: Array, key: Array, sampling: SamplingParams, spec,
                   cache_size: int, *, max_accepted: int,
-                  kv: KVPolicy | None = None) -> SpecState:
+                  kv: KVPolicy | None = None, target_slots: int | None = None) -> SpecState:
   """Prefill target and drafter, sample the first token: the loop state before round one.
 
   `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
-  kv: a KV budget for the target (chunked prefill into kv.slots slots); the drafter keeps its
-  own cache of `cache_size` slots.
+  kv: a KV budget for the target (chunked prefill into `target_slots`, default kv.slots, slots);
+  the drafter keeps its own cache of `cache_size` slots.
   """
   B, P = prompt.shape
   N = spec.max_new_tokens
@@ -99,7 +99,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
     logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
-    cache = KVCache.init(cfg, B, kv.slots, params.embed.dtype)
+    cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype)
     logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
                                                      kv, keep_hidden=True)
   key, sub = jax.random.split(key)

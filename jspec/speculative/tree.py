@@ -28,11 +28,13 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.kv.evict import evict_when_full
+from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_tree_target, initial_state)
@@ -109,45 +111,75 @@ class TreeRound:
   path: Array  # [B, D] the accepted path (node indices, -1 padded)
   n_acc: Array  # [B] its length
   next_token: Array  # [B] the target's token after it
+  target_logits: Array  # [B, N + 1, V] the target's logits over [root, nodes]
 
 
 def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_draft: Array,
-               k_verify: Array, sampling: SamplingParams, shape: TreeShape) -> TreeRound:
-  """Draft a tree from loop state `s` and verify it with one target forward."""
+               k_verify: Array, sampling: SamplingParams, shape: TreeShape,
+               budgeted: bool = False) -> TreeRound:
+  """Draft a tree from loop state `s` and verify it with one target forward (`budgeted`: the
+  target cache is under a KV budget, its lengths already count its entries)."""
   tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
   # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
   start = s.seq_len - 1
   positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
   target_logits, hidden, cache = forward(params, cfg, block, positions,
-                                         s.cache.with_lengths(start),
+                                         s.cache if budgeted else s.cache.with_lengths(start),
                                          verification_mask(tree))  # [B, N + 1, V]
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden, path=path,
-                   n_acc=n_acc, next_token=nxt)
+                   n_acc=n_acc, next_token=nxt, target_logits=target_logits)
+
+
+def budgeted_tree_slots(kv: KVPolicy, spec: TreeSpecConfig) -> int:
+  """Target cache slots under a budget: a full cache (budget + evict_every - 1 entries) plus the
+  root and every node of a tree, so no node's KV falls off the end."""
+  return max(kv.slots, kv.budget + kv.evict_every + spec.num_nodes)
 
 
 def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                           prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
-                          *, spec: TreeSpecConfig, cache_size: int) -> SpecState:
-  """The whole run, returning the final loop state (caches included); see the module docstring."""
+                          *, spec: TreeSpecConfig, cache_size: int,
+                          kv: KVPolicy | None = None) -> SpecState:
+  """The whole run, returning the final loop state (caches included); see the module docstring.
+
+  kv: a KV budget for the target (key-scored policies), exact as in the chain engine: an accepted
+  path is used only to the depth after which autoregressive decoding would have evicted."""
   shape = spec.tree
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=shape.max_depth)
+                        cache_size, max_accepted=shape.max_depth, kv=kv,
+                        target_slots=None if kv is None else budgeted_tree_slots(kv, spec))
 
   def body(s: SpecState) -> SpecState:
-    key, k_draft, k_verify = jax.random.split(s.key, 3)
-    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape)
+    if kv is None:
+      key, k_draft, k_verify = jax.random.split(s.key, 3)
+    else:
+      key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
+    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv is not None)
+    n_acc, nxt = r.n_acc, r.next_token
+    if kv is not None:  # as in the chain engine: depth j <= cut only, a fresh draw at the cut
+      cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      depth = jnp.clip(cut, 0, r.path.shape[1])
+      node = jnp.take_along_axis(r.path, jnp.maximum(depth - 1, 0)[:, None], axis=1)[:, 0]
+      at_cut = jnp.where(depth == 0, 0, node + 1)  # block index of the cut's node (root: 0)
+      logits = jnp.take_along_axis(r.target_logits, at_cut[:, None, None], axis=1)[:, 0]
+      nxt = jnp.where(n_acc >= cut, sample(k_cut, logits, sampling), nxt)
+      n_acc = jnp.minimum(n_acc, cut)
     # Emitted this round: the accepted path, then the target's token.
-    emitted = emitted_tokens(r.tree, r.path, r.n_acc, r.next_token)  # [B, D + 1], to n_acc
-    # The accepted path's KV into consecutive slots: node path[j] (slot seq_len + path[j]) moves
-    # to seq_len + j. A row cut short by a stop or the budget is done: its cache no longer matters.
-    cache = move_kv(r.cache, s.seq_len, r.path, r.n_acc)
-    new = advance(s, emitted, r.n_acc, spec, key=key, cache=cache)
+    emitted = emitted_tokens(r.tree, r.path, n_acc, nxt)  # [B, D + 1], to n_acc
+    # The accepted path's KV into consecutive slots: node path[j] (slot base + path[j], base the
+    # slot after the root) moves to base + j. A row cut short by a stop or the budget is done.
+    base = s.seq_len if kv is None else s.cache.lengths + 1
+    cache = move_kv(r.cache, base, r.path, n_acc)
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
+    if kv is not None:
+      cache, dropped = evict_when_full(kv, new.cache)
+      new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     # The target's view of the root and the accepted path (node n is entry n + 1 of the block).
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
     features = Features(hidden=take(r.hidden, on_path), tokens=emitted, start=s.seq_len - 1)
-    return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, r.n_acc,
+    return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, n_acc,
                                                               s.seq_len, features))
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
@@ -156,14 +188,15 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
 def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                      prompt_lengths: Array, key: Array,
                                      sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig,
-                                     cache_size: int) -> TreeSpecOutput:
-  """Pure, jit-friendly tree speculative generation; `cfg`, `spec` and `cache_size` are static.
+                                     cache_size: int, kv: KVPolicy | None = None
+                                     ) -> TreeSpecOutput:
+  """Pure, jit-friendly tree speculative generation; `cfg`, `spec`, `cache_size`, `kv` static.
 
   prompt [B, P] int32 right-padded, prompt_lengths [B]; any drafter (jspec.drafting). Needs
   cache_size >= max(prompt_lengths) + max_new_tokens + spec.reserve.
   """
   s = tree_speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
-                            spec=spec, cache_size=cache_size)
+                            spec=spec, cache_size=cache_size, kv=kv)
   return TreeSpecOutput(
       tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
       round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
@@ -171,7 +204,7 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
 
 
 _tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,),
-                       static_argnames=("spec", "cache_size"))
+                       static_argnames=("spec", "cache_size", "kv"))
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
@@ -188,7 +221,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               prompts: Sequence[Sequence[int]], *, spec: TreeSpecConfig,
                               sampling: SamplingParams = GREEDY, key: Array | int = 0,
                               cache_size: int | None = None,
-                              precision: str = "fast") -> TreeSpecOutput:
+                              precision: str = "fast", kv: KVPolicy | None = None
+                              ) -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
   Example (any drafter grows trees):
@@ -198,13 +232,18 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency, out.tree_nodes
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
-  jspec.models.numerics).
+  jspec.models.numerics). kv: a KV budget for the target (KeyDiff or StreamingLLM so far): greedy
+  output equals `generate(..., kv=kv)`'s.
   """
   check_tree_run(cfg, drafter, spec)
+  if kv is not None and kv.needs_attention:
+    raise ValueError(f"kv method {kv.method!r} scores by attention, which tree verification does "
+                     f"not record yet (a tree's accepted path is not a prefix of its block). Fix: "
+                     f"kv method 'keydiff' or 'streaming', or draft chains (no tree).")
   check_tree_target(params)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round)")
   return _tree_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision)
+                   cache_size=b.cache_size, precision=precision, kv=kv)
