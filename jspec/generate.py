@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
-from jspec.kv.evict import before_forward, evict_when_full
 from jspec.kv.policy import KVPolicy
-from jspec.kv.prefill import chunked_prefill
+from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -106,13 +105,12 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     return (s.step < max_new_tokens) & ~jnp.all(s.done)
 
   def body(s: DecodeState) -> DecodeState:
+    evicted = s.evicted
     if kv is None:
       logits, _, cache = forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache)
+      cache = cache.commit(1)
     else:
-      cache, weights = before_forward(kv, s.cache, jnp.ones((B,), jnp.int32), 1)
-      positions = cache.lengths + s.evicted  # [B]: RoPE positions count the evicted entries
-      logits, _, cache = forward(params, cfg, s.last[:, None], positions[:, None], cache,
-                                 mass_weights=weights)
+      logits, cache, evicted = budgeted_step(params, cfg, s.last[:, None], s.cache, s.evicted, kv)
     key, sub = jax.random.split(s.key)
     nxt = sample(sub, logits[:, 0], sampling)  # [B]
     nxt = jnp.where(s.done, PAD, nxt)
@@ -124,10 +122,6 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
       ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)
       top_ids = jax.lax.dynamic_update_slice(top_ids, ids[:, None], (0, s.step, 0))
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
-    cache, evicted = cache.commit(1), s.evicted
-    if kv is not None:
-      cache, dropped = evict_when_full(kv, cache)
-      evicted = evicted + dropped
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,
                        target_calls=s.target_calls + 1, top_ids=top_ids,

@@ -183,7 +183,7 @@ def test_streaming_generation_equals_an_uncompressed_run_that_hides_evicted_posi
 def streaming_reference_wrong_positions(params, prompt, n_new, policy):
   """generate under the same budget but with RoPE positions taken from the compacted slots (the
   bug the position bookkeeping exists to avoid), for the test above to tell apart."""
-  import jspec.generate as g
+  import jspec.kv.prefill as g  # where budgeted decoding calls the model
   real = g.forward
 
   def slot_positions(p, cfg, tokens, positions, cache, *args, **kwargs):

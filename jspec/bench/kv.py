@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.kv.evict import before_forward, evict_when_full
 from jspec.kv.policy import METHODS, KVPolicy
-from jspec.kv.prefill import chunked_prefill
+from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params
 from jspec.models.numerics import engine_jit
 
 Array = jax.Array
@@ -105,13 +104,9 @@ def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: 
 
   def step(i, carry):
     cache, evicted, out = carry
-    cache, weights = before_forward(policy, cache, jnp.ones((1,), jnp.int32), 1)
-    position = (cache.lengths + evicted)[:, None]
     token = jax.lax.dynamic_slice(tokens, (0, n_prefix + i - 1), (1, 1))
-    logits, _, cache = forward(params, cfg, token, position, cache, mass_weights=weights)
-    cache, dropped = evict_when_full(policy, cache.commit(1))
-    out = out.at[i].set(jax.nn.log_softmax(logits[0, 0]))
-    return cache, evicted + dropped, out
+    logits, cache, evicted = budgeted_step(params, cfg, token, cache, evicted, policy)
+    return cache, evicted, out.at[i].set(jax.nn.log_softmax(logits[0, 0]))
 
   out = jnp.zeros((M, cfg.vocab_size), jnp.float32).at[0].set(jax.nn.log_softmax(logits[0]))
   _, _, out = jax.lax.fori_loop(1, M, step, (cache, evicted, out))

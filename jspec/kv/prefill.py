@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.kv.evict import before_forward, evict, with_mass
+from jspec.kv.evict import before_forward, evict, evict_when_full, with_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -57,3 +57,16 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   cache, evicted, logits, hidden = jax.lax.fori_loop(
       0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits, hidden))
   return logits, cache, evicted, (hidden[:, :P] if keep_hidden else None)
+
+
+def budgeted_step(params: Params, cfg: Config, tokens: Array, cache: KVCache, evicted: Array,
+                  policy: KVPolicy) -> tuple[Array, KVCache, Array]:
+  """One decoding step under a budget: tokens [B, 1] at their true RoPE positions (cache.lengths +
+  evicted), committed, then evicted as decoding's schedule says. Returns (logits [B, 1, V],
+  cache, evicted)."""
+  B = tokens.shape[0]
+  cache, weights = before_forward(policy, cache, jnp.ones((B,), jnp.int32), 1)
+  positions = (cache.lengths + evicted)[:, None]  # [B, 1]
+  logits, _, cache = forward(params, cfg, tokens, positions, cache, mass_weights=weights)
+  cache, dropped = evict_when_full(policy, cache.commit(1))
+  return logits, cache, evicted + dropped

@@ -121,8 +121,8 @@ def block_size(S: int) -> int:
                    f"pick the KV budget and chunk so that budget + chunk is one")
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "interpret", "backend"))
-def _key_similarity(k, lengths, block_s, interpret, backend):
+@functools.partial(jax.jit, static_argnames=("block_s", "interpret"))
+def _key_similarity(k, lengths, block_s, interpret):
   L, B, S, K, D = k.shape
   k2 = k.reshape(L, B, S, K * D)  # a free view: head n is lanes [n*D, (n+1)*D)
   out = pl.pallas_call(
@@ -150,4 +150,4 @@ def key_similarity(k: Array, lengths: Array, *, block_s: int = 64, interpret: bo
   """
   backend = resolve_backend(backend, interpret)
   validate_inputs(k, lengths, block_s, backend)
-  return _key_similarity(k, lengths, block_s, interpret, backend)
+  return _key_similarity(k, lengths, block_s, interpret)  # one kernel body for both backends
