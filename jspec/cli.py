@@ -53,16 +53,24 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
   p.add_argument("--kv-window", type=int, default=0, help="newest entries never evicted")
   p.add_argument("--kv-evict-every", type=int, default=1, help="decoding steps between evictions")
+  p.add_argument("--kv-drafter", default="auto", choices=("auto", "full", "keydiff", "streaming"),
+                 help="a model drafter's own cache under --kv-budget: 'auto' (the default) evicts "
+                      "it like the target's with --kv-policy when that scores keys, else with "
+                      "keydiff; 'full' keeps it whole")
 
 
-def _kv_policy(args):
-  """The KVPolicy the --kv-* flags ask for (None without --kv-budget)."""
+def _kv_policies(args):
+  """(target's, drafter's) KVPolicy the --kv-* flags ask for (None, None without --kv-budget)."""
   if args.kv_budget is None:
-    return None
-  from jspec.kv.policy import KVPolicy
-  return KVPolicy(args.kv_policy, budget=args.kv_budget, sinks=args.kv_sinks,
-                  window=args.kv_window, chunk=min(args.kv_chunk, args.kv_budget),
-                  evict_every=args.kv_evict_every)
+    return None, None
+  from jspec.kv.policy import KEY_METHODS, KVPolicy
+  make = lambda method: KVPolicy(method, budget=args.kv_budget, sinks=args.kv_sinks,
+                                 window=args.kv_window, chunk=min(args.kv_chunk, args.kv_budget),
+                                 evict_every=args.kv_evict_every)
+  method = args.kv_drafter
+  if method == "auto":  # a drafter's forwards record no attention: key scores only
+    method = args.kv_policy if args.kv_policy in KEY_METHODS else "keydiff"
+  return make(args.kv_policy), None if method == "full" else make(method)
 
 
 def _gamma(text: str) -> int | str:
@@ -109,7 +117,7 @@ def cmd_generate(args) -> int:
   from jspec.model import load
 
   sampling = _sampling(args)
-  kv = _kv_policy(args)  # bad settings fail here, before loading anything
+  kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   start = time.perf_counter()
   model = load(args.model, args.dtype)
   drafter = load_drafter(args.drafter, model, args.dtype)
@@ -122,7 +130,8 @@ def cmd_generate(args) -> int:
   with CompileCounter() as compiled:
     out = jax.block_until_ready(model.generate_ids(
         ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=gamma, tree=args.tree, **({"kv": kv} if kv else {})))
+        drafter=drafter, gamma=gamma, tree=args.tree,
+        **({"kv": kv, "draft_kv": draft_kv if drafter else None} if kv else {})))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   for prompt, seq in zip(prompts, out.sequences()):
     if len(prompts) > 1:
@@ -425,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   b.set_defaults(fn=cmd_bench)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "
-                                      "(passkey, multi-key retrieval; KL vs the full cache)")
+                                      "(passkey, multi-key, variable tracking; KL vs the full cache)")
   v.add_argument("--model", default="default")
   v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
                  choices=["float32", "bfloat16", "int8"])
@@ -433,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "tova+caote,snapkv+caote")
   v.add_argument("--budgets", default="256,512", help="KV slots kept per row, comma-separated")
   v.add_argument("--context", type=int, default=2048, help="context tokens per sample")
-  v.add_argument("--tasks", default="passkey,multikey,kl")
+  v.add_argument("--tasks", default="passkey,multikey,vt,kl",
+                 help="passkey, multikey, vt (variable tracking), kl (vs the full cache)")
   v.add_argument("--num-samples", type=int, default=8)
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)

@@ -44,27 +44,31 @@ class Model:
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
                    stop: bool = True, drafter: Drafter | None = None, gamma: int = 4,
                    tree: TreeShape | str | None = None,
-                   precision: str = "fast", kv: KVPolicy | None = None
-                   ) -> GenerateOutput | SpecOutput:
+                   precision: str = "fast", kv: KVPolicy | None = None,
+                   draft_kv: KVPolicy | None = None) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
     chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"). precision:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
     greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
-    (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory."""
+    (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory; draft_kv: a
+    key-scored budget for a model drafter's own cache (None: full)."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
+      if draft_kv is not None:
+        raise ValueError("draft_kv budgets a drafter's cache; pass a drafter= too, or drop it")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv)
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
           spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
-          precision=precision, kv=kv)
+          precision=precision, kv=kv, draft_kv=draft_kv)
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
-                                sampling=sampling, key=key, precision=precision, kv=kv)
+                                sampling=sampling, key=key, precision=precision, kv=kv,
+                                draft_kv=draft_kv)
 
   def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt."""

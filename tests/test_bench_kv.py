@@ -32,22 +32,34 @@ def texts():
   return itertools.repeat(TEXT)
 
 
-@pytest.mark.parametrize("task", ["passkey", "multikey"])
+@pytest.mark.parametrize("task", ["passkey", "multikey", "vt"])
 def test_retrieval_prompts_have_the_context_length_and_their_needles(tiny, task):
   rng = np.random.default_rng(0)
   filler = bench_kv.haystack_ids(tiny.tokenizer, texts(), 400)
-  prompt, key, others = bench_kv.make_task(task, tiny.tokenizer, filler, 400, rng)
+  prompt, wanted, others = bench_kv.make_task(task, tiny.tokenizer, filler, 400, rng)
   assert len(prompt) == 400
   text = tiny.tokenizer.decode(prompt)
-  assert key in text and all(o in text for o in others) and len(others) == (3 if task ==
-                                                                             "multikey" else 0)
-  assert text.rstrip().endswith("is")
+  assert all(w in text for w in wanted) and all(o in text for o in others)
+  assert (len(wanted), len(others)) == {"passkey": (1, 0), "multikey": (1, 3), "vt": (4, 4)}[task]
+  assert text.rstrip().endswith("are" if task == "vt" else "is")
+  if task == "vt":  # each chain's hops in order: VAR a = value, VAR b = VAR a, ...
+    for names in (wanted, others):
+      hops = [text.index(f"VAR {names[0]} = ")] + [text.index(f"VAR {b} = VAR {a}.")
+                                                   for a, b in zip(names, names[1:])]
+      assert hops == sorted(hops)
+    value = text.split(f"VAR {wanted[0]} = ")[1][:5]
+    assert text.rstrip().endswith(f"assigned the value {value} are")
 
 
-def test_answers_are_scored_by_the_asked_key_alone():
-  assert bench_kv.is_correct(" 12345. Remember", "12345", [])
-  assert not bench_kv.is_correct(" 1234", "12345", [])
-  assert not bench_kv.is_correct(" 12345 or 54321", "12345", ["54321"])  # hedging is wrong
+def test_answers_are_scored_by_the_asked_items_alone():
+  assert bench_kv.is_correct(" 12345. Remember", ["12345"], [])
+  assert not bench_kv.is_correct(" 1234", ["12345"], [])
+  assert not bench_kv.is_correct(" 12345 or 54321", ["12345"], ["54321"])  # hedging is wrong
+  chain, decoy = ["ABCDE", "FGHIJ"], ["KLMNO"]
+  assert bench_kv.is_correct(" ABCDE, FGHIJ.", chain, decoy)
+  assert not bench_kv.is_correct(" ABCDE and more", chain, decoy)  # every hop is needed
+  assert not bench_kv.is_correct(" ABCDE, FGHIJ, KLMNO", chain, decoy)
+  assert not bench_kv.is_correct(" ABCDEF, FGHIJ", chain, decoy)  # whole names only
 
 
 def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
@@ -79,6 +91,10 @@ def test_records_and_plot(tiny, tmp_path):
                  ("kl", "keydiff"), ("kl", "h2o+caote")}
   full = next(r for r in records if r["method"] == "full")
   kd = next(r for r in records if r["method"] == "keydiff" and r["task"] == "kl")
+  for r in records:
+    assert r["seconds"] > 0
+    if r["task"] == "passkey":
+      assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
   assert kd["peak_kv_bytes"] < full["peak_kv_bytes"] and kd["kl"] >= 0
   assert kd["budget"] == 48 and kd["budget_fraction"] == pytest.approx(48 / 160)
   pytest.importorskip("matplotlib")

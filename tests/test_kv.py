@@ -209,14 +209,23 @@ def test_a_prompt_eight_times_the_budget_runs_in_budget_sized_memory(params):
   jaxpr = jax.make_jaxpr(lambda p, t, n: generate_tokens(
       p, CFG, t, n, jax.random.key(0), GREEDY, max_new_tokens=6, cache_size=0, kv=policy))(
           params, jnp.asarray([prompt]), jnp.asarray([len(prompt)]))
-  cache_shapes = set()
+  cache_shapes = cache_arrays(jaxpr)
+  assert cache_shapes, "no cache arrays found in the program"
+  # Nothing cache-like is longer than budget + chunk slots (a full cache would be 256 + 6).
+  assert max(s[2] for s in cache_shapes) == policy.slots, cache_shapes
+  assert policy.slots == 32 + 16
+
+
+def cache_arrays(jaxpr) -> set[tuple[int, ...]]:
+  """Shapes of every [L, B, S, K, D]-like array a program makes (nested jaxprs included)."""
+  shapes = set()
 
   def walk(jx):
     for eqn in jx.eqns:
       for var in eqn.outvars:
         shape = getattr(var.aval, "shape", ())
         if len(shape) == 5 and shape[0] == CFG.num_layers:
-          cache_shapes.add(shape)
+          shapes.add(shape)
       for param in eqn.params.values():
         for inner in param if isinstance(param, (tuple, list)) else [param]:
           inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
@@ -224,10 +233,7 @@ def test_a_prompt_eight_times_the_budget_runs_in_budget_sized_memory(params):
             walk(inner)
 
   walk(jaxpr.jaxpr)
-  assert cache_shapes, "no cache arrays found in the program"
-  # Nothing cache-like is longer than budget + chunk slots (a full cache would be 256 + 6).
-  assert max(s[2] for s in cache_shapes) == policy.slots, cache_shapes
-  assert policy.slots == 32 + 16
+  return shapes
 
 
 def test_attention_mass_is_the_weighted_group_mean_of_attention_probabilities():
@@ -429,3 +435,62 @@ def test_greedy_tree_speculative_equals_greedy_autoregressive_under_the_same_bud
   with pytest.raises(ValueError, match="scores by attention"):
     tree_speculative_generate(params, CFG, drafters[drafter], prompts, spec=TreeSpecConfig(
         tree, max_new_tokens=4), kv=KVPolicy("h2o", budget=16, chunk=8))
+
+
+# ------------------------------------------------------------------------------------------------
+# The drafter's own cache under a budget (draft_kv): bounded memory, true positions, any output law.
+
+
+def test_a_budgeted_drafter_cache_keeps_speculative_decoding_in_budget_sized_memory(params,
+                                                                                   drafters):
+  from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+  policy = KVPolicy("keydiff", budget=32, sinks=4, chunk=16)
+  prompt = [int(x) for x in np.random.default_rng(6).integers(0, 97, 8 * 32)]
+  drafter = drafters["random"].with_kv(policy, room=4)
+  jaxpr = jax.make_jaxpr(lambda p, d, t, n: speculative_generate_tokens(
+      p, CFG, d, t, n, jax.random.key(0), GREEDY, spec=SpecConfig(gamma=3, max_new_tokens=6),
+      cache_size=len(prompt) + 10, kv=policy))(params, drafter, jnp.asarray([prompt]),
+                                               jnp.asarray([len(prompt)]))
+  slots = {s[2] for s in cache_arrays(jaxpr)}
+  assert slots and max(slots) <= max(policy.slots, drafter.kv_slots) < len(prompt), slots
+
+
+@pytest.mark.parametrize("tree", [None, "fixed:2-2-1"])
+def test_a_self_drafter_evicting_like_the_target_agrees_with_it_more(params, drafters, tree):
+  """A self drafter whose cache is evicted as the target's is (StreamingLLM, same budget) sees what
+  the budgeted target sees, at the right RoPE positions, so it is accepted more often than one
+  with a full cache; greedy output stays the budgeted target's either way. (With the evicted
+  entries left out of the drafter's positions it falls below the full-cache drafter.)"""
+  from jspec.drafting.ngram import ngram_drafter
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  rng = np.random.default_rng(11)
+  prompts = [[int(x) for x in rng.integers(0, 97, 40)], [int(x) for x in rng.integers(0, 97, 9)]]
+  policy = KVPolicy("streaming", budget=16, sinks=2, chunk=8, evict_every=4)
+  want = generate(params, CFG, prompts, max_new_tokens=24, kv=policy).sequences()
+
+  def run(drafter, draft_kv):
+    if tree is None:
+      return speculative_generate(params, CFG, drafter, prompts, kv=policy, draft_kv=draft_kv,
+                                  spec=SpecConfig(gamma=3, max_new_tokens=24))
+    return tree_speculative_generate(params, CFG, drafter, prompts, kv=policy, draft_kv=draft_kv,
+                                     spec=TreeSpecConfig(tree, max_new_tokens=24))
+
+  full, budgeted = run(drafters["self"], None), run(drafters["self"], policy)
+  assert full.sequences() == want and budgeted.sequences() == want
+  assert budgeted.block_efficiency > full.block_efficiency + 0.3, (
+      budgeted.block_efficiency, full.block_efficiency)
+  # In front of an n-gram lookup the fallback's cache is the one budgeted.
+  hybrid = run(ngram_drafter(CFG.vocab_size, fallback=drafters["random"]), policy)
+  assert hybrid.sequences() == want
+
+
+def test_bad_drafter_budgets_are_refused(params, drafters):
+  from jspec.model import Model
+  with pytest.raises(ValueError, match="scores by attention"):
+    drafters["self"].with_kv(KVPolicy("h2o", budget=16, chunk=8), room=4)
+  with pytest.raises(TypeError, match="KVPolicy"):
+    drafters["self"].with_kv("keydiff", room=4)
+  model = Model(cfg=CFG, params=params, tokenizer=None, source="test")
+  with pytest.raises(ValueError, match="draft_kv budgets a drafter"):
+    model.generate_ids([[1, 2, 3]], stop=False, draft_kv=KVPolicy("keydiff", budget=16, chunk=8))

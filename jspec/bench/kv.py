@@ -6,13 +6,17 @@ already fetches):
   end; correct when the greedy answer contains it.
 - multikey: four keys for four names hidden at random depths (RULER's multi-key needle), one name
   asked for; correct when the answer contains that name's key and no other key.
+- vt: variable tracking (RULER): a value bound to one variable, then passed along a chain of four
+  assignments at increasing random depths, interleaved with a decoy chain (another value, four
+  other names); correct when the answer names every variable of the chain and none of the decoy's.
 - kl: a conversation's next `continuation` tokens teacher-forced after `context` tokens of it: the
   mean KL divergence of the policy's next-token distributions from the full cache's, and how often
   their top-1 tokens agree.
 
 "full" runs the same chunked prefill with a budget that never binds (exact attention over every
 token), so every method sees the same chunking and only eviction differs. Each record: method,
-budget, context, task, the score, peak KV-cache bytes, prefill seconds and decode tokens/s.
+budget, context, task, the score, peak KV-cache bytes, the run's seconds (compiles excluded) and,
+for retrieval tasks, prefill seconds and decode tokens/s timed on the first sample once compiled.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.bench.profiling import CompileCounter
 from jspec.kv.policy import METHODS, KVPolicy
 from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.cache import KVCache
@@ -34,8 +39,9 @@ from jspec.models.llama import Params
 from jspec.models.numerics import engine_jit
 
 Array = jax.Array
-TASKS = ("passkey", "multikey", "kl")
+TASKS = ("passkey", "multikey", "vt", "kl")
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
+ANSWER_TOKENS = {"passkey": 12, "multikey": 12, "vt": 24}  # greedy tokens generated per answer
 
 
 def haystack_ids(tokenizer, texts: Iterator[str], n_tokens: int) -> list[int]:
@@ -68,14 +74,39 @@ def retrieval_prompt(tokenizer, filler: list[int], context: int, needles: Sequen
   return head + body + tail
 
 
+def variable_names(rng: np.random.Generator, n: int) -> list[str]:
+  """n distinct variable names of five capital letters."""
+  names: list[str] = []
+  while len(names) < n:
+    name = "".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), 5))
+    if name not in names:
+      names.append(name)
+  return names
+
+
+def assignment_chain(names: Sequence[str], value: str) -> list[str]:
+  """VAR A = value. VAR B = VAR A. ... (RULER's variable tracking, one hop per name)."""
+  return [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+
+
 def make_task(task: str, tokenizer, filler: list[int], context: int,
-              rng: np.random.Generator) -> tuple[list[int], str, list[str]]:
-  """(prompt ids, the key asked for, the other keys) of one passkey or multikey sample."""
+              rng: np.random.Generator) -> tuple[list[int], list[str], list[str]]:
+  """(prompt ids, what the answer must contain, what it must not) of one retrieval sample."""
+  if task == "vt":
+    names = variable_names(rng, 8)
+    value, decoy_value = (str(v) for v in rng.choice(np.arange(10000, 100000), 2, replace=False))
+    chains = [assignment_chain(names[:4], value), assignment_chain(names[4:], decoy_value)]
+    # Interleave the two chains, each in its own order (needles are placed at sorted depths).
+    needles = [chains[c].pop(0) for c in rng.permutation([0] * 4 + [1] * 4)]
+    prompt = retrieval_prompt(tokenizer, filler, context, needles,
+                              f"Question: find all variables that are assigned the value {value}. "
+                              f"Answer: the variables assigned the value {value} are", rng)
+    return prompt, names[:4], names[4:]
   if task == "passkey":
     key = str(rng.integers(10000, 100000))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     return (retrieval_prompt(tokenizer, filler, context, [needle],
-                             "What is the pass key? The pass key is", rng), key, [])
+                             "What is the pass key? The pass key is", rng), [key], [])
   names = list(rng.choice(NAMES, 4, replace=False))
   keys = [str(k) for k in rng.choice(np.arange(10000, 100000), 4, replace=False)]
   needles = [f"The pass key for {n} is {k}." for n, k in zip(names, keys)]
@@ -83,12 +114,31 @@ def make_task(task: str, tokenizer, filler: list[int], context: int,
   prompt = retrieval_prompt(tokenizer, filler, context, needles,
                             f"What is the pass key for {names[ask]}? The pass key for "
                             f"{names[ask]} is", rng)
-  return prompt, keys[ask], keys[:ask] + keys[ask + 1:]
+  return prompt, [keys[ask]], keys[:ask] + keys[ask + 1:]
 
 
-def is_correct(answer: str, key: str, others: Sequence[str]) -> bool:
-  found = re.findall(r"\d{5}", answer)
-  return key in found and not any(o in found for o in others)
+def is_correct(answer: str, wanted: Sequence[str], others: Sequence[str]) -> bool:
+  """Every wanted item (a 5-digit key or a 5-letter variable) is in the answer as a whole word,
+  and none of the others (hedging between keys is wrong)."""
+  found = set(re.findall(r"\b(?:\d{5}|[A-Z]{5})\b", answer))
+  return all(w in found for w in wanted) and not any(o in found for o in others)
+
+
+def time_prefill_decode(model, prompt: list[int], policy: KVPolicy,
+                        max_new: int) -> tuple[float, float]:
+  """(prefill seconds, decode tokens/s) of one prompt under `policy`: a run of one token (the
+  prefill and its sample) and one of max_new, both compiled before they are timed."""
+  def run(n):
+    return jax.block_until_ready(model.generate_ids([prompt], max_new_tokens=n, kv=policy,
+                                                    stop=False).tokens)
+  run(1), run(max_new)
+  start = time.perf_counter()
+  run(1)
+  prefill = time.perf_counter() - start
+  start = time.perf_counter()
+  run(max_new)
+  total = time.perf_counter() - start
+  return prefill, (max_new - 1) / max(total - prefill, 1e-9)
 
 
 def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: int,
@@ -189,18 +239,25 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
       policy = policy_for(method, budget, setup.context, 16, setup.chunk, setup.sinks,
                           setup.window)
       start = time.perf_counter()
-      if task == "kl":
-        scores = [kl_and_agreement(ref, _continuation_jit(params, cfg, t, setup.context, policy))
-                  for ref, t in zip(reference, tokens)]
-        result = {"kl": float(np.mean([s[0] for s in scores])),
-                  "top1_agreement": float(np.mean([s[1] for s in scores]))}
-      else:
-        correct = []
-        for prompt, key, others in built:
-          out = model.generate_ids([prompt], max_new_tokens=12, kv=policy, stop=False)
-          correct.append(is_correct(model.tokenizer.decode(out.sequences()[0]), key, others))
-        result = {"accuracy": float(np.mean(correct)), "correct": [bool(c) for c in correct]}
-      seconds = time.perf_counter() - start
+      with CompileCounter() as compiled:
+        if task == "kl":
+          scores = [kl_and_agreement(ref, _continuation_jit(params, cfg, t, setup.context,
+                                                            policy))
+                    for ref, t in zip(reference, tokens)]
+          result = {"kl": float(np.mean([s[0] for s in scores])),
+                    "top1_agreement": float(np.mean([s[1] for s in scores]))}
+        else:
+          correct = []
+          for prompt, wanted, others in built:
+            out = model.generate_ids([prompt], max_new_tokens=ANSWER_TOKENS[task], kv=policy,
+                                     stop=False)
+            correct.append(is_correct(model.tokenizer.decode(out.sequences()[0]), wanted,
+                                      others))
+          result = {"accuracy": float(np.mean(correct)), "correct": [bool(c) for c in correct]}
+      seconds = time.perf_counter() - start - compiled.seconds
+      if task != "kl":
+        prefill_s, decode = time_prefill_decode(model, built[0][0], policy, ANSWER_TOKENS[task])
+        result.update(prefill_s=prefill_s, decode_tokens_per_s=decode)
       record = {"task": task, "method": method, "budget": policy.budget if method != "full"
                 else None, "budget_fraction": budget / setup.context if method != "full" else 1.0,
                 "context": setup.context, "num_samples": setup.num_samples, **result,

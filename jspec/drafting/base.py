@@ -102,6 +102,13 @@ class Drafter(abc.ABC):
     """After a tree verification accepting path [B, D] (n_accepted [B] nodes) from a round that
     started at seq_len; features hold the root and the accepted path."""
 
+  def with_kv(self, policy, room: int) -> "Drafter":
+    """This drafter with its KV cache under `policy` (a key-scored `jspec.kv.policy.KVPolicy`;
+    None: a full cache), sized for rounds that feed at most `room` tokens past the committed ones.
+    The engines call it with the `draft_kv` they are given. Drafters without a model KV cache of
+    their own (n-gram lookup alone) and feature drafters (one layer) keep their state whole."""
+    return self
+
   def draft_tree(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
                  sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
     """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in

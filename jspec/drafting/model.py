@@ -11,6 +11,9 @@ import numpy as np
 
 from jspec.drafting.base import DraftState, Features, HeadDrafter, Pick, draft_chain
 from jspec.drafting.frontier import KVFrontierFeeder
+from jspec.kv.evict import evict_when_full
+from jspec.kv.policy import KVPolicy
+from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward, forward_at
@@ -25,6 +28,9 @@ Array = jax.Array
 @dataclasses.dataclass
 class ModelDraftState(DraftState):
   cache: KVCache
+  # Under a KV budget: entries evicted per row, so the cache holds seq_len - 2 - evicted entries
+  # between rounds and RoPE positions still count from the prompt's start.
+  evicted: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +40,7 @@ class ModelTreeState(DraftState):
 
   cache: KVCache  # lengths = seq_len; fed nodes' KV at slots seq_len + kv_slot
   kv_slot: Array  # [B, N] int32 slot offset past seq_len of each node's KV; -1: never fed (leaf)
+  evicted: Array | None = None  # as in ModelDraftState
 
 
 @jax.tree_util.register_dataclass
@@ -48,15 +55,44 @@ class ModelDrafter(HeadDrafter):
   `keep_ids` [M] (VocabTrim, build with `trimmed_drafter`): the LM head emits only these ids
   (params.lm_head is [E, M]); draws and probabilities are mapped back to the full vocabulary,
   q = 0 elsewhere.
+
+  `kv` (set with `with_kv`, which the engines call with their `draft_kv`): the drafter's own cache
+  under a key-scored KV budget, `kv_slots` slots whatever the prompt length: the prompt is
+  prefilled in chunks and the committed entries are evicted between rounds on decoding's schedule
+  (`evict_when_full`). The drafter only proposes, so this changes acceptance, never the output.
   """
 
   params: Params
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
+  kv: KVPolicy | None = dataclasses.field(default=None, metadata=dict(static=True))
+  kv_slots: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+  def with_kv(self, policy: KVPolicy | None, room: int) -> ModelDrafter:
+    if policy is None:
+      return dataclasses.replace(self, kv=None, kv_slots=0)
+    if not isinstance(policy, KVPolicy):
+      raise TypeError(f"draft_kv must be a jspec.kv.policy.KVPolicy, got {type(policy).__name__}")
+    if policy.needs_attention:
+      raise ValueError(f"draft_kv method {policy.method!r} scores by attention, which a drafter's "
+                       f"forwards do not record. Fix: draft_kv method 'keydiff' or 'streaming'.")
+    # Between rounds at most budget + evict_every - 1 entries stay; a round feeds `room` more.
+    slots = policy.budget + max(policy.chunk, policy.evict_every - 1 + room)
+    return dataclasses.replace(self, kv=policy, kv_slots=slots)
+
+  def _positions_offset(self, state) -> Array | int:
+    """What to add to a slot count to get a RoPE position: the entries evicted so far."""
+    return 0 if state.evicted is None else state.evicted
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ModelDraftState:
     B, P = prompt.shape
+    if self.kv is not None:
+      # All but the last prompt token: each round re-reads the last two known tokens.
+      cache = KVCache.init(self.cfg, B, self.kv_slots, self.params.embed.dtype)
+      _, cache, evicted, _ = chunked_prefill(self.params, self.cfg, prompt, prompt_lengths - 1,
+                                             cache, self.kv)
+      return ModelDraftState(cache=cache, evicted=evicted)
     cache = KVCache.init(self.cfg, B, cache_size, self.params.embed.dtype)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     # Only the cache matters here; logits at one position keep the LM head cheap.
@@ -67,31 +103,40 @@ class ModelDrafter(HeadDrafter):
   def _read_last2(self, state: ModelDraftState, last2: Array, seq_len: Array
                   ) -> tuple[Array, KVCache]:
     """Feed the last two known tokens at seq_len - 2, seq_len - 1: (logits [B, 1, M] for the next
-    token, the cache holding seq_len entries)."""
+    token, the cache holding seq_len (less the evicted) entries)."""
     B = last2.shape[0]
     start = seq_len - 2
     positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
     logits, _, cache = forward(self.params, self.cfg, last2, positions,
-                               state.cache.with_lengths(start),
+                               state.cache.with_lengths(start - self._positions_offset(state)),
                                logits_indices=jnp.ones((B, 1), jnp.int32))
     return logits, cache.commit(2)
 
   def propose(self, state: ModelDraftState, last2: Array, seq_len: Array, key: Array,
               sampling: SamplingParams, gamma: int, pick: Pick | None = None):
     logits, cache = self._read_last2(state, last2, seq_len)
+    offset = self._positions_offset(state)
 
     def step(cache: KVCache, prev: Array):
-      logits, _, cache = forward(self.params, self.cfg, prev[:, None], cache.lengths[:, None],
-                                 cache)
+      logits, _, cache = forward(self.params, self.cfg, prev[:, None],
+                                 (cache.lengths + offset)[:, None], cache)
       return logits[:, 0], cache.commit(1)
 
     tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step,
                                        self.sampler(sampling), pick)
-    return tokens, probs, ModelDraftState(cache=cache)
+    return tokens, probs, ModelDraftState(cache=cache, evicted=state.evicted)
+
+  def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:
+    """Under a budget: keep the entries of positions < seq_len - 2 (what the next round does not
+    re-read), then evict on decoding's schedule."""
+    cache, dropped = evict_when_full(self.kv, cache.with_lengths(seq_len - 2 - evicted))
+    return ModelDraftState(cache=cache, evicted=evicted + dropped)
 
   def update(self, state: ModelDraftState, seq_len: Array, features: Features
              ) -> ModelDraftState:
-    return state  # the next propose() sets the cache length from seq_len
+    if self.kv is None:
+      return state  # the next propose() sets the cache length from seq_len
+    return self._evict_known(state.cache, seq_len, state.evicted)
 
   def tree_feeder(self, state: ModelDraftState, last2: Array, seq_len: Array) -> KVFrontierFeeder:
     """The last two known tokens are fed as in `propose`; a frontier at depth d sits at positions
@@ -104,15 +149,20 @@ class ModelDrafter(HeadDrafter):
                                  cache, slots, visible)
       return self.full_logits(logits), cache
 
-    return KVFrontierFeeder(cache, self.full_logits(logits), seq_len, run,
-                            lambda cache, kv_slot: ModelTreeState(cache=cache, kv_slot=kv_slot))
+    return KVFrontierFeeder(cache, self.full_logits(logits), cache.lengths, run,
+                            lambda cache, kv_slot: ModelTreeState(cache=cache, kv_slot=kv_slot,
+                                                                  evicted=state.evicted))
 
   def accept_tree(self, drafted: ModelTreeState, path: Array, n_accepted: Array, seq_len: Array,
                   features: Features) -> ModelDraftState:
     """Keep the accepted path's draft KV: node path[j] moves to slot seq_len + j for j < n - 1
     (the last accepted token and the target's next one are fed next round, as in `propose`)."""
     src = jnp.where(path >= 0, take(drafted.kv_slot, path), -1)  # [B, D]
-    return ModelDraftState(cache=move_kv(drafted.cache, seq_len, src, n_accepted - 1))
+    base = seq_len - self._positions_offset(drafted)  # the slot after the last known token
+    cache = move_kv(drafted.cache, base, src, n_accepted - 1)
+    if self.kv is None:
+      return ModelDraftState(cache=cache)
+    return self._evict_known(cache, seq_len + n_accepted + 1, drafted.evicted)
 
 
 def self_drafter(params: Params, cfg: Config) -> ModelDrafter:

@@ -138,6 +138,13 @@ class NgramDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.vocab if self.fallback is None else self.fallback.vocab_size
 
+  def with_kv(self, policy, room: int) -> NgramDrafter:
+    """The fallback's cache under `policy` (the lookup's token history stays whole: 4 bytes a
+    token)."""
+    if self.fallback is None:
+      return self
+    return dataclasses.replace(self, fallback=self.fallback.with_kv(policy, room))
+
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> NgramState:
     B, P = prompt.shape

@@ -115,7 +115,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                          prompts: Sequence[Sequence[int]], *, spec: SpecConfig,
                          sampling: SamplingParams = GREEDY, key: Array | int = 0,
                          cache_size: int | None = None, precision: str = "fast",
-                         kv: KVPolicy | None = None) -> SpecOutput:
+                         kv: KVPolicy | None = None,
+                         draft_kv: KVPolicy | None = None) -> SpecOutput:
   """Validated, bucketed, jitted speculative generation from token-id prompts.
 
   Example:
@@ -126,9 +127,14 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
   jspec.models.numerics). kv: a KV budget for the target (`jspec.kv.policy.KVPolicy`): greedy
-  output equals `generate(..., kv=kv)`'s; the drafter keeps a full cache.
+  output equals `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
+  cache (model drafters, `Drafter.with_kv`; it changes acceptance, never the output); None: the
+  drafter keeps a full cache.
   """
   check_drafter(cfg, drafter)
+  # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
+  if draft_kv is not None:
+    drafter = drafter.with_kv(draft_kv, spec.gamma + 1)
   # Verification writes up to gamma + 1 entries past the last kept one.
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,

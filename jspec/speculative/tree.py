@@ -221,8 +221,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               prompts: Sequence[Sequence[int]], *, spec: TreeSpecConfig,
                               sampling: SamplingParams = GREEDY, key: Array | int = 0,
                               cache_size: int | None = None,
-                              precision: str = "fast", kv: KVPolicy | None = None
-                              ) -> TreeSpecOutput:
+                              precision: str = "fast", kv: KVPolicy | None = None,
+                              draft_kv: KVPolicy | None = None) -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
   Example (any drafter grows trees):
@@ -233,7 +233,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
   jspec.models.numerics). kv: a KV budget for the target (KeyDiff or StreamingLLM so far): greedy
-  output equals `generate(..., kv=kv)`'s.
+  output equals `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
+  cache (model drafters; `Drafter.with_kv`); None: a full drafter cache.
   """
   check_tree_run(cfg, drafter, spec)
   if kv is not None and kv.needs_attention:
@@ -241,6 +242,9 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                      f"not record yet (a tree's accepted path is not a prefix of its block). Fix: "
                      f"kv method 'keydiff' or 'streaming', or draft chains (no tree).")
   check_tree_target(params)
+  # A round feeds the last two known tokens and up to every node to the drafter.
+  if draft_kv is not None:
+    drafter = drafter.with_kv(draft_kv, spec.num_nodes + 2)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
