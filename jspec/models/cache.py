@@ -64,6 +64,8 @@ def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
   base [B], src [B, D] slot offsets (-1: leave slot base + j alone), n [B]. Everything is gathered
   before anything is written, so overlapping moves are safe; the [L, B, S, K, D] arrays are
   updated in place inside a loop. Used for the accepted path of a token tree (target and draft).
+  Attention mass recorded for the slots (cache.mass [L, B, S, K, ...], attention-score KV
+  policies) moves with them.
   """
   B, D = src.shape
   j = jnp.arange(D, dtype=jnp.int32)
@@ -72,4 +74,7 @@ def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
   dst_slot = jnp.where((j < n[:, None]) & (src >= 0), base[:, None] + j, cache.size)  # [B, D]
   k = cache.k.at[:, rows, dst_slot].set(cache.k[:, rows, src_slot], mode="drop")
   v = cache.v.at[:, rows, dst_slot].set(cache.v[:, rows, src_slot], mode="drop")
-  return dataclasses.replace(cache, k=k, v=v)
+  mass = cache.mass
+  if mass is not None:
+    mass = mass.at[:, rows, dst_slot].set(mass[:, rows, src_slot], mode="drop")
+  return dataclasses.replace(cache, k=k, v=v, mass=mass)

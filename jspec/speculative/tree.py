@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import DraftState, Drafter, Features
-from jspec.kv.evict import evict_when_full
+from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
@@ -116,17 +116,21 @@ class TreeRound:
 
 def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_draft: Array,
                k_verify: Array, sampling: SamplingParams, shape: TreeShape,
-               budgeted: bool = False) -> TreeRound:
-  """Draft a tree from loop state `s` and verify it with one target forward (`budgeted`: the
-  target cache is under a KV budget, its lengths already count its entries)."""
+               kv: KVPolicy | None = None) -> TreeRound:
+  """Draft a tree from loop state `s` and verify it with one target forward (under a KV budget
+  `kv` the target cache's lengths already count its entries, and attention-score policies get each
+  query's attention mass apart: cache.mass [L, B, S, K, N + 1])."""
   tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
   # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
   start = s.seq_len - 1
   positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
-  target_logits, hidden, cache = forward(params, cfg, block, positions,
-                                         s.cache if budgeted else s.cache.with_lengths(start),
-                                         verification_mask(tree))  # [B, N + 1, V]
+  cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
+  if kv is not None and kv.needs_attention:
+    cache_in, weights = block_mass(s.cache, block.shape[1])
+  target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in,
+                                         verification_mask(tree),
+                                         mass_weights=weights)  # [B, N + 1, V]
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden, path=path,
                    n_acc=n_acc, next_token=nxt, target_logits=target_logits)
@@ -144,8 +148,10 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
                           kv: KVPolicy | None = None) -> SpecState:
   """The whole run, returning the final loop state (caches included); see the module docstring.
 
-  kv: a KV budget for the target (key-scored policies), exact as in the chain engine: an accepted
-  path is used only to the depth after which autoregressive decoding would have evicted."""
+  kv: a KV budget for the target, exact as in the chain engine: an accepted path is used only to
+  the depth after which autoregressive decoding would have evicted. Attention-score policies keep
+  the mass of the committed queries only (the root and the accepted path, in decoding order), and
+  it moves with the path's KV."""
   shape = spec.tree
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
@@ -156,7 +162,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
       key, k_draft, k_verify = jax.random.split(s.key, 3)
     else:
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
-    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv is not None)
+    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv)
     n_acc, nxt = r.n_acc, r.next_token
     if kv is not None:  # as in the chain engine: depth j <= cut only, a fresh draw at the cut
       cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
@@ -171,7 +177,15 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     # The accepted path's KV into consecutive slots: node path[j] (slot base + path[j], base the
     # slot after the root) moves to base + j. A row cut short by a stop or the budget is done.
     base = s.seq_len if kv is None else s.cache.lengths + 1
-    cache = move_kv(r.cache, base, r.path, n_acc)
+    cache = r.cache
+    if kv is not None and kv.needs_attention:
+      # The per-query mass columns in decoding order (root, path[0], path[1], ...), folded as
+      # decoding n_acc + 1 of them one at a time would have left it, before the path's KV moves.
+      order = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), jnp.maximum(r.path, 0) + 1], axis=1)
+      cache = dataclasses.replace(cache, mass=jnp.take_along_axis(
+          cache.mass, order[None, :, None, None, :], axis=-1))  # [L, B, S, K, D + 1]
+      cache = fold_block_mass(kv, s.cache, cache, n_acc + 1)
+    cache = move_kv(cache, base, r.path, n_acc)
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
     if kv is not None:
       cache, dropped = evict_when_full(kv, new.cache)
@@ -232,15 +246,11 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
     out.sequences(), out.block_efficiency, out.tree_nodes
 
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
-  jspec.models.numerics). kv: a KV budget for the target (KeyDiff or StreamingLLM so far): greedy
-  output equals `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
+  jspec.models.numerics). kv: a KV budget for the target (any policy): greedy output equals
+  `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
   cache (model drafters; `Drafter.with_kv`); None: a full drafter cache.
   """
   check_tree_run(cfg, drafter, spec)
-  if kv is not None and kv.needs_attention:
-    raise ValueError(f"kv method {kv.method!r} scores by attention, which tree verification does "
-                     f"not record yet (a tree's accepted path is not a prefix of its block). Fix: "
-                     f"kv method 'keydiff' or 'streaming', or draft chains (no tree).")
   check_tree_target(params)
   # A round feeds the last two known tokens and up to every node to the drafter.
   if draft_kv is not None:
