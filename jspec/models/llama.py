@@ -180,7 +180,15 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool 
   B, T, H, D = q.shape
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, D)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  if per_token:
+    # q . k as products summed in row_sum's order: XLA:CPU's dot picks its accumulation order by
+    # the number of cache slots on some CPUs (AVX2 without AVX-512: a 64-slot and a 128-slot cache
+    # scored a token differently), and a token must score alike over any cache size.
+    terms = (jnp.moveaxis(q, 1, 3)[:, :, :, :, None].astype(jnp.float32)
+             * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32))  # [B, K, G, T, S, D]
+    scores = row_sum(terms)[..., 0]  # [B, K, G, T, S]
+  else:
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (D ** -0.5)
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   if per_token:  # the softmax's sum in row_sum's fixed order too
