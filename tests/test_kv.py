@@ -419,8 +419,7 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution():
 
 @pytest.mark.parametrize("method,evict_every,drafter,tree", [
     ("keydiff", 4, "self", "fixed:2-2-1"), ("streaming", 1, "random", "fixed:3-2"),
-    ("keydiff", 2, "random", "dynamic:6"), ("h2o", 4, "self", "fixed:2-2-1"),
-    ("h2o+caote", 2, "random", "dynamic:6"), ("tova", 3, "random", "fixed:3-2"),
+    ("h2o", 4, "self", "fixed:2-2-1"), ("h2o+caote", 2, "random", "dynamic:6"),
     ("snapkv", 4, "self", "dynamic:6")])
 def test_greedy_tree_speculative_equals_greedy_autoregressive_under_the_same_budget(
     params, drafters, method, evict_every, drafter, tree):
@@ -481,9 +480,9 @@ def test_a_self_drafter_evicting_like_the_target_agrees_with_it_more(params, dra
   assert full.sequences() == want and budgeted.sequences() == want
   assert budgeted.block_efficiency > full.block_efficiency + 0.3, (
       budgeted.block_efficiency, full.block_efficiency)
-  # In front of an n-gram lookup the fallback's cache is the one budgeted.
-  hybrid = run(ngram_drafter(CFG.vocab_size, fallback=drafters["random"]), policy)
-  assert hybrid.sequences() == want
+  if tree is None:  # in front of an n-gram lookup the fallback's cache is the one budgeted
+    hybrid = run(ngram_drafter(CFG.vocab_size, fallback=drafters["random"]), policy)
+    assert hybrid.sequences() == want
 
 
 def test_bad_drafter_budgets_are_refused(params, drafters):

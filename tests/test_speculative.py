@@ -45,7 +45,7 @@ def drafter(target):
   return noised_drafter(target, 0.5)
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("gamma", [1, 5])  # 3 and 4: the independent-drafter and stop tests
 def test_greedy_identical_to_autoregressive(target, drafter, gamma):
   spec = SpecConfig(gamma=gamma, max_new_tokens=20)
   for prompts in (PROMPTS[:1], PROMPTS):
@@ -66,7 +66,7 @@ def test_small_independent_draft_model_is_lossless_greedy(target):
   assert out.sequences() == want
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("gamma", [1, 5])
 def test_self_drafter_accepts_everything(target, gamma):
   rounds = 4
   spec = SpecConfig(gamma=gamma, max_new_tokens=1 + rounds * (gamma + 1))
