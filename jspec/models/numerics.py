@@ -11,7 +11,8 @@ boundary, one whole quantization step. Three things make the bits program-indepe
 - matmuls of int8 weights are int8 x int8 -> int32 (exact) with per-token activation scales
   (`quant.einsum`), attention runs one query token at a time (`llama.masked_attention`);
 - sums over a row run in one fixed order that zeros appended to the row do not change
-  (`llama.row_sum`), so a softmax over a 320-slot cache equals one over 256 slots;
+  (`llama.row_sum`: RMSNorm, the softmax, and q . k, whose XLA dot picked its order by the cache
+  size on an AVX2 CPU), so a softmax over a 320-slot cache equals one over 256 slots;
 - XLA:CPU's YNNPACK is limited to plain dots: XLA hands a reduction and its elementwise
   neighbours (max, subtract, exp) to YNNPACK for some shapes and emits them itself for others,
   and the two `exp` implementations differ in the last bit, so the choice depended on the cache
