@@ -332,6 +332,7 @@ def cmd_bench_kv(args) -> int:
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
       methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
+      time_decode=not args.no_timing,
       chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
   model = load(args.model, args.dtype)
   out = args.json or Path("benchmarks") / f"kv_{args.context}_{_stamp([])}.json"
@@ -445,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--tasks", default="passkey,multikey,vt,kl",
                  help="passkey, multikey, vt (variable tracking), kl (vs the full cache)")
   v.add_argument("--num-samples", type=int, default=8)
+  v.add_argument("--no-timing", action="store_true",
+                 help="skip the prefill s / decode tok/s runs (four per method and task)")
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=0)
