@@ -94,7 +94,8 @@ def test_records_and_plot(tiny, tmp_path):
   for r in records:
     assert r["seconds"] > 0
     if r["task"] == "passkey":
-      assert r["prefill_s"] > 0 and r["decode_tokens_per_s"] > 0
+      assert r["prefill_s"] > 0
+      assert r["decode_tokens_per_s"] is None or 0 < r["decode_tokens_per_s"] < 1e7
   assert kd["peak_kv_bytes"] < full["peak_kv_bytes"] and kd["kl"] >= 0
   assert kd["budget"] == 48 and kd["budget_fraction"] == pytest.approx(48 / 160)
   pytest.importorskip("matplotlib")

@@ -485,6 +485,22 @@ def test_a_self_drafter_evicting_like_the_target_agrees_with_it_more(params, dra
     assert hybrid.sequences() == want
 
 
+def test_a_vocab_trimmed_drafter_runs_under_a_budget(params):
+  """A VocabTrim'd drafter's head is narrower than the vocabulary; its chunked prefill must size
+  its logits by the head, not the config."""
+  from jspec.drafting.model import trimmed_drafter
+  from jspec.models.vocab_trim import trim_head
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  keep = np.arange(0, 97, 3)
+  drafter = trimmed_drafter(trim_head(params, keep), CFG, keep)
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=4)
+  prompts = [[int(x) for x in np.random.default_rng(13).integers(0, 97, 40)]]
+  want = generate(params, CFG, prompts, max_new_tokens=12, kv=policy).sequences()
+  out = speculative_generate(params, CFG, drafter, prompts, kv=policy, draft_kv=policy,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert out.sequences() == want
+
+
 def test_bad_drafter_budgets_are_refused(params, drafters):
   from jspec.model import Model
   with pytest.raises(ValueError, match="scores by attention"):

@@ -50,9 +50,11 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     return cache, evicted + dropped, logits, hidden
 
   cache = with_mass(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
-  logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
-  hidden_dtype = jax.eval_shape(
-      lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache)[1]).dtype
+  # The head's width: the vocabulary, or a VocabTrim'd drafter's kept ids.
+  out_logits, out_hidden = jax.eval_shape(
+      lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache)[:2])
+  logits = jnp.zeros((B, out_logits.shape[-1]), jnp.float32)
+  hidden_dtype = out_hidden.dtype
   hidden = jnp.zeros((B, n_chunks * C if keep_hidden else 0, cfg.hidden_size), hidden_dtype)
   cache, evicted, logits, hidden = jax.lax.fori_loop(
       0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits, hidden))

@@ -90,7 +90,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
 
   `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
   kv: a KV budget for the target (chunked prefill into `target_slots`, default kv.slots, slots);
-  the drafter keeps its own cache of `cache_size` slots.
+  the drafter sizes its own cache (`cache_size` slots, or its own budget: `Drafter.with_kv`).
   """
   B, P = prompt.shape
   N = spec.max_new_tokens

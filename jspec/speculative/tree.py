@@ -252,9 +252,9 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   """
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
-  # A round feeds the last two known tokens and up to every node to the drafter.
+  # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:
-    drafter = drafter.with_kv(draft_kv, spec.num_nodes + 2)
+    drafter = drafter.with_kv(draft_kv, spec.reserve + 1)
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
