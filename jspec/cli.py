@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="passkey, multikey, vt (variable tracking), kl (vs the full cache)")
   v.add_argument("--num-samples", type=int, default=8)
   v.add_argument("--no-timing", action="store_true",
-                 help="skip the prefill s / decode tok/s runs (four per method and task)")
+                 help="skip the prefill s / decode tok/s runs (six per method and task)")
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=0)

@@ -211,7 +211,7 @@ class BenchKV:
   window: int = 0
   continuation: int = 32
   seed: int = 0
-  time_decode: bool = True  # prefill s and decode tok/s per record (four runs more each)
+  time_decode: bool = True  # prefill s and decode tok/s per record (two programs, six runs more)
 
   def __post_init__(self):
     unknown = [m for m in self.methods if m != "full" and m not in METHODS]

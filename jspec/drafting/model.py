@@ -43,6 +43,12 @@ class ModelTreeState(DraftState):
   evicted: Array | None = None  # as in ModelDraftState
 
 
+def _evicted(state: ModelDraftState | ModelTreeState) -> Array | int:
+  """What to add to a slot count to get a RoPE position: the entries evicted so far (0 without a
+  budget)."""
+  return 0 if state.evicted is None else state.evicted
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ModelDrafter(HeadDrafter):
@@ -80,10 +86,6 @@ class ModelDrafter(HeadDrafter):
     slots = policy.budget + max(policy.chunk, policy.evict_every - 1 + room)
     return dataclasses.replace(self, kv=policy, kv_slots=slots)
 
-  def _positions_offset(self, state) -> Array | int:
-    """What to add to a slot count to get a RoPE position: the entries evicted so far."""
-    return 0 if state.evicted is None else state.evicted
-
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ModelDraftState:
     B, P = prompt.shape
@@ -108,14 +110,14 @@ class ModelDrafter(HeadDrafter):
     start = seq_len - 2
     positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
     logits, _, cache = forward(self.params, self.cfg, last2, positions,
-                               state.cache.with_lengths(start - self._positions_offset(state)),
+                               state.cache.with_lengths(start - _evicted(state)),
                                logits_indices=jnp.ones((B, 1), jnp.int32))
     return logits, cache.commit(2)
 
   def propose(self, state: ModelDraftState, last2: Array, seq_len: Array, key: Array,
               sampling: SamplingParams, gamma: int, pick: Pick | None = None):
     logits, cache = self._read_last2(state, last2, seq_len)
-    offset = self._positions_offset(state)
+    offset = _evicted(state)
 
     def step(cache: KVCache, prev: Array):
       logits, _, cache = forward(self.params, self.cfg, prev[:, None],
@@ -158,7 +160,7 @@ class ModelDrafter(HeadDrafter):
     """Keep the accepted path's draft KV: node path[j] moves to slot seq_len + j for j < n - 1
     (the last accepted token and the target's next one are fed next round, as in `propose`)."""
     src = jnp.where(path >= 0, take(drafted.kv_slot, path), -1)  # [B, D]
-    base = seq_len - self._positions_offset(drafted)  # the slot after the last known token
+    base = seq_len - _evicted(drafted)  # the slot after the last known token
     cache = move_kv(drafted.cache, base, src, n_accepted - 1)
     if self.kv is None:
       return ModelDraftState(cache=cache)
