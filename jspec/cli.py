@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 from jspec.drafting.registry import drafter_help
+from jspec.io.load import DTYPES
 from jspec.tree.shapes import TREE_HELP
 
 
@@ -19,10 +20,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a .gguf file, "
                       "or a Hugging Face directory with safetensors")
   p.add_argument("--weights", "--dtype", dest="dtype", default="float32",
-                 choices=["float32", "bfloat16", "int8"],
-                 help="weight format of the target and of model drafters: float32, bfloat16, or "
-                      "int8 (int8 per output channel, activations int8 per token in each matmul; "
-                      "fastest on CPU)")
+                 choices=sorted(DTYPES),
+                 help="weight format of the target and of model drafters: float32, bfloat16, "
+                      "int8 (int8 per output channel, activations int8 per token in each matmul, "
+                      "run by jspec's native kernel on CPU, compiled on first use; fastest on "
+                      "CPU), or int8-xla (the same numbers through XLA's int8 dot)")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -438,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(passkey, multi-key, variable tracking; KL vs the full cache)")
   v.add_argument("--model", default="default")
   v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
-                 choices=["float32", "bfloat16", "int8"])
+                 choices=sorted(DTYPES))
   v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
                                       "tova+caote,snapkv+caote")
   v.add_argument("--budgets", default="256,512", help="KV slots kept per row, comma-separated")

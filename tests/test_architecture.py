@@ -12,8 +12,8 @@ ROOT = Path(__file__).parent.parent / "jspec"
 
 # Lowest first; a module may import its own layer and the ones below.
 LAYERS = [
-    ("jspec.sharding", "jspec.pallas", "jspec.models", "jspec.sampling", "jspec.tree",
-     "jspec.kv"),
+    ("jspec.sharding", "jspec.paths", "jspec.native", "jspec.pallas", "jspec.models",
+     "jspec.sampling", "jspec.tree", "jspec.kv"),
     ("jspec.io", "jspec.decode", "jspec.data"),
     ("jspec.drafting",),
     ("jspec.generate", "jspec.speculative"),
@@ -22,7 +22,7 @@ LAYERS = [
     ("jspec.cli",),
 ]
 # What the issue that set up the layers names: no inference module imports the tools above it.
-INFERENCE = ("jspec.models", "jspec.sampling", "jspec.tree", "jspec.pallas", "jspec.kv", "jspec.io",
+INFERENCE = ("jspec.native", "jspec.models", "jspec.sampling", "jspec.tree", "jspec.pallas", "jspec.kv", "jspec.io",
              "jspec.decode", "jspec.drafting", "jspec.generate", "jspec.speculative")
 TOOLS = ("jspec.train", "jspec.bench", "jspec.cli")
 

@@ -19,11 +19,11 @@ from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter,
 from jspec.drafting.ngram import ngram_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.fetch import default_model_path
-from jspec.io.load import (QUANTIZED, check_same_tokenizer, dtype_by_name, load_checkpoint,
+from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
                            resolve_path)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params, quantize_params
+from jspec.models.llama import Params
 
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
 DEFAULT_DRAFTER = Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct"
@@ -149,8 +149,7 @@ def default_drafter_path(target: Target) -> Path:
 
 def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
   cfg, params, keep = load_compact(stored, target.cfg, target.params, dtype_by_name(dtype))
-  if dtype in QUANTIZED:
-    params = quantize_params(params)
+  params = in_format(params, dtype)
   return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)
 
 

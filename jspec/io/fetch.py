@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import zipfile
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from jspec.paths import cache_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +88,6 @@ QWEN_CODER_0_5B = Artifact(
 )
 # Names `jspec` commands accept in place of a path (fetched on first use).
 NAMED_MODELS = {"qwen2.5-coder-1.5b": QWEN_CODER_1_5B, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B}
-
-
-def cache_dir() -> Path:
-  """$JSPEC_CACHE, else $XDG_CACHE_HOME/jspec, else ~/.cache/jspec."""
-  if os.environ.get("JSPEC_CACHE"):
-    return Path(os.environ["JSPEC_CACHE"]).expanduser()
-  base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-  return Path(base) / "jspec"
 
 
 def sha256_of(path: Path, progress: bool = False) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jspec.io.checkpoint import load_gguf, load_model
@@ -14,17 +15,32 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, quantize_params
 
 # Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
-# channel, activations int8 per token inside each matmul, float32 everywhere else.
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32}
-QUANTIZED = ("int8",)
+# channel, activations int8 per token inside each matmul, float32 everywhere else; its matmuls run
+# jspec's native kernel where JAX computes on the CPU (XLA's int8 dot elsewhere). "int8-xla": the
+# same numbers through XLA's int8 dot everywhere (slower on CPU; no C++ compiler needed).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32,
+          "int8-xla": jnp.float32}
+QUANTIZED = ("int8", "int8-xla")
 DEFAULT = "default"
 
 
 def dtype_by_name(name: str):
-  """The compute dtype of weight format `name` ("float32", "bfloat16" or "int8")."""
+  """The compute dtype of weight format `name` (see DTYPES)."""
   if name not in DTYPES:
     raise ValueError(f"weights must be one of {sorted(DTYPES)}, got {name!r}")
   return DTYPES[name]
+
+
+def int8_kernel(name: str) -> str:
+  """The int8 matmul kernel of quantized format `name` (`jspec.models.quant.Int8Weight`)."""
+  if name == "int8" and jax.default_backend() == "cpu":
+    return "native"
+  return "xla"
+
+
+def in_format(params: Params, name: str) -> Params:
+  """Float params (already in format `name`'s compute dtype) quantized if `name` says so."""
+  return quantize_params(params, int8_kernel(name)) if name in QUANTIZED else params
 
 
 def resolve_path(name_or_path: str | Path) -> Path:
@@ -56,8 +72,7 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
   else:
     cfg, params = load_model(path, compute_dtype)
     tokenizer = Tokenizer.from_hf_dir(path)
-  if dtype in QUANTIZED:
-    params = quantize_params(params)
+  params = in_format(params, dtype)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                      f"vocabulary is {cfg.vocab_size}")

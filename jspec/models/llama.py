@@ -391,17 +391,19 @@ _INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": 
                     "w_down": (0,)}
 
 
-def quantize_params(params: Params) -> Params:
+def quantize_params(params: Params, kernel: str = "xla") -> Params:
   """Every projection, the LM head and the embedding table as int8 per output channel
-  (`jspec.models.quant.Int8Weight`); the embedding per row, which is its output channel when
-  it is the tied LM head."""
+  (`jspec.models.quant.Int8Weight`, whose matmuls run `kernel`: "xla" or "native"); the
+  embedding per row, which is its output channel when it is the tied LM head."""
+  def q8(w, axes):
+    return quant.quantize_int8(w, axes, kernel)
+
   def layer(lp: LayerParams) -> LayerParams:
-    return dataclasses.replace(lp, **{name: quant.quantize_int8(getattr(lp, name), axes)
+    return dataclasses.replace(lp, **{name: q8(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
   return dataclasses.replace(
-      params, embed=quant.quantize_int8(params.embed, (1,)),
-      layers=tuple(layer(lp) for lp in params.layers),
-      lm_head=None if params.lm_head is None else quant.quantize_int8(params.lm_head, (0,)))
+      params, embed=q8(params.embed, (1,)), layers=tuple(layer(lp) for lp in params.layers),
+      lm_head=None if params.lm_head is None else q8(params.lm_head, (0,)))
 
 
 def param_bytes(params: Params) -> int:

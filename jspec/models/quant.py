@@ -39,19 +39,39 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
 # on which other tokens share the forward (`jspec.models.numerics`: what else that takes).
 
 
+KERNELS = ("xla", "native")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Int8Weight:
-  """A weight w stored as q (int8, w's shape) * scale (float32, w's shape with 1 on the input
-  axes `in_axes`, over which a matmul contracts): one scale per output channel."""
+  """A weight w stored as q (int8) * scale (float32, q's shape with 1 on the input axes, over
+  which a matmul contracts): one scale per output channel. `in_axes` are w's input axes.
+
+  `kernel` picks the int8 x int8 matmul and with it q's layout: "xla" keeps w's own layout and
+  runs XLA's dot; "native" stores q output-major (w's output axes, then its input axes: each
+  output channel's weights contiguous) for jspec's CPU kernel (`jspec.native`), which streams
+  them at memory speed where XLA:CPU's int8 dot does not.
+  """
 
   q: Array
   scale: Array
   in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  kernel: str = dataclasses.field(default="xla", metadata=dict(static=True))
+
+  @property
+  def _order(self) -> tuple[int, ...]:
+    """w's axes in q's storage order."""
+    ndim = self.q.ndim
+    if self.kernel == "xla":
+      return tuple(range(ndim))
+    return tuple(a for a in range(ndim) if a not in self.in_axes) + self.in_axes
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return self.q.shape
+    """w's shape (whatever q's layout)."""
+    stored = dict(zip(self._order, self.q.shape))
+    return tuple(stored[a] for a in range(self.q.ndim))
 
   @property
   def dtype(self):
@@ -60,20 +80,29 @@ class Int8Weight:
 
   def out_scale(self) -> Array:
     """The scale over the output axes only, in their order: a matmul's output layout."""
-    return jnp.squeeze(self.scale, self.in_axes)
+    stored_in = tuple(self._order.index(a) for a in self.in_axes)
+    return jnp.squeeze(self.scale, stored_in)
 
   def reshape(self, *shape) -> "Int8Weight":
     """Reshape leading input axes (e.g. wo [H, D, E] -> [H * D, E]); output axes stay."""
     n_out = self.q.ndim - len(self.in_axes)
-    if self.in_axes != tuple(range(len(self.in_axes))) or shape[-n_out:] != self.q.shape[-n_out:]:
-      raise ValueError(f"Int8Weight.reshape keeps the trailing output axes: {self.q.shape} "
+    if self.in_axes != tuple(range(len(self.in_axes))) or shape[-n_out:] != self.shape[-n_out:]:
+      raise ValueError(f"Int8Weight.reshape keeps the trailing output axes: {self.shape} "
                        f"(input axes {self.in_axes}) -> {shape}")
     new_in = tuple(range(len(shape) - n_out))
-    scale = self.out_scale().reshape((1,) * len(new_in) + self.q.shape[-n_out:])
-    return Int8Weight(self.q.reshape(*shape), scale, new_in)
+    out_shape = self.shape[-n_out:]
+    if self.kernel == "native":  # stored [out..., in...]: merge the trailing input axes
+      q = self.q.reshape(*out_shape, *shape[:len(new_in)])
+      scale = self.out_scale().reshape(out_shape + (1,) * len(new_in))
+    else:
+      q = self.q.reshape(*shape)
+      scale = self.out_scale().reshape((1,) * len(new_in) + out_shape)
+    return Int8Weight(q, scale, new_in, self.kernel)
 
   def dense(self) -> Array:
-    return self.q.astype(self.scale.dtype) * self.scale
+    """w in its own layout, dequantized."""
+    w = self.q.astype(self.scale.dtype) * self.scale
+    return jnp.transpose(w, np.argsort(self._order))
 
   def __jax_array__(self) -> Array:
     # Code that reads a table as an array (a drafter borrowing the target's embedding, savers)
@@ -90,14 +119,20 @@ def is_quantized(tree) -> bool:
              jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int8Weight)))
 
 
-def quantize_int8(w: Array, in_axes: tuple[int, ...]) -> Int8Weight:
+def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> Int8Weight:
   """Symmetric int8 with one scale per output channel: the max |w| over the input axes `in_axes`
-  maps to 127 (scale: w's shape without them)."""
+  maps to 127 (scale: w's shape without them). `kernel`: see Int8Weight."""
+  if kernel not in KERNELS:
+    raise ValueError(f"int8 kernel must be one of {KERNELS}, got {kernel!r}")
   w = jnp.asarray(w, jnp.float32)
   scale = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True) / 127.0
   scale = jnp.where(scale == 0, 1.0, scale)
   q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-  return Int8Weight(q, scale, tuple(in_axes))
+  weight = Int8Weight(q, scale, tuple(in_axes))
+  if kernel == "native":
+    order = Int8Weight(q, scale, tuple(in_axes), kernel)._order
+    weight = Int8Weight(jnp.transpose(q, order), jnp.transpose(scale, order), tuple(in_axes), kernel)
+  return weight
 
 
 def quantize_rows(x: Array) -> tuple[Array, Array]:
@@ -114,6 +149,8 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   lead = x.shape[:-1]
+  if w.kernel == "native":
+    return _native_einsum(x, w, preferred_element_type)
   single = int(np.prod(lead)) == 1
   if single:  # XLA's int8 matrix-vector path is 3x slower than its 2-row matmul: add a zero row
     x = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
@@ -127,9 +164,24 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   return y.astype(preferred_element_type or x.dtype)
 
 
+def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Array:
+  """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes."""
+  from jspec import native  # compiles the kernel on first use
+
+  lead, n_in = x.shape[:-1], len(w.in_axes)
+  out_shape = w.q.shape[:w.q.ndim - n_in]
+  xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
+  y = native.int8_matmul(xq, w.q.reshape(-1, xq.shape[-1]))  # [M, N] int32, exact
+  y = y.astype(jnp.float32) * xs * w.out_scale().reshape(1, -1)
+  return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
+
+
 def take_rows(table, ids: Array) -> Array:
   """table[ids] for a float table [V, E], or the dequantized rows of an int8 one (scale per row:
   quantized over its input axis 1, the tied LM head's)."""
   if not isinstance(table, Int8Weight):
     return table[ids]
+  if table.in_axes != (1,):
+    raise ValueError(f"take_rows reads an int8 table quantized per row (input axes (1,)), got "
+                     f"input axes {table.in_axes}")
   return table.q[ids].astype(table.scale.dtype) * table.scale[ids]  # scale [V, 1]

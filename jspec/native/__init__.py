@@ -1,0 +1,111 @@
+"""Native CPU kernels, compiled on first use and called from XLA through its FFI.
+
+`int8_matmul` is the int8 x int8 -> int32 matmul of int8 decoding on CPU (`int8_matmul.cc`): XLA's
+own int8 dot streams weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode
+step was bound by it (`benchmarks/issue17_int8_step_profile_cpu.json`). The C++ source ships with
+the package and is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++`,
+`g++`, `clang++`) and `-march=native`, into `~/.cache/jspec/native` (keyed by the source, the
+flags, the jaxlib version and the CPU). There is no silent fallback: if it cannot be built, using
+it raises, naming the fix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from jspec.paths import cache_dir
+
+SOURCE = Path(__file__).with_name("int8_matmul.cc")
+TARGET = "jspec_int8_matmul"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+PATHS = {1: "avx512-vnni", 0: "portable"}  # what JspecInt8MatmulPath() reports
+
+
+class NativeKernelError(RuntimeError):
+  """The native kernel could not be built or loaded on this machine."""
+
+
+def _compiler() -> str:
+  for name in filter(None, (os.environ.get("CXX"), "c++", "g++", "clang++")):
+    found = shutil.which(name)
+    if found:
+      return found
+  raise NativeKernelError(
+      "jspec's native int8 kernel needs a C++ compiler and none was found ($CXX, c++, g++, "
+      "clang++). Fix: install one (e.g. `apt-get install g++`), or use XLA's int8 dot instead: "
+      "--weights int8-xla / load(..., 'int8-xla') (slower on CPU).")
+
+
+def _cpu_signature() -> str:
+  """What -march=native compiles for: the CPU's model and feature flags where Linux tells them."""
+  try:
+    info = Path("/proc/cpuinfo").read_text()
+    return "\n".join(sorted({line for line in info.splitlines()
+                             if line.startswith(("model name", "flags", "Features"))}))
+  except OSError:
+    return platform.processor() or platform.machine()
+
+
+def _library_path(compiler: str) -> Path:
+  key = hashlib.sha256()
+  for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+               jax.__version__.encode(), jaxlib.__version__.encode(), _cpu_signature().encode(),
+               platform.machine().encode()):
+    key.update(part)
+    key.update(b"\0")
+  return cache_dir() / "native" / f"int8_matmul-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+  """The compiled library for this machine, compiling it if it is not cached yet."""
+  compiler = _compiler()
+  out = _library_path(compiler)
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    tmp_out = Path(tmp) / out.name
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+      raise NativeKernelError(
+          f"compiling jspec's native int8 kernel failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
+          f"Fix: a C++17 compiler with jaxlib's FFI headers, or use XLA's int8 dot instead: "
+          f"--weights int8-xla / load(..., 'int8-xla').")
+    os.replace(tmp_out, out)  # atomic: concurrent builders each publish a whole file
+  return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+  lib = ctypes.CDLL(str(build()))
+  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
+  return lib
+
+
+def kernel_path() -> str:
+  """Which code path the compiled kernel uses on this CPU ("avx512-vnni" or "portable")."""
+  return PATHS[_library().JspecInt8MatmulPath()]
+
+
+def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """y [M, N] int32 = x [M, K] int8 . w [N, K] int8^T, exact (CPU only)."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"int8_matmul takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+  if x.dtype != jnp.int8 or w.dtype != jnp.int8:
+    raise ValueError(f"int8_matmul takes int8 operands, got {x.dtype} and {w.dtype}")
+  _library()
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
+  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)

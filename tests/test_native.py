@@ -1,0 +1,140 @@
+"""jspec's native CPU int8 kernel (`jspec.native`): exact against an int64 matmul at every row count
+and tail, bit-identical to XLA's int8 dot inside `quant.einsum` and a whole forward, greedy chains
+token-identical through it, the custom call really in the program, and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec import native
+from jspec.drafting.model import ModelDrafter
+from jspec.io.load import QUANTIZED, int8_kernel
+from jspec.models import quant
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward, init_params, quantize_params
+from tests.test_quant import PROJECTIONS, PROMPTS, WIDE, _chain_matches_generate
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
+
+
+def _int8(rng, shape):
+  return rng.integers(-128, 128, shape).astype(np.int8)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("N,K", [(1, 1), (7, 33), (37, 200), (130, 1536), (5, 65), (64, 4864)])
+def test_int8_matmul_is_exact(M, N, K):
+  """Every activation-row pass (1-5 rows at once, then 4 at a time), row blocks of 4 and their
+  remainder, K tails under 64 bytes, the full int8 range and thread chunks of 32 rows."""
+  rng = np.random.default_rng(M * 1000 + N + K)
+  x, w = _int8(rng, (M, K)), _int8(rng, (N, K))
+  got = np.asarray(jax.jit(native.int8_matmul)(jnp.asarray(x), jnp.asarray(w)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, x.astype(np.int64) @ w.astype(np.int64).T)
+
+
+def test_int8_matmul_extremes_do_not_overflow():
+  K = 8960  # the widest input of the 1.5B model's matmuls
+  x = np.full((5, K), -128, np.int8)
+  w = np.stack([np.full(K, -128, np.int8), np.full(K, 127, np.int8)])
+  got = np.asarray(native.int8_matmul(jnp.asarray(x), jnp.asarray(w)))
+  np.testing.assert_array_equal(got, x.astype(np.int64) @ w.astype(np.int64).T)
+
+
+def test_int8_matmul_refuses_bad_operands():
+  x, w = jnp.zeros((2, 8), jnp.int8), jnp.zeros((3, 8), jnp.int8)
+  with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+    native.int8_matmul(x, w.T)
+  with pytest.raises(ValueError, match="int8 operands"):
+    native.int8_matmul(x.astype(jnp.float32), w)
+
+
+@pytest.mark.parametrize("spec,shape,axes,xshape", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_native_weight_is_the_same_weight(spec, shape, axes, xshape):
+  """Stored output-major, a native Int8Weight reads as the same weight (shape, dense, scales) and
+  its matmul gives XLA's int8 dot's bits exactly (integer sums, the same float scaling)."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal(shape).astype(np.float32)
+  xla, nat = quant.quantize_int8(w, axes), quant.quantize_int8(w, axes, "native")
+  assert nat.shape == xla.shape == shape and nat.q.shape[-1] == shape[axes[0]]
+  np.testing.assert_array_equal(np.asarray(nat.dense()), np.asarray(xla.dense()))
+  np.testing.assert_array_equal(np.asarray(nat.out_scale()), np.asarray(xla.out_scale()))
+  for rows in (xshape, (1, 5, xshape[-1])):
+    x = jnp.asarray(rng.standard_normal(rows).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(quant.einsum(spec, x, nat)),
+                                  np.asarray(quant.einsum(spec, x, xla)))
+
+
+def test_native_reshape_merges_input_axes():
+  """wo [H, D, E] is read as [H * D, E]: the native copy stores [E, H, D] -> [E, H * D]."""
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((4, 16, 64)).astype(np.float32)
+  xla = quant.quantize_int8(w, (0, 1)).reshape(64, 64)
+  nat = quant.quantize_int8(w, (0, 1), "native").reshape(64, 64)
+  assert nat.q.shape == (64, 64) and nat.in_axes == (0,)
+  np.testing.assert_array_equal(np.asarray(nat.dense()), np.asarray(xla.dense()))
+  x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(quant.einsum("btf,fe->bte", x, nat)),
+                                np.asarray(quant.einsum("btf,fe->bte", x, xla)))
+
+
+def test_native_forward_is_bit_identical_to_xla_int8():
+  params = init_params(WIDE, jax.random.key(2), scale=0.3)
+  tokens = jnp.asarray([PROMPTS[2][:6]])
+  positions = jnp.arange(6)[None]
+  logits = {}
+  for kernel in quant.KERNELS:
+    cache = KVCache.init(WIDE, 1, 32)
+    logits[kernel], _, _ = jax.jit(forward, static_argnums=1)(
+        quantize_params(params, kernel), WIDE, tokens, positions, cache)
+  np.testing.assert_array_equal(np.asarray(logits["native"]), np.asarray(logits["xla"]))
+
+
+def test_the_program_calls_the_kernel():
+  """No silent fallback: every quantized projection of a native model is the custom call, and
+  no int8 dot is left to XLA."""
+  params = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3), "native")
+  hlo = jax.jit(forward, static_argnums=1).lower(
+      params, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
+      KVCache.init(WIDE, 1, 16)).as_text()
+  calls = hlo.count(f"@{native.TARGET}")  # StableHLO
+  assert calls >= 7 * WIDE.num_layers + 1, calls  # 7 projections a layer + the head
+  int8_dots = [line for line in hlo.splitlines() if "dot_general" in line and "xi8>" in line]
+  assert not int8_dots, f"an int8 dot left to XLA: {int8_dots[0]}"
+  xla = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  hlo = jax.jit(forward, static_argnums=1).lower(
+      xla, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
+      KVCache.init(WIDE, 1, 16)).as_text()
+  assert native.TARGET not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
+
+
+def test_native_int8_chains_are_token_identical():
+  base = init_params(WIDE, jax.random.key(2), scale=0.3)
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
+  target = quantize_params(base, "native")
+  drafter = ModelDrafter(quantize_params(noised, "native"), WIDE)
+  _chain_matches_generate(target, WIDE, drafter, 3, 47)
+
+
+def test_weight_formats_choose_their_kernel():
+  assert QUANTIZED == ("int8", "int8-xla")
+  assert int8_kernel("int8") == "native" and int8_kernel("int8-xla") == "xla"
+  with pytest.raises(ValueError, match="int8 kernel must be one of"):
+    quant.quantize_int8(np.ones((4, 4), np.float32), (0,), "pallas")
+
+
+def test_a_missing_compiler_fails_loudly(monkeypatch):
+  monkeypatch.setenv("CXX", "no-such-compiler")
+  monkeypatch.setattr(native.shutil, "which", lambda name: None)
+  with pytest.raises(native.NativeKernelError, match="int8-xla"):
+    native.build()
+
+
+def test_a_failing_compile_fails_loudly(monkeypatch, tmp_path):
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DJSPEC_BROKEN", "-include", "no_such.h"))
+  with pytest.raises(native.NativeKernelError, match="compiling jspec's native int8 kernel failed"):
+    native.build()
+  assert not list((tmp_path / "native").glob("*.so"))
