@@ -114,9 +114,10 @@ def _block_and_steps(params, cfg, T=6, mask=None, block_cache=32, step_cache=32,
   return together, jnp.concatenate(alone, axis=1)
 
 
+@pytest.mark.parametrize("kernel", quant.KERNELS)
 @pytest.mark.parametrize("cfg", [TARGET, WIDE], ids=["narrow", "wide"])
-def test_int8_token_bit_identical_alone_or_in_a_block(cfg):
-  params = quantize_params(init_params(cfg, jax.random.key(2), scale=0.3))
+def test_int8_token_bit_identical_alone_or_in_a_block(cfg, kernel):
+  params = quantize_params(init_params(cfg, jax.random.key(2), scale=0.3), kernel)
   together, alone = _block_and_steps(params, cfg)
   np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
   # A tree verification passes its ancestor mask: a chain's mask is the causal one.
@@ -125,13 +126,14 @@ def test_int8_token_bit_identical_alone_or_in_a_block(cfg):
   np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
 
 
+@pytest.mark.parametrize("kernel", quant.KERNELS)
 @pytest.mark.parametrize("caches,prefix_len", [((256, 320), 170), ((320, 448), 170),
                                                ((192, 1024), 170), ((64, 128), 50)])
-def test_int8_token_bit_identical_over_any_cache_size(caches, prefix_len):
+def test_int8_token_bit_identical_over_any_cache_size(caches, prefix_len, kernel):
   """A speculative run reserves room for its draft block, so its cache can be bigger than the
   autoregressive run's; the extra, invisible slots must not change a bit. (64 vs 128 slots: where
   XLA:CPU's q . k dot changed its order on an AVX2 machine.)"""
-  params = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  params = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3), kernel)
   # A long prefix: many visible slots, so a reordered sum shows up past int8 re-quantization.
   prefix = np.random.default_rng(5).integers(0, WIDE.vocab_size, prefix_len).tolist()
   together, alone = _block_and_steps(params, WIDE, block_cache=caches[0], step_cache=caches[1],

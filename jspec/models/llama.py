@@ -201,17 +201,19 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool 
 
 
 def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int,
-                 per_token: bool = False) -> Callable:
+                 int8: Optional[str] = None) -> Callable:
   """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
 
   "xla": masked softmax over the whole cache in jnp. "pallas" / "pallas-interpret": the tree
   attention kernel reading the stacked cache in place (interpreted on CPU). No fallback between
-  them: a kernel that cannot run raises.
+  them: a kernel that cannot run raises. `int8`: the int8 weights' kernel (`quant.int8_kernel`),
+  whose re-quantized activations need each token scored with the same bits in any block; see
+  `visible_attention`.
   """
   if cfg.attention_impl == "xla":
     full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
-    return visible_attention(full_mask, per_token)
-  if per_token:
+    return visible_attention(full_mask, int8)
+  if int8:
     raise ValueError(f"int8 weights run with attention_impl='xla' only (the tree attention "
                      f"kernel is not yet token-invariant), got {cfg.attention_impl!r}")
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
@@ -225,11 +227,18 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
                                                    block_sizes=blocks, interpret=interpret)
 
 
-def visible_attention(visible: Array, per_token: bool = False) -> Callable:
-  """attend(q, k_all, v_all, layer) in XLA where each new token sees exactly the cache slots
-  `visible` [B, T, S] marks."""
+def visible_attention(visible: Array, int8: Optional[str] = None) -> Callable:
+  """attend(q, k_all, v_all, layer) where each new token sees exactly the cache slots `visible`
+  [B, T, S] marks. Float weights: XLA's attention. int8 weights need a token's bits independent of
+  the block and cache around it: with `int8="xla"` XLA attends one token at a time with
+  fixed-order sums (`masked_attention(per_token=True)`); with "native", jspec's CPU kernel
+  (`jspec.native.attention`: fixed-order sums over the visible slots, every token at once)."""
+  if int8 == "native":
+    from jspec import native  # compiles the kernels on first use
+    return lambda q, k_all, v_all, i: native.attention(q, k_all, v_all, visible, i)
   return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
-                                                     v_all[i].astype(q.dtype), visible, per_token)
+                                                     v_all[i].astype(q.dtype), visible,
+                                                     int8 is not None)
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
@@ -302,7 +311,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   """
   B, T = tokens.shape
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.is_quantized(params))
+  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.int8_kernel(params))
   masses = None
   if mass_weights is not None:
     if cfg.attention_impl != "xla" or cache.mass is None:
@@ -341,7 +350,7 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   forward's [B, T, T] mask over consecutive new tokens cannot express.
   """
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
-                           visible_attention(visible, quant.is_quantized(params)))
+                           visible_attention(visible, quant.int8_kernel(params)))
   return lm_head(params, hidden), cache
 
 

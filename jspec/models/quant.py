@@ -115,8 +115,13 @@ class Int8Weight:
 
 def is_quantized(tree) -> bool:
   """Whether any weight in the pytree is int8."""
-  return any(isinstance(x, Int8Weight) for x in
-             jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int8Weight)))
+  return int8_kernel(tree) is not None
+
+
+def int8_kernel(tree) -> Optional[str]:
+  """The kernel of the pytree's int8 weights ("xla" or "native"), None if it has none."""
+  return next((x.kernel for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int8Weight))
+               if isinstance(x, Int8Weight)), None)
 
 
 def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> Int8Weight:

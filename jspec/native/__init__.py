@@ -1,12 +1,16 @@
-"""Native CPU kernels, compiled on first use and called from XLA through its FFI.
+"""Native CPU kernels of int8 decoding, compiled on first use and called from XLA through its FFI.
 
-`int8_matmul` is the int8 x int8 -> int32 matmul of int8 decoding on CPU (`int8_matmul.cc`): XLA's
-own int8 dot streams weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode
-step was bound by it (`benchmarks/issue17_int8_step_profile_cpu.json`). The C++ source ships with
-the package and is compiled once per machine with the system's C++ compiler (`$CXX`, else `c++`,
-`g++`, `clang++`) and `-march=native`, into `~/.cache/jspec/native` (keyed by the source, the
-flags, the jaxlib version and the CPU). There is no silent fallback: if it cannot be built, using
-it raises, naming the fix.
+- `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
+  weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
+  (`benchmarks/issue17_int8_step_profile_cpu.json`).
+- `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
+  order that depends only on the visible slots, so a token gets the same bits alone or in a
+  verification block, over any cache size; XLA needs a token-by-token loop for that (slow).
+
+The C++ sources ship with the package and are compiled once per machine with the system's C++
+compiler (`$CXX`, else `c++`, `g++`, `clang++`) and `-march=native`, into `~/.cache/jspec/native`
+(keyed by the sources, the flags, the jaxlib version and the CPU). There is no silent fallback:
+if the library cannot be built, using it raises, naming the fix.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from jspec.paths import cache_dir
 
-SOURCE = Path(__file__).with_name("int8_matmul.cc")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_matmul.cc", "attention.cc"))
 TARGET = "jspec_int8_matmul"
+ATTENTION = "jspec_attention"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 PATHS = {1: "avx512-vnni", 0: "portable"}  # what JspecInt8MatmulPath() reports
 
@@ -60,12 +66,12 @@ def _cpu_signature() -> str:
 
 def _library_path(compiler: str) -> Path:
   key = hashlib.sha256()
-  for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(),
+  for part in (*(f.read_bytes() for f in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
                jax.__version__.encode(), jaxlib.__version__.encode(), _cpu_signature().encode(),
                platform.machine().encode()):
     key.update(part)
     key.update(b"\0")
-  return cache_dir() / "native" / f"int8_matmul-{key.hexdigest()[:16]}.so"
+  return cache_dir() / "native" / f"jspec_native-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -77,11 +83,13 @@ def build() -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     tmp_out = Path(tmp) / out.name
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_out)]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+      errors = [line for line in proc.stderr.splitlines() if "error" in line] or [proc.stderr]
       raise NativeKernelError(
-          f"compiling jspec's native int8 kernel failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}\n"
+          f"compiling jspec's native int8 kernel failed ({' '.join(cmd)}):\n"
+          f"{chr(10).join(errors)[:3000]}\n"
           f"Fix: a C++17 compiler with jaxlib's FFI headers, or use XLA's int8 dot instead: "
           f"--weights int8-xla / load(..., 'int8-xla').")
     os.replace(tmp_out, out)  # atomic: concurrent builders each publish a whole file
@@ -92,6 +100,7 @@ def build() -> Path:
 def _library() -> ctypes.CDLL:
   lib = ctypes.CDLL(str(build()))
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
 
 
@@ -109,3 +118,24 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   _library()
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Array,
+              layer: int) -> jax.Array:
+  """GQA attention of q [B, T, H, D] over layer `layer` of the stacked cache k_all, v_all
+  [L, B, S, K, D] (float32), each token seeing the slots visible [B, T, S] marks -> [B, T, H, D].
+  A token's bits depend only on its query and its visible slots (CPU only)."""
+  B, T, H, D = q.shape
+  L, Bk, S, K, Dk = k_all.shape
+  if (v_all.shape != k_all.shape or (Bk, Dk) != (B, D) or visible.shape != (B, T, S)
+      or H % K or not 0 <= layer < L):
+    raise ValueError(f"attention takes q [B, T, H, D], k, v [L, B, S, K, D], visible [B, T, S] "
+                     f"and 0 <= layer < L, got {q.shape}, {k_all.shape}, {v_all.shape}, "
+                     f"{visible.shape}, layer {layer}")
+  if not q.dtype == k_all.dtype == v_all.dtype == jnp.float32:
+    raise ValueError(f"native attention reads a float32 cache and float32 queries, got "
+                     f"{q.dtype}, {k_all.dtype}, {v_all.dtype}: allocate the KV cache in float32")
+  _library()
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  return jax.ffi.ffi_call(ATTENTION, out, vmap_method="sequential")(
+      q, k_all, v_all, visible.astype(jnp.bool_), layer=np.int64(layer))

@@ -1,0 +1,132 @@
+// Decode attention over the stacked KV cache for int8 decoding on CPU, called from XLA's FFI.
+//
+//   out[b, t, h] = sum_s p[s] v[l, b, s, h / G],  p = softmax_s(q[b, t, h] . k[l, b, s, h / G] / sqrt(D))
+//
+// over the slots s that visible[b, t, s] marks, for one layer l of k, v [L, B, S, K, D] (read in
+// place: no per-layer copy). Every sum runs in one fixed order that depends on nothing but the
+// visible slots themselves: q . k in 16 lanes over D then a fixed pairwise reduction, the softmax
+// sum and p . v in increasing slot order. So a token scores the same bits in a one-token step and
+// in a verification block of any size, over a cache of any size (invisible slots are skipped, not
+// added as zeros), which int8 decoding needs: its activations are re-quantized to int8, where a
+// last-bit difference can become a whole quantization step. XLA's attention gets the same
+// guarantee only by attending one token at a time in products summed by halving (slow).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+// q . k over D in kLanes lanes, then lanes summed pairwise in a fixed order.
+inline float Dot(const float* q, const float* k, int64_t D) {
+  float lane[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) lane[j] += q[d + j] * k[d + j];
+  for (int64_t j = 0; d < D; ++d, ++j) lane[j] += q[d] * k[d];
+  for (int64_t width = kLanes / 2; width > 0; width /= 2)
+    for (int64_t j = 0; j < width; ++j) lane[j] += lane[j + width];
+  return lane[0];
+}
+
+struct Work {
+  const float *q, *k, *v;
+  const bool* visible;
+  float* out;
+  int64_t B, T, H, S, K, D, layer;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // One (b, t, h): its query against the visible slots of its KV head.
+  void Item(int64_t item, std::vector<float>& p, std::vector<int32_t>& slots) const {
+    const int64_t h = item % H, t = (item / H) % T, b = item / (H * T);
+    const int64_t kh = h / (H / K);
+    const float* qv = q + ((b * T + t) * H + h) * D;
+    const bool* vis = visible + (b * T + t) * S;
+    const int64_t row = ((layer * B + b) * S) * K + kh;  // slot s at (row + s * K) * D
+    const float scale = 1.0f / std::sqrt(float(D));
+    slots.clear();
+    for (int64_t s = 0; s < S; ++s)
+      if (vis[s]) slots.push_back(int32_t(s));
+    p.resize(slots.size());
+    float m = -INFINITY;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      p[i] = Dot(qv, k + (row + slots[i] * K) * D, D) * scale;
+      m = std::max(m, p[i]);
+    }
+    float sum = 0.0f;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      p[i] = std::exp(p[i] - m);
+      sum += p[i];
+    }
+    float* o = out + ((b * T + t) * H + h) * D;
+    std::fill(o, o + D, 0.0f);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const float w = p[i] / sum;
+      const float* vs = v + (row + slots[i] * K) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
+    }
+  }
+
+  void Run() {
+    std::vector<float> p;
+    std::vector<int32_t> slots;
+    const int64_t items = B * T * H;
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      Item(c, p, slots);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible, int64_t layer,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();  // [B, T, H, D]
+  const auto kd = k.dimensions();  // [L, B, S, K, D]
+  const auto md = visible.dimensions();  // [B, T, S]
+  const auto vd = v.dimensions();
+  bool same_kv = vd.size() == kd.size();
+  for (size_t i = 0; same_kv && i < kd.size(); ++i) same_kv = vd[i] == kd[i];
+  if (qd.size() != 4 || kd.size() != 5 || md.size() != 3 || !same_kv ||
+      kd[1] != qd[0] || kd[4] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[2] ||
+      qd[2] % kd[3] != 0 || layer < 0 || layer >= kd[0])
+    return ffi::Error::InvalidArgument(
+        "jspec_attention: q [B, T, H, D], k and v [L, B, S, K, D], visible [B, T, S], 0 <= layer < L");
+  auto work = std::make_shared<Work>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->visible = visible.typed_data();
+  work->out = out->typed_data();
+  work->B = qd[0], work->T = qd[1], work->H = qd[2], work->D = qd[3];
+  work->S = kd[2], work->K = kd[3], work->layer = layer;
+  const int64_t items = work->B * work->T * work->H;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
+  work->Run();
+  while (work->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int64_t>("layer")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
