@@ -154,7 +154,7 @@ def test_native_int8_chains_are_token_identical():
 
 
 def test_weight_formats_choose_their_kernel():
-  assert QUANTIZED == ("int8", "int8-xla")
+  assert QUANTIZED == ("int8", "int8-xla", "q4")
   assert int8_kernel("int8") == "native" and int8_kernel("int8-xla") == "xla"
   with pytest.raises(ValueError, match="int8 kernel must be one of"):
     quant.quantize_int8(np.ones((4, 4), np.float32), (0,), "pallas")
@@ -173,3 +173,74 @@ def test_a_failing_compile_fails_loudly(monkeypatch, tmp_path):
   with pytest.raises(native.NativeKernelError, match="compiling jspec's native int8 kernel failed"):
     native.build()
   assert not list((tmp_path / "native").glob("*.so"))
+
+
+def _q4_reference(x, codes, scale):
+  """float64 sum over groups of scale * (x . (code - 8)), codes unpacked as documented."""
+  N, half = codes.shape
+  c = codes.reshape(N, -1, 16)
+  q = np.concatenate([c & 15, c >> 4], axis=-1).astype(np.int64) - 8  # [N, G, 32]
+  xg = x.astype(np.int64).reshape(x.shape[0], -1, 32)
+  return (np.einsum("mgi,ngi->mng", xg, q) * scale[None].astype(np.float64)).sum(-1)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 9])
+@pytest.mark.parametrize("N,K", [(7, 32), (9, 64), (37, 96), (130, 1536), (5, 4864)])
+def test_q4_matmul_matches_the_reference(M, N, K):
+  """Every row pass and row block, a trailing single group (K = 32 mod 64), thread chunks."""
+  rng = np.random.default_rng(M * 100 + N + K)
+  x = _int8(rng, (M, K))
+  codes = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
+  scale = rng.random((N, K // 32)).astype(np.float32)
+  got = np.asarray(native.q4_matmul(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)))
+  want = _q4_reference(x, codes, scale)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  # Has teeth: the nibbles read in the other order fail it.
+  swapped = (codes >> 4) | (codes << 4)
+  assert np.abs(_q4_reference(x, swapped, scale) - want).max() > 1e-2 * np.abs(want).max()
+
+
+Q4_PROJECTIONS = [("bte,ehd->bthd", (64, 4, 16), (0,), (2, 3, 64)),
+                  ("btf,fe->bte", (96, 48), (0,), (1, 5, 96)),
+                  ("bte,ef->btf", (160, 80), (0,), (1, 1, 160))]
+
+
+@pytest.mark.parametrize("spec,shape,axes,xshape", Q4_PROJECTIONS, ids=[p[0] for p in Q4_PROJECTIONS])
+def test_q4_einsum_matches_dequantized_reference(spec, shape, axes, xshape):
+  rng = np.random.default_rng(3)
+  w = rng.standard_normal(shape).astype(np.float32)
+  q4 = quant.quantize_q4(w, axes)
+  dense = np.asarray(q4.dense(), np.float64)
+  assert dense.shape == shape and np.abs(dense - w).max() <= np.abs(w).max() / 14 + 1e-6
+  x = jnp.asarray(rng.standard_normal(xshape).astype(np.float32))
+  xq, xs = quant.quantize_rows(x)
+  want = np.einsum(spec, np.asarray(xq, np.float64) * np.asarray(xs, np.float64), dense)
+  np.testing.assert_allclose(np.asarray(quant.einsum(spec, x, q4)), want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
+
+
+def test_q4_reshape_and_refusals():
+  rng = np.random.default_rng(4)
+  w = rng.standard_normal((4, 16, 64)).astype(np.float32)
+  merged = quant.quantize_q4(w, (0, 1)).reshape(64, 64)
+  flat = quant.quantize_q4(w.reshape(64, 64), (0,))
+  assert merged.shape == flat.shape and merged.in_axes == flat.in_axes
+  np.testing.assert_array_equal(np.asarray(merged.codes), np.asarray(flat.codes))
+  with pytest.raises(ValueError, match="multiple of 32"):
+    quant.quantize_q4(np.ones((48, 8), np.float32), (0,))
+  with pytest.raises(ValueError, match="input axes first"):
+    quant.quantize_q4(np.ones((8, 64), np.float32), (1,))
+  with pytest.raises(ValueError, match="4 bits"):
+    quantize_params(init_params(WIDE, jax.random.key(0)), "xla", bits=4)
+
+
+def test_q4_token_bit_identical_alone_or_in_a_block_and_chains_identical():
+  from tests.test_quant import _block_and_steps
+  base = init_params(WIDE, jax.random.key(2), scale=0.3)
+  params = quantize_params(base, "native", bits=4)
+  together, alone = _block_and_steps(params, WIDE, block_cache=64, step_cache=128)
+  np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
+  drafter = ModelDrafter(quantize_params(noised, "native", bits=4), WIDE)
+  _chain_matches_generate(params, WIDE, drafter, 3, 47)

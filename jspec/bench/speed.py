@@ -398,6 +398,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
+          "int8_kernel": quant.int8_kernel(model.params),  # "native", "xla" or None
           # "highest" under --precision exact (jspec.models.numerics), else the backend default.
           "matmul_precision": precision_label(),
           "machine": machine_info()}

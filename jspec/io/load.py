@@ -17,10 +17,12 @@ from jspec.models.llama import Params, quantize_params
 # Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
 # channel, activations int8 per token inside each matmul, float32 everywhere else; its matmuls run
 # jspec's native kernel where JAX computes on the CPU (XLA's int8 dot elsewhere). "int8-xla": the
-# same numbers through XLA's int8 dot everywhere (slower on CPU; no C++ compiler needed).
+# same numbers through XLA's int8 dot everywhere (slower on CPU; no C++ compiler needed). "q4": the
+# decoder layers' projections in 4 bits (groups of 32, jspec's native kernel: CPU only), the
+# embedding and head as "int8".
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32,
-          "int8-xla": jnp.float32}
-QUANTIZED = ("int8", "int8-xla")
+          "int8-xla": jnp.float32, "q4": jnp.float32}
+QUANTIZED = ("int8", "int8-xla", "q4")
 DEFAULT = "default"
 
 
@@ -40,6 +42,11 @@ def int8_kernel(name: str) -> str:
 
 def in_format(params: Params, name: str) -> Params:
   """Float params (already in format `name`'s compute dtype) quantized if `name` says so."""
+  if name == "q4":
+    if jax.default_backend() != "cpu":
+      raise ValueError(f"--weights q4 runs jspec's CPU kernels only; JAX computes on "
+                       f"{jax.default_backend()}: use --weights int8 or bfloat16 there")
+    return quantize_params(params, "native", bits=4)
   return quantize_params(params, int8_kernel(name)) if name in QUANTIZED else params
 
 

@@ -400,15 +400,22 @@ _INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": 
                     "w_down": (0,)}
 
 
-def quantize_params(params: Params, kernel: str = "xla") -> Params:
+def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Params:
   """Every projection, the LM head and the embedding table as int8 per output channel
   (`jspec.models.quant.Int8Weight`, whose matmuls run `kernel`: "xla" or "native"); the
-  embedding per row, which is its output channel when it is the tied LM head."""
+  embedding per row, which is its output channel when it is the tied LM head. bits=4: the
+  decoder layers' projections in 4 bits instead (`quant.Q4Weight`, native kernel only)."""
+  if bits not in (4, 8) or (bits == 4 and kernel != "native"):
+    raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
+                     f"'native'), got {bits} bits with kernel {kernel!r}")
+
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
 
+  project = quant.quantize_q4 if bits == 4 else q8
+
   def layer(lp: LayerParams) -> LayerParams:
-    return dataclasses.replace(lp, **{name: q8(getattr(lp, name), axes)
+    return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
   return dataclasses.replace(
       params, embed=q8(params.embed, (1,)), layers=tuple(layer(lp) for lp in params.layers),

@@ -9,7 +9,9 @@ activation is re-quantized to int8 and a last-bit difference can move a value ac
 boundary, one whole quantization step. Three things make the bits program-independent:
 
 - matmuls of int8 weights are int8 x int8 -> int32 (exact) with per-token activation scales
-  (`quant.einsum`), attention runs one query token at a time (`llama.masked_attention`);
+  (`quant.einsum`); attention sums over a token's visible slots in an order nothing else changes
+  (`jspec.native.attention` on CPU; with XLA's int8 dot, one query token at a time,
+  `llama.masked_attention(per_token=True)`);
 - sums over a row run in one fixed order that zeros appended to the row do not change
   (`llama.row_sum`: RMSNorm, the softmax, and q . k, whose XLA dot picked its order by the cache
   size on an AVX2 CPU), so a softmax over a 320-slot cache equals one over 256 slots;

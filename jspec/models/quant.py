@@ -113,6 +113,76 @@ class Int8Weight:
     return np.asarray(self.dense(), dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Q4Weight:
+  """A weight w (input axes `in_axes` first, output axes after: a decoder projection) in 4 bits:
+  groups of 32 consecutive inputs of an output channel share one float32 scale, w = scale *
+  (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
+  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte (per group: input i in the
+  low nibble of byte i, input i + 16 in the high one), scale [N, K / 32], N and K the flattened
+  output and input sizes. Activations are quantized to int8 per token, as for Int8Weight."""
+
+  codes: Array
+  scale: Array
+  shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  kernel: str = dataclasses.field(default="native", metadata=dict(static=True))
+
+  @property
+  def dtype(self):
+    return self.scale.dtype
+
+  def reshape(self, *shape) -> "Q4Weight":
+    """Merge the leading input axes (wo [H, D, E] -> [H * D, E]); the stored codes do not move."""
+    n_out = len(self.shape) - len(self.in_axes)
+    size = int(np.prod(self.shape))
+    if -1 in shape:  # as numpy reads it
+      known = int(np.prod([d for d in shape if d != -1]))
+      shape = tuple(size // known if d == -1 else d for d in shape)
+    if tuple(shape[-n_out:]) != self.shape[-n_out:] or int(np.prod(shape)) != size:
+      raise ValueError(f"Q4Weight.reshape keeps the trailing output axes: {self.shape} -> {shape}")
+    return Q4Weight(self.codes, self.scale, tuple(shape), tuple(range(len(shape) - n_out)))
+
+  def dense(self) -> Array:
+    """w in its own layout, dequantized."""
+    N, half = self.codes.shape
+    c = self.codes.reshape(N, -1, 16)
+    q = jnp.concatenate([c & 15, c >> 4], axis=-1).astype(jnp.float32) - 8  # [N, G, 32]
+    w = (q * self.scale[..., None]).reshape(N, 2 * half)  # [N, K]
+    n_in = len(self.in_axes)
+    w = w.reshape(*self.shape[n_in:], *self.shape[:n_in])
+    n_out = len(self.shape) - n_in
+    return jnp.transpose(w, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
+
+  def __jax_array__(self) -> Array:
+    return self.dense()
+
+  def __array__(self, dtype=None, copy=None):
+    return np.asarray(self.dense(), dtype)
+
+
+Q4_GROUP = 32
+
+
+def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
+  """Symmetric 4 bits in groups of 32 inputs: each group's max |w| maps to 7."""
+  in_axes = tuple(in_axes)
+  if in_axes != tuple(range(len(in_axes))):
+    raise ValueError(f"q4 weights take their input axes first, got input axes {in_axes}")
+  w = jnp.asarray(w, jnp.float32)
+  K = int(np.prod(w.shape[:len(in_axes)]))
+  if K % Q4_GROUP:
+    raise ValueError(f"q4 weights need an input size that is a multiple of {Q4_GROUP}, got "
+                     f"{K} (weight {w.shape}); use --weights int8")
+  wt = w.reshape(K, -1).T.reshape(-1, K // Q4_GROUP, Q4_GROUP)  # [N, G, 32]
+  scale = jnp.max(jnp.abs(wt), axis=-1) / 7.0
+  scale = jnp.where(scale == 0, 1.0, scale)  # [N, G]
+  q = (jnp.clip(jnp.round(wt / scale[..., None]), -7, 7) + 8).astype(jnp.uint8)
+  codes = q[..., :16] | (q[..., 16:] << 4)  # [N, G, 16]
+  return Q4Weight(codes.reshape(wt.shape[0], K // 2), scale, tuple(w.shape), in_axes)
+
+
 def is_quantized(tree) -> bool:
   """Whether any weight in the pytree is int8."""
   return int8_kernel(tree) is not None
@@ -120,8 +190,9 @@ def is_quantized(tree) -> bool:
 
 def int8_kernel(tree) -> Optional[str]:
   """The kernel of the pytree's int8 weights ("xla" or "native"), None if it has none."""
-  return next((x.kernel for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Int8Weight))
-               if isinstance(x, Int8Weight)), None)
+  quantized = (Int8Weight, Q4Weight)
+  return next((x.kernel for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, quantized))
+               if isinstance(x, quantized)), None)
 
 
 def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> Int8Weight:
@@ -151,6 +222,8 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   """jnp.einsum(spec, x, w) for a float w, or the int8 x int8 matmul for an Int8Weight. `spec`
   contracts x's last axis (or axes already flattened into it) with w's input axes; its output is
   x's leading axes then w's output axes (the layout every projection of the decoder has)."""
+  if isinstance(w, Q4Weight):
+    return _q4_einsum(x, w, preferred_element_type)
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   lead = x.shape[:-1]
@@ -179,6 +252,16 @@ def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Arra
   y = native.int8_matmul(xq, w.q.reshape(-1, xq.shape[-1]))  # [M, N] int32, exact
   y = y.astype(jnp.float32) * xs * w.out_scale().reshape(1, -1)
   return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
+
+
+def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
+  """quant.einsum for 4-bit weights through jspec's CPU kernel."""
+  from jspec import native  # compiles the kernels on first use
+
+  lead = x.shape[:-1]
+  xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
+  y = native.q4_matmul(xq, w.codes, w.scale) * xs  # [M, N]
+  return y.reshape(*lead, *w.shape[len(w.in_axes):]).astype(preferred_element_type or x.dtype)
 
 
 def take_rows(table, ids: Array) -> Array:

@@ -3,6 +3,8 @@
 - `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
   (`benchmarks/issue17_int8_step_profile_cpu.json`).
+- `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one scale each) times int8
+  activations: half the bytes of int8 weights to stream.
 - `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
   order that depends only on the visible slots, so a token gets the same bits alone or in a
   verification block, over any cache size; XLA needs a token-by-token loop for that (slow).
@@ -32,9 +34,12 @@ import numpy as np
 
 from jspec.paths import cache_dir
 
-SOURCES = tuple(Path(__file__).with_name(f) for f in ("int8_matmul.cc", "attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(f)
+                for f in ("int8_matmul.cc", "q4_matmul.cc", "attention.cc"))
 TARGET = "jspec_int8_matmul"
+Q4 = "jspec_q4_matmul"
 ATTENTION = "jspec_attention"
+Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 PATHS = {1: "avx512-vnni", 0: "portable"}  # what JspecInt8MatmulPath() reports
 
@@ -100,6 +105,7 @@ def build() -> Path:
 def _library() -> ctypes.CDLL:
   lib = ctypes.CDLL(str(build()))
   jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(Q4, jax.ffi.pycapsule(lib.JspecQ4Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
 
@@ -118,6 +124,24 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   _library()
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
   return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+  """y [M, N] float32 = x [M, K] int8 . w^T for 4-bit w given as codes [N, K / 2] uint8 (per
+  group of 32 inputs: input i in the low nibble of byte i, input i + 16 in the high one; value
+  code - 8) and scale [N, K / 32] float32 (CPU only)."""
+  M, K = x.shape
+  N = codes.shape[0]
+  if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (N, K // 2)
+      or scale.shape != (N, K // Q4_GROUP)):
+    raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
+                     f"and scale [N, K / {Q4_GROUP}], got {x.shape}, {codes.shape}, {scale.shape}")
+  if x.dtype != jnp.int8 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float32:
+    raise ValueError(f"q4_matmul takes int8 x, uint8 codes and float32 scales, got {x.dtype}, "
+                     f"{codes.dtype}, {scale.dtype}")
+  _library()
+  out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+  return jax.ffi.ffi_call(Q4, out, vmap_method="sequential")(x, codes, scale)
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Array,
