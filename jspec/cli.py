@@ -25,6 +25,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "int8 (int8 per output channel, activations int8 per token in each matmul, "
                       "run by jspec's native kernel on CPU, compiled on first use; fastest on "
                       "CPU), or int8-xla (the same numbers through XLA's int8 dot)")
+  p.add_argument("--drafter-weights", default=None, choices=sorted(DTYPES),
+                 help="weight format of model drafters when it differs from --weights (e.g. an "
+                      "int8 target with a q4 drafter: the drafter only proposes, so its format "
+                      "changes speed and acceptance, never the output)")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -122,7 +126,7 @@ def cmd_generate(args) -> int:
   kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   start = time.perf_counter()
   model = load(args.model, args.dtype)
-  drafter = load_drafter(args.drafter, model, args.dtype)
+  drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
@@ -180,7 +184,8 @@ def cmd_bench(args) -> int:
 
   sampling = _sampling(args)
   model = load(args.model, args.dtype)
-  drafters = [speed.NamedDrafter(name, load_drafter(name, model, args.dtype))
+  drafter_weights = args.drafter_weights or args.dtype
+  drafters = [speed.NamedDrafter(name, load_drafter(name, model, drafter_weights))
               for name in args.drafter.split(",") if name != "none"]
   trees = [t for text in args.tree or () for t in parse_trees(text)]
   if trees and not drafters:
@@ -196,6 +201,9 @@ def cmd_bench(args) -> int:
                             compare_transformers=not args.no_transformers,
                             measure_overhead=not args.no_overhead,
                             measure_ttft=not args.no_ttft)
+  for r in records:
+    if r.get("drafter", "none") != "none" and r["method"].startswith("jspec"):
+      r["drafter_weights"] = drafter_weights
   if choice is not None:  # what --gamma auto measured, with the chain records
     for r in records:
       if r.get("gamma") == gamma and "tree" not in r:
@@ -370,7 +378,7 @@ def cmd_bench_tau(args) -> int:
   if args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")
-  drafter = load_drafter(args.drafter, model, args.dtype)
+  drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
   responses = paired_tau.target_responses(model, prompts, max_new_tokens=args.max_new_tokens,
                                           sampling=sampling, seed=args.seed)

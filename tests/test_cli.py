@@ -114,6 +114,17 @@ def test_int8_weights(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
                "--max-new-tokens", "12", "--drafter", "self"]) == 0
   assert capsys.readouterr().out.strip()
+  # An int8 target with a q4 copy of itself drafting: output identical to int8 decoding.
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12", "--no-chat"]) == 0
+  plain = capsys.readouterr().out
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12", "--no-chat", "--drafter", "self",
+               "--drafter-weights", "q4"]) == 0
+  assert capsys.readouterr().out == plain
+  assert main(["generate", "--model", str(tiny_model), "--weights", "q4", "--prompt", "Hi",
+               "--max-new-tokens", "12"]) == 0
+  assert capsys.readouterr().out.strip()
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
                "--max-new-tokens", "12", "--drafter", "self", "--tree", "dynamic:8"]) == 2
   assert "tree speculative decoding with an int8 target" in capsys.readouterr().err
