@@ -1,10 +1,11 @@
-"""jspec's native CPU int8 matmul (`jspec.native`) against XLA's int8 dot, side by side.
+"""jspec's native CPU matmuls (`jspec.native`: int8 and 4-bit weights) against XLA's int8 dot,
+side by side.
 
 The Qwen2.5-Coder-1.5B projections (q/o 1536 x 1536, k/v 1536 x 256, gate/up 1536 x 8960,
 down 8960 x 1536) at 1-8 activation rows (a decode step: 1; a verification block: gamma + 1),
 each as `jspec.models.quant.einsum` runs it (per-token activation quantization and scaling
 included), over 8 distinct weight matrices per call so the weights stream from memory rather than
-sit in the cache. GB/s counts the weight bytes read once.
+sit in the cache. GB/s counts int8 weight bytes (q4 reads half as many).
 
   python benchmarks/native_matmul.py --json benchmarks/issue17_native_matmul_cpu.json
 """
@@ -59,17 +60,21 @@ def main() -> int:
   for name, (K, N) in SHAPES.items():
     dense = [rng.standard_normal((K, N)).astype(np.float32) for _ in range(DISTINCT)]
     by_kernel = {k: [quant.quantize_int8(w, (0,), k) for w in dense] for k in quant.KERNELS}
+    by_kernel["q4"] = [quant.quantize_q4(w, (0,)) for w in dense]
     for M in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
       s = {k: per_call_seconds(ws, x) for k, ws in by_kernel.items()}
       row = {"shape": name, "K": K, "N": N, "rows": M,
              **{f"{k}_ms": v * 1e3 for k, v in s.items()},
              **{f"{k}_weight_GBps": K * N / v / 1e9 for k, v in s.items()},
-             "native_speedup_vs_xla": s["xla"] / s["native"]}
+             "native_speedup_vs_xla": s["xla"] / s["native"],
+             "q4_speedup_vs_native_int8": s["native"] / s["q4"]}
       rows_out.append(row)
       print(f"{name:8s} {K}x{N} rows {M}: native {s['native'] * 1e3:.3f} ms "
             f"({row['native_weight_GBps']:.1f} GB/s), xla {s['xla'] * 1e3:.3f} ms "
-            f"({row['xla_weight_GBps']:.1f} GB/s): {row['native_speedup_vs_xla']:.2f}x", flush=True)
+            f"({row['xla_weight_GBps']:.1f} GB/s): {row['native_speedup_vs_xla']:.2f}x; q4 "
+            f"{s['q4'] * 1e3:.3f} ms: {row['q4_speedup_vs_native_int8']:.2f}x native int8",
+            flush=True)
   Path(args.json).write_text(json.dumps(
       {"kernel_path": native.kernel_path(), "distinct_weights": DISTINCT, "results": rows_out,
        "machine": machine_info(), "command": " ".join(["python"] + sys.argv)}, indent=1))

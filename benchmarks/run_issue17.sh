@@ -34,3 +34,11 @@ done
 jspec bench --model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768,model:$HOME/work/q05_trim65536 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --weights int8 --gamma 3 --no-transformers --json benchmarks/issue17_vocabtrim_humaneval_t0_g3_int8_cpu.json
 # --gamma auto on the pair (calibration on the first prompt, then AR and the chosen chain).
 jspec bench $PAIR --weights int8 --gamma auto --no-transformers --json benchmarks/issue17_gamma_auto_humaneval_t0_int8_cpu.json
+# Session 16: jspec's native CPU kernels (int8 and q4 matmuls, attention; `jspec/native/`).
+python benchmarks/native_matmul.py --json benchmarks/issue17_native_matmul_cpu.json
+jspec bench $PAIR --weights int8 --gamma 4 --no-transformers --json benchmarks/issue17_native_pair_humaneval_t0_g4_int8_cpu.json
+# The VocabTrim'd 0.5B drafter from the 1.5B target's responses (the DATA of session 13's command above).
+jspec trim-vocab --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --data ~/work/qwen15_sharegpt --size 32768 --save-dtype float32 --out ~/work/q05_trim32768
+TRIMMED="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --no-transformers"
+jspec bench $TRIMMED --weights int8 --gamma 4 --json benchmarks/issue17_native_trim_humaneval_t0_g4_int8_cpu.json
+jspec bench $TRIMMED --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_native_trim_q4drafter_humaneval_t0_g4_int8_cpu.json

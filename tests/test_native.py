@@ -175,13 +175,37 @@ def test_a_failing_compile_fails_loudly(monkeypatch, tmp_path):
   assert not list((tmp_path / "native").glob("*.so"))
 
 
-def _q4_reference(x, codes, scale):
-  """float64 sum over groups of scale * (x . (code - 8)), codes unpacked as documented."""
+def _unpack(codes):
+  """Codes [N, K] from bytes [N, K / 2] as the kernel documents them, input by input."""
   N, half = codes.shape
-  c = codes.reshape(N, -1, 16)
-  q = np.concatenate([c & 15, c >> 4], axis=-1).astype(np.int64) - 8  # [N, G, 32]
+  K, full = 2 * half, half // 32 * 64
+  out = np.zeros((N, K), np.int64)
+  for i in range(K):
+    if i < full:
+      b = codes[:, i // 64 * 32 + i % 64 % 32]
+      out[:, i] = b & 15 if i % 64 < 32 else b >> 4
+    else:
+      j = i - full
+      b = codes[:, full // 2 + j % 16]
+      out[:, i] = b & 15 if j < 16 else b >> 4
+  return out
+
+
+def _q4_reference(x, codes, scale):
+  """float64 sum over groups of scale * (x . (code - 8))."""
+  N = codes.shape[0]
+  q = (_unpack(codes) - 8).reshape(N, -1, 32)  # [N, G, 32]
   xg = x.astype(np.int64).reshape(x.shape[0], -1, 32)
   return (np.einsum("mgi,ngi->mng", xg, q) * scale[None].astype(np.float64)).sum(-1)
+
+
+def test_q4_packing_round_trips():
+  rng = np.random.default_rng(7)
+  for K in (32, 64, 96, 160):
+    q = rng.integers(0, 16, (5, K)).astype(np.uint8)
+    packed = np.asarray(quant.pack_q4(jnp.asarray(q)))
+    np.testing.assert_array_equal(_unpack(packed), q)
+    np.testing.assert_array_equal(np.asarray(quant.unpack_q4(jnp.asarray(packed))), q)
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 9])

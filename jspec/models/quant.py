@@ -119,9 +119,9 @@ class Q4Weight:
   """A weight w (input axes `in_axes` first, output axes after: a decoder projection) in 4 bits:
   groups of 32 consecutive inputs of an output channel share one float32 scale, w = scale *
   (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
-  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte (per group: input i in the
-  low nibble of byte i, input i + 16 in the high one), scale [N, K / 32], N and K the flattened
-  output and input sizes. Activations are quantized to int8 per token, as for Int8Weight."""
+  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte, scale [N, K / 32], N and
+  K the flattened
+  output and input sizes (`pack_q4` gives the byte order). Activations are quantized to int8 per token, as for Int8Weight."""
 
   codes: Array
   scale: Array
@@ -147,8 +147,7 @@ class Q4Weight:
   def dense(self) -> Array:
     """w in its own layout, dequantized."""
     N, half = self.codes.shape
-    c = self.codes.reshape(N, -1, 16)
-    q = jnp.concatenate([c & 15, c >> 4], axis=-1).astype(jnp.float32) - 8  # [N, G, 32]
+    q = unpack_q4(self.codes).astype(jnp.float32).reshape(N, -1, Q4_GROUP) - 8  # [N, G, 32]
     w = (q * self.scale[..., None]).reshape(N, 2 * half)  # [N, K]
     n_in = len(self.in_axes)
     w = w.reshape(*self.shape[n_in:], *self.shape[:n_in])
@@ -179,8 +178,32 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   scale = jnp.max(jnp.abs(wt), axis=-1) / 7.0
   scale = jnp.where(scale == 0, 1.0, scale)  # [N, G]
   q = (jnp.clip(jnp.round(wt / scale[..., None]), -7, 7) + 8).astype(jnp.uint8)
-  codes = q[..., :16] | (q[..., 16:] << 4)  # [N, G, 16]
-  return Q4Weight(codes.reshape(wt.shape[0], K // 2), scale, tuple(w.shape), in_axes)
+  return Q4Weight(pack_q4(q.reshape(q.shape[0], K)), scale, tuple(w.shape), in_axes)
+
+
+def pack_q4(q: Array) -> Array:
+  """Codes [N, K] (0..15) -> bytes [N, K / 2] in the kernel's order: per block of 64 inputs, byte j
+  holds input j (low nibble) and j + 32 (high); a trailing group of 32, inputs j and j + 16."""
+  N, K = q.shape
+  full = K // 64 * 64
+  blocks = q[:, :full].reshape(N, -1, 2, 32)
+  packed = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, -1)]
+  if full < K:
+    tail = q[:, full:]
+    packed.append(tail[:, :16] | (tail[:, 16:] << 4))
+  return jnp.concatenate(packed, axis=1)
+
+
+def unpack_q4(codes: Array) -> Array:
+  """pack_q4's inverse: bytes [N, K / 2] -> codes [N, K]."""
+  N, half = codes.shape
+  full = half // 32 * 32
+  blocks = codes[:, :full].reshape(N, -1, 32)
+  parts = [jnp.stack([blocks & 15, blocks >> 4], axis=2).reshape(N, -1)]
+  if full < half:
+    tail = codes[:, full:]
+    parts.append(jnp.concatenate([tail & 15, tail >> 4], axis=1))
+  return jnp.concatenate(parts, axis=1)
 
 
 def is_quantized(tree) -> bool:

@@ -34,8 +34,10 @@ import numpy as np
 
 from jspec.paths import cache_dir
 
+SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(Path(__file__).with_name(f)
                 for f in ("int8_matmul.cc", "q4_matmul.cc", "attention.cc"))
+HEADERS = (Path(__file__).with_name("parallel.h"),)
 TARGET = "jspec_int8_matmul"
 Q4 = "jspec_q4_matmul"
 ATTENTION = "jspec_attention"
@@ -71,7 +73,7 @@ def _cpu_signature() -> str:
 
 def _library_path(compiler: str) -> Path:
   key = hashlib.sha256()
-  for part in (*(f.read_bytes() for f in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
+  for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
                jax.__version__.encode(), jaxlib.__version__.encode(), _cpu_signature().encode(),
                platform.machine().encode()):
     key.update(part)
@@ -88,7 +90,8 @@ def build() -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     tmp_out = Path(tmp) / out.name
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp_out)]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", *map(str, SOURCES),
+           "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
       errors = [line for line in proc.stderr.splitlines() if "error" in line] or [proc.stderr]
@@ -127,9 +130,9 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-  """y [M, N] float32 = x [M, K] int8 . w^T for 4-bit w given as codes [N, K / 2] uint8 (per
-  group of 32 inputs: input i in the low nibble of byte i, input i + 16 in the high one; value
-  code - 8) and scale [N, K / 32] float32 (CPU only)."""
+  """y [M, N] float32 = x [M, K] int8 . w^T for 4-bit w given as codes [N, K / 2] uint8 (two
+  codes a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32]
+  float32, one per group of 32 inputs (CPU only)."""
   M, K = x.shape
   N = codes.shape[0]
   if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (N, K // 2)

@@ -12,13 +12,11 @@
 // guarantee only by attending one token at a time in products summed by halving (slow).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,55 +37,46 @@ inline float Dot(const float* q, const float* k, int64_t D) {
   return lane[0];
 }
 
-struct Work {
+struct Operands {
   const float *q, *k, *v;
   const bool* visible;
   float* out;
   int64_t B, T, H, S, K, D, layer;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  // One (b, t, h): its query against the visible slots of its KV head.
-  void Item(int64_t item, std::vector<float>& p, std::vector<int32_t>& slots) const {
-    const int64_t h = item % H, t = (item / H) % T, b = item / (H * T);
-    const int64_t kh = h / (H / K);
-    const float* qv = q + ((b * T + t) * H + h) * D;
-    const bool* vis = visible + (b * T + t) * S;
-    const int64_t row = ((layer * B + b) * S) * K + kh;  // slot s at (row + s * K) * D
-    const float scale = 1.0f / std::sqrt(float(D));
-    slots.clear();
-    for (int64_t s = 0; s < S; ++s)
-      if (vis[s]) slots.push_back(int32_t(s));
-    p.resize(slots.size());
-    float m = -INFINITY;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      p[i] = Dot(qv, k + (row + slots[i] * K) * D, D) * scale;
-      m = std::max(m, p[i]);
-    }
-    float sum = 0.0f;
-    for (size_t i = 0; i < slots.size(); ++i) {
-      p[i] = std::exp(p[i] - m);
-      sum += p[i];
-    }
-    float* o = out + ((b * T + t) * H + h) * D;
-    std::fill(o, o + D, 0.0f);
-    for (size_t i = 0; i < slots.size(); ++i) {
-      const float w = p[i] / sum;
-      const float* vs = v + (row + slots[i] * K) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += w * vs[d];
-    }
-  }
-
-  void Run() {
-    std::vector<float> p;
-    std::vector<int32_t> slots;
-    const int64_t items = B * T * H;
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      Item(c, p, slots);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
 };
+
+// One (b, t, h): its query against the visible slots of its KV head.
+void Item(const Operands& o, int64_t item) {
+  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D;
+  const int64_t h = item % H, t = (item / H) % T, b = item / (H * T);
+  const int64_t kh = h / (H / K);
+  const float* qv = o.q + ((b * T + t) * H + h) * D;
+  const bool* vis = o.visible + (b * T + t) * S;
+  const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
+  const float scale = 1.0f / std::sqrt(float(D));
+  thread_local std::vector<float> p;
+  thread_local std::vector<int32_t> slots;
+  slots.clear();
+  for (int64_t s = 0; s < S; ++s)
+    if (vis[s]) slots.push_back(int32_t(s));
+  p.resize(slots.size());
+  float m = -INFINITY;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    p[i] = Dot(qv, o.k + (row + slots[i] * K) * D, D) * scale;
+    m = std::max(m, p[i]);
+  }
+  float sum = 0.0f;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    p[i] = std::exp(p[i] - m);
+    sum += p[i];
+  }
+  float* out = o.out + ((b * T + t) * H + h) * D;
+  std::fill(out, out + D, 0.0f);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const float w = p[i] / sum;
+    const float* vs = o.v + (row + slots[i] * K) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] += w * vs[d];
+  }
+}
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible, int64_t layer,
@@ -103,19 +92,15 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       qd[2] % kd[3] != 0 || layer < 0 || layer >= kd[0])
     return ffi::Error::InvalidArgument(
         "jspec_attention: q [B, T, H, D], k and v [L, B, S, K, D], visible [B, T, S], 0 <= layer < L");
-  auto work = std::make_shared<Work>();
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->visible = visible.typed_data();
-  work->out = out->typed_data();
-  work->B = qd[0], work->T = qd[1], work->H = qd[2], work->D = qd[3];
-  work->S = kd[2], work->K = kd[3], work->layer = layer;
-  const int64_t items = work->B * work->T * work->H;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  Operands o;
+  o.q = q.typed_data();
+  o.k = k.typed_data();
+  o.v = v.typed_data();
+  o.visible = visible.typed_data();
+  o.out = out->typed_data();
+  o.B = qd[0], o.T = qd[1], o.H = qd[2], o.D = qd[3];
+  o.S = kd[2], o.K = kd[3], o.layer = layer;
+  jspec::ParallelFor(pool, o.B * o.T * o.H, [=](int64_t item) { Item(o, item); });
   return ffi::Error::Success();
 }
 

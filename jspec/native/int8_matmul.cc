@@ -12,16 +12,13 @@
 // Paths (chosen when the library is compiled, with -march=native):
 //   AVX512-VNNI: vpdpbusd on (x + 128) as uint8 times w as int8, corrected by 128 * sum_k w[n, k];
 //   otherwise a plain loop the compiler vectorizes (AVX2, NEON, ...).
-// Work is split over output-row chunks on XLA's intra-op thread pool; the calling thread takes
-// chunks too, so the call finishes even when no pool thread is free.
+// Work is split over output-row chunks on XLA's intra-op thread pool (parallel.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -121,50 +118,23 @@ void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t*, int64_t 
 
 #endif
 
-// Chunks of output rows handed out by an atomic counter. Held by shared_ptr: a pool task that
-// starts after the call returned finds no chunk left and must still see valid memory.
-struct Work {
-  const int8_t* x;
-  std::vector<int32_t> x_sums;  // sum_k x[m, k], for the VNNI path's +128 correction
-  const int8_t* w;
-  int32_t* y;
-  int64_t M, N, K, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      const int64_t begin = c * kChunkRows;
-      Rows(x, w, y, x_sums.data(), M, N, K, begin, std::min(N, begin + kChunkRows));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                           ffi::ResultBuffer<ffi::S32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("jspec_int8_matmul: x must be [M, K] and w [N, K]");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-#if JSPEC_VNNI
-  work->x_sums.assign(xd[0], 0);
-  for (int64_t m = 0; m < xd[0]; ++m)
-    for (int64_t k = 0; k < xd[1]; ++k) work->x_sums[m] += work->x[m * xd[1] + k];
-#endif
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->M = xd[0];
-  work->N = wd[0];
-  work->K = xd[1];
-  work->chunks = (work->N + kChunkRows - 1) / kChunkRows;
-  // The calling thread works too: one helper fewer than the pool has threads fills the cores.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, work->chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+  const int64_t M = xd[0], N = wd[0], K = xd[1];
+  const int8_t* xs = x.typed_data();
+  std::vector<int32_t> x_sums(M, 0);  // sum_k x[m, k], for the VNNI path's +128 correction
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) x_sums[m] += xs[m * K + k];
+  const int8_t* ws = w.typed_data();
+  int32_t* ys = y->typed_data();
+  const int32_t* sums = x_sums.data();
+  jspec::ParallelFor(pool, (N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
+    Rows(xs, ws, ys, sums, M, N, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
+  });
   return ffi::Error::Success();
 }
 

@@ -4,7 +4,9 @@
 //
 // x: [M, K] int8 (activations quantized per token; the caller applies their scales), codes: [N,
 // K / 2] uint8, two 4-bit codes a byte, groups of 32 inputs with one float scale each: [N, K / 32].
-// A group's 16 bytes hold inputs i (low nibble) and i + 16 (high nibble). Half the bytes of int8
+// Each block of 64 inputs is 32 bytes, byte j holding input j (low nibble) and input j + 32 (high
+// nibble), so one load, two masks and one insert give its 64 codes in input order; a trailing
+// group of 32 is 16 bytes, byte j holding inputs j and j + 16. Half the bytes of int8
 // weights, so a decode step streams half as much; the integer part of each group is exact and
 // the float sums run in one fixed order per (m, n), so a token gets the same bits in a one-token
 // step and in a verification block.
@@ -14,12 +16,10 @@
 // first group of a 64-input block, 8-15 to the second; converted to float, scaled, accumulated.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
@@ -53,10 +53,16 @@ struct Operands {
 inline __m512i Unpack64(const uint8_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, nib);                         // [g0 0-15, g1 0-15]
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);   // [g0 16-31, g1 16-31]
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));    // [g0 lo, g0 hi, g1 lo, g1 hi]
+  const __m256i lo = _mm256_and_si256(v, nib);                        // inputs 0-31
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);  // inputs 32-63
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+// The two groups' scales of a 64-input block, lanes 0-7 and 8-15.
+inline __m512 Scales(const float* s) {
+  const __m512i which = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+  return _mm512_permutexvar_ps(which, _mm512_castps128_ps512(two));
 }
 
 // A trailing single group (16 bytes) as 32 bytes in input order, upper half zero.
@@ -81,9 +87,7 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
       codes[r] = Unpack64(o.codes + n * (K / 2) + k / 2);
-      const float* s = o.scale + n * G + k / kGroup;
-      scales[r] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])),
-                                     _mm256_set1_ps(s[1]), 1);
+      scales[r] = Scales(o.scale + n * G + k / kGroup);
     }
     for (int t = 0; t < MR; ++t) {
       const __m512i xv = _mm512_loadu_si512(o.x + (m0 + t) * K + k);
@@ -139,19 +143,29 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
 
 #else
 
+// Code of input i (0 <= i < K) in a row's packed bytes.
+inline int32_t Code(const uint8_t* row, int64_t K, int64_t i) {
+  const int64_t block = i / 64, full = K / 64;
+  if (block < full) {
+    const int64_t j = i % 64;
+    const uint8_t b = row[block * 32 + j % 32];
+    return j < 32 ? b & 0x0F : b >> 4;
+  }
+  const int64_t j = i - full * 64;  // the trailing group of 32
+  const uint8_t b = row[full * 32 + j % 16];
+  return j < 16 ? b & 0x0F : b >> 4;
+}
+
 void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
   const int64_t K = o.K, G = K / kGroup;
   for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = o.codes + n * (K / 2);
     for (int64_t m = 0; m < o.M; ++m) {
       float acc = 0.0f;
       for (int64_t g = 0; g < G; ++g) {
         int32_t s = 0;
-        const uint8_t* c = o.codes + n * (K / 2) + g * (kGroup / 2);
-        const int8_t* x = o.x + m * K + g * kGroup;
-        for (int64_t i = 0; i < kGroup / 2; ++i) {
-          s += int32_t(x[i]) * (int32_t(c[i] & 0x0F) - 8);
-          s += int32_t(x[i + kGroup / 2]) * (int32_t(c[i] >> 4) - 8);
-        }
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i)
+          s += int32_t(o.x[m * K + i]) * (Code(row, K, i) - 8);
         acc += float(s) * o.scale[n * G + g];
       }
       o.y[m * o.N + n] = acc;
@@ -161,22 +175,6 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
 
 #endif
 
-struct Work {
-  Operands o;
-  std::vector<int32_t> x_init;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t chunks;
-
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      const int64_t begin = c * kChunkRows;
-      Rows(o, begin, std::min(o.N, begin + kChunkRows));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> codes,
                         ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
@@ -184,22 +182,19 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffe
       cd[1] * 2 != xd[1] || sd[0] != cd[0] || sd[1] * kGroup != xd[1])
     return ffi::Error::InvalidArgument(
         "jspec_q4_matmul: x [M, K], codes [N, K / 2], scale [N, K / 32], K a multiple of 32");
-  auto work = std::make_shared<Work>();
-  Operands& o = work->o;
+  Operands o;
   o.x = x.typed_data();
   o.codes = codes.typed_data();
   o.scale = scale.typed_data();
   o.y = y->typed_data();
   o.M = xd[0], o.N = cd[0], o.K = xd[1];
-  work->x_init.resize(o.M * (o.K / 4));
+  std::vector<int32_t> x_init(o.M * (o.K / 4));
   for (int64_t i = 0; i < o.M * (o.K / 4); ++i)
-    work->x_init[i] = -8 * (o.x[4 * i] + o.x[4 * i + 1] + o.x[4 * i + 2] + o.x[4 * i + 3]);
-  o.x_init = work->x_init.data();
-  work->chunks = (o.N + kChunkRows - 1) / kChunkRows;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, work->chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) std::this_thread::yield();
+    x_init[i] = -8 * (o.x[4 * i] + o.x[4 * i + 1] + o.x[4 * i + 2] + o.x[4 * i + 3]);
+  o.x_init = x_init.data();
+  jspec::ParallelFor(pool, (o.N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
+    Rows(o, c * kChunkRows, std::min(o.N, (c + 1) * kChunkRows));
+  });
   return ffi::Error::Success();
 }
 
