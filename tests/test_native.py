@@ -132,7 +132,7 @@ def test_the_program_calls_the_kernel():
   hlo = jax.jit(forward, static_argnums=1).lower(
       params, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
-  calls = hlo.count(f"@{native.TARGET}")  # StableHLO
+  calls = hlo.count(f"@{native.INT8}")  # StableHLO
   assert calls >= 7 * WIDE.num_layers + 1, calls  # 7 projections a layer + the head
   assert hlo.count(f"@{native.ATTENTION}") == WIDE.num_layers
   int8_dots = [line for line in hlo.splitlines() if "dot_general" in line and "xi8>" in line]
@@ -141,7 +141,7 @@ def test_the_program_calls_the_kernel():
   hlo = jax.jit(forward, static_argnums=1).lower(
       xla, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
-  assert native.TARGET not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
+  assert native.INT8 not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
 
 
 def test_native_int8_chains_are_token_identical():

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import native
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config, rope_frequencies
@@ -234,7 +235,6 @@ def visible_attention(visible: Array, int8: Optional[str] = None) -> Callable:
   fixed-order sums (`masked_attention(per_token=True)`); with "native", jspec's CPU kernel
   (`jspec.native.attention`: fixed-order sums over the visible slots, every token at once)."""
   if int8 == "native":
-    from jspec import native  # compiles the kernels on first use
     return lambda q, k_all, v_all, i: native.attention(q, k_all, v_all, visible, i)
   return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
                                                      v_all[i].astype(q.dtype), visible,

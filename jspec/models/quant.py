@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import native
+from jspec.native import Q4_GROUP
+
 Array = jax.Array
 
 
@@ -161,9 +164,6 @@ class Q4Weight:
     return np.asarray(self.dense(), dtype)
 
 
-Q4_GROUP = 32
-
-
 def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   """Symmetric 4 bits in groups of 32 inputs: each group's max |w| maps to 7."""
   in_axes = tuple(in_axes)
@@ -267,8 +267,6 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
 
 def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Array:
   """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes."""
-  from jspec import native  # compiles the kernel on first use
-
   lead, n_in = x.shape[:-1], len(w.in_axes)
   out_shape = w.q.shape[:w.q.ndim - n_in]
   xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
@@ -279,8 +277,6 @@ def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Arra
 
 def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
   """quant.einsum for 4-bit weights through jspec's CPU kernel."""
-  from jspec import native  # compiles the kernels on first use
-
   lead = x.shape[:-1]
   xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
   y = native.q4_matmul(xq, w.codes, w.scale) * xs  # [M, N]

@@ -38,7 +38,7 @@ SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(Path(__file__).with_name(f)
                 for f in ("int8_matmul.cc", "q4_matmul.cc", "attention.cc"))
 HEADERS = (Path(__file__).with_name("parallel.h"),)
-TARGET = "jspec_int8_matmul"
+INT8 = "jspec_int8_matmul"
 Q4 = "jspec_q4_matmul"
 ATTENTION = "jspec_attention"
 Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
@@ -73,9 +73,9 @@ def _cpu_signature() -> str:
 
 def _library_path(compiler: str) -> Path:
   key = hashlib.sha256()
-  for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(),
-               jax.__version__.encode(), jaxlib.__version__.encode(), _cpu_signature().encode(),
-               platform.machine().encode()):
+  for part in (*(f.read_bytes() for f in SOURCES + HEADERS), compiler.encode(),
+               " ".join(FLAGS).encode(), jax.__version__.encode(), jaxlib.__version__.encode(),
+               _cpu_signature().encode(), platform.machine().encode()):
     key.update(part)
     key.update(b"\0")
   return cache_dir() / "native" / f"jspec_native-{key.hexdigest()[:16]}.so"
@@ -107,7 +107,7 @@ def build() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL:
   lib = ctypes.CDLL(str(build()))
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(INT8, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
   jax.ffi.register_ffi_target(Q4, jax.ffi.pycapsule(lib.JspecQ4Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
@@ -126,7 +126,7 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     raise ValueError(f"int8_matmul takes int8 operands, got {x.dtype} and {w.dtype}")
   _library()
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32)
-  return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+  return jax.ffi.ffi_call(INT8, out, vmap_method="sequential")(x, w)
 
 
 def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
