@@ -122,15 +122,14 @@ class Q4Weight:
   """A weight w (input axes `in_axes` first, output axes after: a decoder projection) in 4 bits:
   groups of 32 consecutive inputs of an output channel share one float32 scale, w = scale *
   (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
-  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte, scale [N, K / 32], N and
-  K the flattened
-  output and input sizes (`pack_q4` gives the byte order). Activations are quantized to int8 per token, as for Int8Weight."""
+  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte in `pack_q4`'s order,
+  scale [N, K / 32], N and K the flattened output and input sizes. Activations are quantized to
+  int8 per token, as for Int8Weight; its models run the native attention too."""
 
   codes: Array
   scale: Array
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-  kernel: str = dataclasses.field(default="native", metadata=dict(static=True))
 
   @property
   def dtype(self):
@@ -212,10 +211,12 @@ def is_quantized(tree) -> bool:
 
 
 def int8_kernel(tree) -> Optional[str]:
-  """The kernel of the pytree's int8 weights ("xla" or "native"), None if it has none."""
+  """The kernel of the pytree's quantized weights ("xla" or "native"; 4-bit weights run only the
+  native one), None if it has none."""
   quantized = (Int8Weight, Q4Weight)
-  return next((x.kernel for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, quantized))
-               if isinstance(x, quantized)), None)
+  w = next((x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, quantized))
+            if isinstance(x, quantized)), None)
+  return None if w is None else "native" if isinstance(w, Q4Weight) else w.kernel
 
 
 def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> Int8Weight:
