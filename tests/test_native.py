@@ -176,18 +176,19 @@ def test_a_failing_compile_fails_loudly(monkeypatch, tmp_path):
 
 
 def _unpack(codes):
-  """Codes [N, K] from bytes [N, K / 2] as the kernel documents them, input by input."""
+  """Codes [N, K] from bytes [N, K / 2] as the kernel documents them, input by input: superblocks
+  of 16 groups of 32 (the last holds the rest), each 4 chunks of 4 g bytes, byte 4 l + i of chunk
+  c holding input 32 l + 4 c + i of the superblock (low nibble) and input 32 l + 16 + 4 c + i."""
   N, half = codes.shape
-  K, full = 2 * half, half // 32 * 64
+  K = 2 * half
   out = np.zeros((N, K), np.int64)
   for i in range(K):
-    if i < full:
-      b = codes[:, i // 64 * 32 + i % 64 % 32]
-      out[:, i] = b & 15 if i % 64 < 32 else b >> 4
-    else:
-      j = i - full
-      b = codes[:, full // 2 + j % 16]
-      out[:, i] = b & 15 if j < 16 else b >> 4
+    s, within = divmod(i, 512)
+    g = min(16, K // 32 - 16 * s)
+    l, j = divmod(within, 32)
+    c, b = divmod(j % 16, 4)
+    byte = codes[:, 256 * s + 4 * g * c + 4 * l + b]
+    out[:, i] = byte & 15 if j < 16 else byte >> 4
   return out
 
 
@@ -201,7 +202,7 @@ def _q4_reference(x, codes, scale):
 
 def test_q4_packing_round_trips():
   rng = np.random.default_rng(7)
-  for K in (32, 64, 96, 160):
+  for K in (32, 64, 96, 160, 512, 544, 1536):
     q = rng.integers(0, 16, (5, K)).astype(np.uint8)
     packed = np.asarray(quant.pack_q4(jnp.asarray(q)))
     np.testing.assert_array_equal(_unpack(packed), q)
@@ -209,13 +210,14 @@ def test_q4_packing_round_trips():
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 6, 9])
-@pytest.mark.parametrize("N,K", [(7, 32), (9, 64), (37, 96), (130, 1536), (5, 4864)])
+@pytest.mark.parametrize("N,K", [(7, 32), (9, 64), (37, 96), (130, 1536), (5, 4864), (3, 544)])
 def test_q4_matmul_matches_the_reference(M, N, K):
-  """Every row pass and row block, a trailing single group (K = 32 mod 64), thread chunks."""
+  """Every row pass and row block, superblocks whole (K = 0 mod 512) and partial (1, 2, 3, 8 or 1
+  groups past the last whole one), thread chunks."""
   rng = np.random.default_rng(M * 100 + N + K)
   x = _int8(rng, (M, K))
   codes = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
-  scale = rng.random((N, K // 32)).astype(np.float32)
+  scale = rng.random((N, K // 32)).astype(np.float16)
   got = np.asarray(native.q4_matmul(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)))
   want = _q4_reference(x, codes, scale)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -120,10 +120,10 @@ class Int8Weight:
 @dataclasses.dataclass
 class Q4Weight:
   """A weight w (input axes `in_axes` first, output axes after: a decoder projection) in 4 bits:
-  groups of 32 consecutive inputs of an output channel share one float32 scale, w = scale *
+  groups of 32 consecutive inputs of an output channel share one float16 scale, w = scale *
   (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
   (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte in `pack_q4`'s order,
-  scale [N, K / 32], N and K the flattened output and input sizes. Activations are quantized to
+  scale [N, K / 32] float16, N and K the flattened output and input sizes. Activations are quantized to
   int8 per token, as for Int8Weight; its models run the native attention too."""
 
   codes: Array
@@ -133,7 +133,8 @@ class Q4Weight:
 
   @property
   def dtype(self):
-    return self.scale.dtype
+    """The dtype the layer computes in (the scales are float16 only to stream fewer bytes)."""
+    return jnp.dtype(jnp.float32)
 
   def reshape(self, *shape) -> "Q4Weight":
     """Merge the leading input axes (wo [H, D, E] -> [H * D, E]); the stored codes do not move."""
@@ -150,7 +151,7 @@ class Q4Weight:
     """w in its own layout, dequantized."""
     N, half = self.codes.shape
     q = unpack_q4(self.codes).astype(jnp.float32).reshape(N, -1, Q4_GROUP) - 8  # [N, G, 32]
-    w = (q * self.scale[..., None]).reshape(N, 2 * half)  # [N, K]
+    w = (q * self.scale[..., None].astype(jnp.float32)).reshape(N, 2 * half)  # [N, K]
     n_in = len(self.in_axes)
     w = w.reshape(*self.shape[n_in:], *self.shape[:n_in])
     n_out = len(self.shape) - n_in
@@ -174,34 +175,46 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
     raise ValueError(f"q4 weights need an input size that is a multiple of {Q4_GROUP}, got "
                      f"{K} (weight {w.shape}); use --weights int8")
   wt = w.reshape(K, -1).T.reshape(-1, K // Q4_GROUP, Q4_GROUP)  # [N, G, 32]
-  scale = jnp.max(jnp.abs(wt), axis=-1) / 7.0
-  scale = jnp.where(scale == 0, 1.0, scale)  # [N, G]
-  q = (jnp.clip(jnp.round(wt / scale[..., None]), -7, 7) + 8).astype(jnp.uint8)
+  # float16 scales (what the kernel reads); the codes are rounded against them.
+  scale = jnp.minimum(jnp.max(jnp.abs(wt), axis=-1) / 7.0, np.finfo(np.float16).max)
+  scale = jnp.where(scale == 0, 1.0, scale).astype(jnp.float16)  # [N, G]
+  scale = jnp.where(scale == 0, jnp.float16(1.0), scale)  # underflowed to zero in float16
+  q = (jnp.clip(jnp.round(wt / scale[..., None].astype(jnp.float32)), -7, 7) + 8
+       ).astype(jnp.uint8)
   return Q4Weight(pack_q4(q.reshape(q.shape[0], K)), scale, tuple(w.shape), in_axes)
 
 
+Q4_LANES = 16  # groups in a superblock of the packed layout (one vector lane each)
+
+
+def _q4_superblocks(G: int) -> list[tuple[int, int]]:
+  """(first group, groups) of each superblock of a row of G groups: 16 at a time, the rest last."""
+  return [(g0, min(Q4_LANES, G - g0)) for g0 in range(0, G, Q4_LANES)]
+
+
 def pack_q4(q: Array) -> Array:
-  """Codes [N, K] (0..15) -> bytes [N, K / 2] in the kernel's order: per block of 64 inputs, byte j
-  holds input j (low nibble) and j + 32 (high); a trailing group of 32, inputs j and j + 16."""
+  """Codes [N, K] (0..15) -> bytes [N, K / 2] in the kernel's order (`jspec/native/q4_matmul.cc`):
+  groups of 32 inputs taken 16 at a time (the last superblock holds what is left); a superblock of
+  g groups is 4 chunks c of 4 g bytes, byte 4 l + i of chunk c holding input 32 l + 4 c + i of its
+  l-th group in the low nibble and input 32 l + 16 + 4 c + i in the high nibble."""
   N, K = q.shape
-  full = K // 64 * 64
-  blocks = q[:, :full].reshape(N, -1, 2, 32)
-  packed = [(blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, -1)]
-  if full < K:
-    tail = q[:, full:]
-    packed.append(tail[:, :16] | (tail[:, 16:] << 4))
-  return jnp.concatenate(packed, axis=1)
+  groups = q.reshape(N, K // Q4_GROUP, 2, 4, 4)  # [N, G, half, c, i]
+  parts = []
+  for g0, g in _q4_superblocks(K // Q4_GROUP):
+    block = jnp.transpose(groups[:, g0:g0 + g], (0, 3, 1, 4, 2))  # [N, c, l, i, half]
+    parts.append((block[..., 0] | (block[..., 1] << 4)).reshape(N, -1))
+  return jnp.concatenate(parts, axis=1)
 
 
 def unpack_q4(codes: Array) -> Array:
   """pack_q4's inverse: bytes [N, K / 2] -> codes [N, K]."""
   N, half = codes.shape
-  full = half // 32 * 32
-  blocks = codes[:, :full].reshape(N, -1, 32)
-  parts = [jnp.stack([blocks & 15, blocks >> 4], axis=2).reshape(N, -1)]
-  if full < half:
-    tail = codes[:, full:]
-    parts.append(jnp.concatenate([tail & 15, tail >> 4], axis=1))
+  parts, start = [], 0
+  for _, g in _q4_superblocks(2 * half // Q4_GROUP):
+    block = codes[:, start:start + 16 * g].reshape(N, 4, g, 4)  # [N, c, l, i]
+    start += 16 * g
+    nibbles = jnp.stack([block & 15, block >> 4], axis=-1)  # [N, c, l, i, half]
+    parts.append(jnp.transpose(nibbles, (0, 2, 4, 1, 3)).reshape(N, g * Q4_GROUP))
   return jnp.concatenate(parts, axis=1)
 
 

@@ -3,8 +3,8 @@
 - `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
   (`benchmarks/issue17_int8_step_profile_cpu.json`).
-- `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one scale each) times int8
-  activations: half the bytes of int8 weights to stream.
+- `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each) times
+  int8 activations: 0.56 of the bytes of int8 weights to stream.
 - `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
   order that depends only on the visible slots, so a token gets the same bits alone or in a
   verification block, over any cache size; XLA needs a token-by-token loop for that (slow).
@@ -132,15 +132,15 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
   """y [M, N] float32 = x [M, K] int8 . w^T for 4-bit w given as codes [N, K / 2] uint8 (two
   codes a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32]
-  float32, one per group of 32 inputs (CPU only)."""
+  float16, one per group of 32 inputs (CPU only)."""
   M, K = x.shape
   N = codes.shape[0]
   if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (N, K // 2)
       or scale.shape != (N, K // Q4_GROUP)):
     raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
                      f"and scale [N, K / {Q4_GROUP}], got {x.shape}, {codes.shape}, {scale.shape}")
-  if x.dtype != jnp.int8 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float32:
-    raise ValueError(f"q4_matmul takes int8 x, uint8 codes and float32 scales, got {x.dtype}, "
+  if x.dtype != jnp.int8 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
+    raise ValueError(f"q4_matmul takes int8 x, uint8 codes and float16 scales, got {x.dtype}, "
                      f"{codes.dtype}, {scale.dtype}")
   _library()
   out = jax.ShapeDtypeStruct((M, N), jnp.float32)

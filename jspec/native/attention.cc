@@ -44,37 +44,46 @@ struct Operands {
   int64_t B, T, H, S, K, D, layer;
 };
 
-// One (b, t, h): its query against the visible slots of its KV head.
+// One (b, t, KV head): the query heads that share the KV head, against its visible slots. Each key
+// and value row is read once for all of them; each head's sums are the same as if it ran alone.
 void Item(const Operands& o, int64_t item) {
-  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D;
-  const int64_t h = item % H, t = (item / H) % T, b = item / (H * T);
-  const int64_t kh = h / (H / K);
-  const float* qv = o.q + ((b * T + t) * H + h) * D;
+  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D, G = H / K;
+  const int64_t kh = item % K, t = (item / K) % T, b = item / (K * T);
+  const float* q0 = o.q + ((b * T + t) * H + kh * G) * D;  // head kh * G + g at q0 + g * D
   const bool* vis = o.visible + (b * T + t) * S;
   const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
   const float scale = 1.0f / std::sqrt(float(D));
-  thread_local std::vector<float> p;
+  thread_local std::vector<float> p;  // [G, visible slots]
   thread_local std::vector<int32_t> slots;
   slots.clear();
   for (int64_t s = 0; s < S; ++s)
     if (vis[s]) slots.push_back(int32_t(s));
-  p.resize(slots.size());
-  float m = -INFINITY;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    p[i] = Dot(qv, o.k + (row + slots[i] * K) * D, D) * scale;
-    m = std::max(m, p[i]);
+  const int64_t n = int64_t(slots.size());
+  p.resize(G * n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* ks = o.k + (row + slots[i] * K) * D;
+    for (int64_t g = 0; g < G; ++g) p[g * n + i] = Dot(q0 + g * D, ks, D) * scale;
   }
-  float sum = 0.0f;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    p[i] = std::exp(p[i] - m);
-    sum += p[i];
+  float* out0 = o.out + ((b * T + t) * H + kh * G) * D;
+  std::fill(out0, out0 + G * D, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p.data() + g * n;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, pg[i]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      pg[i] = std::exp(pg[i] - m);
+      sum += pg[i];
+    }
+    for (int64_t i = 0; i < n; ++i) pg[i] /= sum;
   }
-  float* out = o.out + ((b * T + t) * H + h) * D;
-  std::fill(out, out + D, 0.0f);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    const float w = p[i] / sum;
+  for (int64_t i = 0; i < n; ++i) {
     const float* vs = o.v + (row + slots[i] * K) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] += w * vs[d];
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * n + i];
+      float* out = out0 + g * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += w * vs[d];
+    }
   }
 }
 
@@ -100,7 +109,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   o.out = out->typed_data();
   o.B = qd[0], o.T = qd[1], o.H = qd[2], o.D = qd[3];
   o.S = kd[2], o.K = kd[3], o.layer = layer;
-  jspec::ParallelFor(pool, o.B * o.T * o.H, [=](int64_t item) { Item(o, item); });
+  jspec::ParallelFor(pool, o.B * o.T * o.K, [=](int64_t item) { Item(o, item); });
   return ffi::Error::Success();
 }
 

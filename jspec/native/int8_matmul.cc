@@ -40,8 +40,7 @@ constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a t
 // Rows [n0, n0 + NR) of y for activation rows [m0, m0 + MR). vpdpbusd multiplies uint8 by int8, so
 // the weights enter as w + 128 (a xor of the sign bit, once per loaded block, shared by every
 // activation row) and y = (w + 128) . x - 128 * sum_k x, with the activation sums `x_sums`
-// computed once per call. Lanes past K load as 0 in x, so they add nothing. Fixed NR and MR keep
-// every accumulator in a register.
+// computed once per call. Fixed NR and MR keep every accumulator in a register.
 template <int NR, int MR>
 inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums, int64_t N,
                   int64_t K, int64_t m0, int64_t n0) {
@@ -53,21 +52,31 @@ inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x
   for (int r = 0; r < NR; ++r) wr[r] = w + (n0 + r) * K;
   const int8_t* xr[MR];
   for (int t = 0; t < MR; ++t) xr[t] = x + (m0 + t) * K;
-  auto step = [&](int64_t k, __mmask64 mask) {
+  // Plain loops, no lambda over the accumulators: GCC kept a captured acc array in memory and
+  // stored it every step, which halved the speed of a 5-token block.
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
     __m512i wv[NR];
     for (int r = 0; r < NR; ++r) {
       // The same row of the next block: the hardware prefetcher ramps up too late on short rows.
       _mm_prefetch(reinterpret_cast<const char*>(wr[r] + NR * K + k), _MM_HINT_T1);
-      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[r] + k), sign);
+      wv[r] = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + k), sign);
     }
+    for (int t = 0; t < MR; ++t) {
+      const __m512i xv = _mm512_loadu_si512(xr[t] + k);
+      for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[r], xv);
+    }
+  }
+  if (k < K) {  // lanes past K load as 0 in x and w, so they add nothing
+    const __mmask64 mask = (__mmask64(1) << (K - k)) - 1;
+    __m512i wv[NR];
+    for (int r = 0; r < NR; ++r)
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, wr[r] + k), sign);
     for (int t = 0; t < MR; ++t) {
       const __m512i xv = _mm512_maskz_loadu_epi8(mask, xr[t] + k);
       for (int r = 0; r < NR; ++r) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[r], xv);
     }
-  };
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) step(k, ~__mmask64(0));
-  if (k < K) step(k, (__mmask64(1) << (K - k)) - 1);
+  }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < MR; ++t)
       y[(m0 + t) * N + n0 + r] = _mm512_reduce_add_epi32(acc[r][t]) - 128 * x_sums[m0 + t];
@@ -96,8 +105,10 @@ inline void BlockRows(const int8_t* x, const int8_t* w, int32_t* y, const int32_
 void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums, int64_t M,
           int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
   int64_t n0 = n_begin;
-  for (; n0 + kRowBlock <= n_end; n0 += kRowBlock)
-    BlockRows<kRowBlock>(x, w, y, x_sums, N, K, M, n0);
+  if (M <= 2)  // four output rows share each x load; with more tokens, two leave registers free
+    for (; n0 + kRowBlock <= n_end; n0 += kRowBlock)
+      BlockRows<kRowBlock>(x, w, y, x_sums, N, K, M, n0);
+  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(x, w, y, x_sums, N, K, M, n0);
   for (; n0 < n_end; ++n0) BlockRows<1>(x, w, y, x_sums, N, K, M, n0);
 }
 

@@ -2,28 +2,33 @@
 //
 //   y[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * (code[n, k] - 8)
 //
-// x: [M, K] int8 (activations quantized per token; the caller applies their scales), codes: [N,
-// K / 2] uint8, two 4-bit codes a byte, groups of 32 inputs with one float scale each: [N, K / 32].
-// Each block of 64 inputs is 32 bytes, byte j holding input j (low nibble) and input j + 32 (high
-// nibble), so one load, two masks and one insert give its 64 codes in input order; a trailing
-// group of 32 is 16 bytes, byte j holding inputs j and j + 16. Half the bytes of int8
-// weights, so a decode step streams half as much; the integer part of each group is exact and
-// the float sums run in one fixed order per (m, n), so a token gets the same bits in a one-token
-// step and in a verification block.
+// x: [M, K] int8 (activations quantized per token; the caller applies their scales); codes: [N,
+// K / 2] uint8, two 4-bit codes a byte; scale: [N, K / 32] float16, one per group of 32 inputs.
+// Half the bytes of int8 weights (plus 1/16 for the scales), so a decode step streams ~0.56 as much.
 //
-// AVX512-VNNI: vpdpbusd of the codes (uint8, 0..15) with x, started from -8 * (sum of x over each
-// lane's 4 inputs), gives each lane its 4-input sum of x * (code - 8); lanes 0-7 belong to the
-// first group of a 64-input block, 8-15 to the second; converted to float, scaled, accumulated.
+// Layout (made for one vector lane per group): a row's groups are taken 16 at a time (a superblock
+// of 512 inputs; the last one holds the g = G mod 16 groups left when G is not a multiple of 16).
+// A superblock of g groups starting at group g0 is 16 g bytes: 4 chunks c = 0..3 of 4 g bytes, and
+// byte 4 l + i of chunk c (lane l < g, i < 4) holds input 32 (g0 + l) + 4 c + i in its low nibble
+// and input 32 (g0 + l) + 16 + 4 c + i in its high nibble. So one 64-byte load, a mask and a shift
+// give each of 16 lanes 4 inputs of its own group, vpdpbusd sums them into the lane, and after the
+// superblock's 8 such steps each lane holds its group's whole integer sum: the float work (convert,
+// scale, add) is once per 16 groups, not once per group, and the kernel stays memory-bound.
+//
+// Integer group sums are exact and every (m, n) adds its groups' float terms in one fixed order (by
+// superblock, then a fixed reduction over the 16 lanes), whatever M or the thread split: a token
+// gets the same bits in a one-token step and in a verification block.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512DQ__)
+    defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define JSPEC_Q4_VNNI 1
 #else
@@ -34,85 +39,95 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kRowBlock = 4;
-constexpr int64_t kChunkRows = 32;
+constexpr int64_t kGroup = 32;      // inputs sharing one scale
+constexpr int64_t kLanes = 16;      // groups in a superblock
+constexpr int64_t kChunkRows = 32;  // output rows per unit of work handed to a thread
 
 struct Operands {
-  const int8_t* x;
-  const uint8_t* codes;
-  const float* scale;
-  float* y;
-  const int32_t* x_init;  // [M, K / 4]: -8 * sum of each 4 consecutive x (VNNI path)
-  int64_t M, N, K;
+  const int8_t* xp;       // [M, K] x in the codes' superblock order (`PermuteX`)
+  const int32_t* x_init;  // [M, S * 16]: -8 * each group's sum of x, lanes past a tail zero
+  const uint8_t* codes;   // [N, K / 2]
+  const uint16_t* scale;  // [N, G] float16 bits
+  float* y;               // [M, N]
+  int64_t M, N, K, G, S;  // S: superblocks per row
 };
 
-#if JSPEC_Q4_VNNI
+// Groups in superblock s of a row of G groups.
+inline int64_t LanesOf(int64_t s, int64_t G) { return std::min(kLanes, G - s * kLanes); }
 
-// Codes of one 64-input block (32 bytes: two groups) as 64 bytes in input order.
-inline __m512i Unpack64(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, nib);                        // inputs 0-31
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);  // inputs 32-63
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-// The two groups' scales of a 64-input block, lanes 0-7 and 8-15.
-inline __m512 Scales(const float* s) {
-  const __m512i which = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
-  return _mm512_permutexvar_ps(which, _mm512_castps128_ps512(two));
-}
-
-// A trailing single group (16 bytes) as 32 bytes in input order, upper half zero.
-inline __m512i Unpack32(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(v, nib);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
-  return _mm512_castsi256_si512(_mm256_set_m128i(hi, lo));
-}
-
-template <int NR, int MR>
-inline void Block(const Operands& o, int64_t m0, int64_t n0) {
-  const int64_t K = o.K, G = K / kGroup;
-  __m512 acc[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) acc[r][t] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    __m512i codes[NR];
-    __m512 scales[NR];
-    for (int r = 0; r < NR; ++r) {
-      const int64_t n = n0 + r;
-      codes[r] = Unpack64(o.codes + n * (K / 2) + k / 2);
-      scales[r] = Scales(o.scale + n * G + k / kGroup);
-    }
-    for (int t = 0; t < MR; ++t) {
-      const __m512i xv = _mm512_loadu_si512(o.x + (m0 + t) * K + k);
-      const __m512i init = _mm512_loadu_si512(o.x_init + (m0 + t) * (K / 4) + k / 4);
-      for (int r = 0; r < NR; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(init, codes[r], xv);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales[r], acc[r][t]);
+// x rows in the order a superblock's steps read them: per superblock, per chunk c, the 4 g bytes
+// that meet the chunk's low nibbles (inputs 32 l + 4 c + i), then the 4 g that meet its high ones.
+void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, int64_t M, int64_t K, int64_t G,
+              int64_t S) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* xr = x + m * K;
+    int8_t* out = xp + m * K;
+    int32_t* init = x_init + m * S * kLanes;
+    std::fill(init, init + S * kLanes, 0);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t g = LanesOf(s, G), g0 = s * kLanes;
+      for (int64_t c = 0; c < 4; ++c)
+        for (int64_t half = 0; half < 2; ++half)
+          for (int64_t l = 0; l < g; ++l)
+            for (int64_t i = 0; i < 4; ++i) *out++ = xr[kGroup * (g0 + l) + 16 * half + 4 * c + i];
+      for (int64_t l = 0; l < g; ++l) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < kGroup; ++i) sum += xr[kGroup * (g0 + l) + i];
+        init[s * kLanes + l] = -8 * sum;
       }
     }
   }
-  if (k < K) {  // one group of 32 left: lanes 8-15 stay zero (codes, x and init masked)
-    __m512i codes[NR];
-    __m512 scales[NR];
-    for (int r = 0; r < NR; ++r) {
-      const int64_t n = n0 + r;
-      codes[r] = Unpack32(o.codes + n * (K / 2) + k / 2);
-      scales[r] = _mm512_set1_ps(o.scale[n * G + k / kGroup]);
-    }
+}
+
+#if JSPEC_Q4_VNNI
+
+// Rows [n0, n0 + NR) of y for activation rows [m0, m0 + MR). Integer sums of a superblock in
+// `dot`, float sums over superblocks in `acc`: NR * MR of each, so NR shrinks as MR grows to keep
+// them all in the 32 vector registers.
+template <int NR, int MR>
+inline void Block(const Operands& o, int64_t m0, int64_t n0) {
+  const int64_t K = o.K, G = o.G, row_bytes = K / 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < MR; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < o.S; ++s) {
+    const int64_t g = LanesOf(s, G);
+    const __mmask64 bytes = g == kLanes ? ~__mmask64(0) : (__mmask64(1) << (4 * g)) - 1;
+    const __mmask16 lanes = __mmask16((1u << g) - 1);
+    __m512i dot[NR][MR];
     for (int t = 0; t < MR; ++t) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(0xFFFFFFFFull, o.x + (m0 + t) * K + k);
-      const __m512i init = _mm512_maskz_loadu_epi32(0x00FF, o.x_init + (m0 + t) * (K / 4) + k / 4);
+      const __m512i init = _mm512_loadu_si512(o.x_init + ((m0 + t) * o.S + s) * kLanes);
+      for (int r = 0; r < NR; ++r) dot[r][t] = init;
+    }
+    const uint8_t* codes[NR];
+    for (int r = 0; r < NR; ++r) codes[r] = o.codes + (n0 + r) * row_bytes + s * 256;
+    const int8_t* xs = o.xp + s * 512;
+    for (int64_t c = 0; c < 4; ++c) {
+      __m512i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(init, codes[r], xv);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales[r], acc[r][t]);
+        // The same bytes of the next row block: the hardware prefetcher ramps up late on short rows.
+        _mm_prefetch(reinterpret_cast<const char*>(codes[r] + NR * row_bytes + c * 4 * g),
+                     _MM_HINT_T1);
+        const __m512i v = _mm512_maskz_loadu_epi8(bytes, codes[r] + c * 4 * g);
+        lo[r] = _mm512_and_si512(v, nib);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       }
+      for (int t = 0; t < MR; ++t) {
+        const int8_t* xt = xs + (m0 + t) * K + c * 8 * g;
+        const __m512i xl = _mm512_maskz_loadu_epi8(bytes, xt);
+        const __m512i xh = _mm512_maskz_loadu_epi8(bytes, xt + 4 * g);
+        for (int r = 0; r < NR; ++r) {
+          dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], lo[r], xl);
+          dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], hi[r], xh);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 scale = _mm512_cvtph_ps(
+          _mm256_maskz_loadu_epi16(lanes, o.scale + (n0 + r) * G + s * kLanes));
+      for (int t = 0; t < MR; ++t)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), scale, acc[r][t]);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -136,39 +151,60 @@ inline void BlockRows(const Operands& o, int64_t n0) {
 }
 
 void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
+  // Four output rows share each x load where one or two tokens leave registers for them.
+  const int64_t nr = o.M <= 2 ? 4 : 2;
   int64_t n0 = n_begin;
-  for (; n0 + kRowBlock <= n_end; n0 += kRowBlock) BlockRows<kRowBlock>(o, n0);
+  if (nr == 4)
+    for (; n0 + 4 <= n_end; n0 += 4) BlockRows<4>(o, n0);
+  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(o, n0);
   for (; n0 < n_end; ++n0) BlockRows<1>(o, n0);
 }
 
 #else
 
-// Code of input i (0 <= i < K) in a row's packed bytes.
-inline int32_t Code(const uint8_t* row, int64_t K, int64_t i) {
-  const int64_t block = i / 64, full = K / 64;
-  if (block < full) {
-    const int64_t j = i % 64;
-    const uint8_t b = row[block * 32 + j % 32];
-    return j < 32 ? b & 0x0F : b >> 4;
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1F, frac = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (frac << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (frac << 13);
+  } else if (frac == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    uint32_t e = 113, f = frac;
+    while (!(f & 0x400)) f <<= 1, --e;
+    bits = sign | (e << 23) | ((f & 0x3FF) << 13);
   }
-  const int64_t j = i - full * 64;  // the trailing group of 32
-  const uint8_t b = row[full * 32 + j % 16];
-  return j < 16 ? b & 0x0F : b >> 4;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
 }
 
+// The same sums in the same layout, one (m, n) at a time, lanes summed in a fixed order.
 void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
-  const int64_t K = o.K, G = K / kGroup;
+  const int64_t K = o.K, G = o.G;
   for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row = o.codes + n * (K / 2);
     for (int64_t m = 0; m < o.M; ++m) {
-      float acc = 0.0f;
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t s = 0;
-        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i)
-          s += int32_t(o.x[m * K + i]) * (Code(row, K, i) - 8);
-        acc += float(s) * o.scale[n * G + g];
+      float acc[kLanes] = {};
+      for (int64_t s = 0; s < o.S; ++s) {
+        const int64_t g = LanesOf(s, G);
+        const uint8_t* codes = o.codes + n * (K / 2) + s * 256;
+        const int8_t* xs = o.xp + m * K + s * 512;
+        for (int64_t l = 0; l < g; ++l) {
+          int32_t dot = o.x_init[(m * o.S + s) * kLanes + l];
+          for (int64_t c = 0; c < 4; ++c)
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t b = codes[c * 4 * g + 4 * l + i];
+              dot += int32_t(b & 15) * xs[c * 8 * g + 4 * l + i];
+              dot += int32_t(b >> 4) * xs[c * 8 * g + 4 * g + 4 * l + i];
+            }
+          acc[l] += float(dot) * HalfToFloat(o.scale[n * G + s * kLanes + l]);
+        }
       }
-      o.y[m * o.N + n] = acc;
+      for (int64_t width = kLanes / 2; width > 0; width /= 2)
+        for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
+      o.y[m * o.N + n] = acc[0];
     }
   }
 }
@@ -176,22 +212,24 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
 #endif
 
 ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> codes,
-                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] % kGroup != 0 ||
       cd[1] * 2 != xd[1] || sd[0] != cd[0] || sd[1] * kGroup != xd[1])
     return ffi::Error::InvalidArgument(
         "jspec_q4_matmul: x [M, K], codes [N, K / 2], scale [N, K / 32], K a multiple of 32");
   Operands o;
-  o.x = x.typed_data();
-  o.codes = codes.typed_data();
-  o.scale = scale.typed_data();
-  o.y = y->typed_data();
   o.M = xd[0], o.N = cd[0], o.K = xd[1];
-  std::vector<int32_t> x_init(o.M * (o.K / 4));
-  for (int64_t i = 0; i < o.M * (o.K / 4); ++i)
-    x_init[i] = -8 * (o.x[4 * i] + o.x[4 * i + 1] + o.x[4 * i + 2] + o.x[4 * i + 3]);
+  o.G = o.K / kGroup, o.S = (o.G + kLanes - 1) / kLanes;
+  // Per call O(M K) host work beside the O(N K) weights: negligible for a few tokens.
+  std::vector<int8_t> xp(o.M * o.K);
+  std::vector<int32_t> x_init(o.M * o.S * kLanes);
+  PermuteX(x.typed_data(), xp.data(), x_init.data(), o.M, o.K, o.G, o.S);
+  o.xp = xp.data();
   o.x_init = x_init.data();
+  o.codes = codes.typed_data();
+  o.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  o.y = y->typed_data();
   jspec::ParallelFor(pool, (o.N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
     Rows(o, c * kChunkRows, std::min(o.N, (c + 1) * kChunkRows));
   });
@@ -205,5 +243,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecQ4Matmul, Q4MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
