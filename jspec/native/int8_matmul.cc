@@ -82,21 +82,24 @@ inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x
       y[(m0 + t) * N + n0 + r] = _mm512_reduce_add_epi32(acc[r][t]) - 128 * x_sums[m0 + t];
 }
 
-// Every activation row, in passes of at most kMaxTok rows (a verification block of gamma + 1 <= 5
-// rows reads its weights once).
-constexpr int64_t kMaxTok = 5;
+// Every activation row, in passes of at most kMaxTok rows (a verification block of gamma + 1 <= 8
+// rows reads its weights once; with two output rows a block, 8 x 2 accumulators fit in registers).
+constexpr int64_t kMaxTok = 8;
 
 template <int NR>
 inline void BlockRows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums,
                       int64_t N, int64_t K, int64_t M, int64_t n0) {
   int64_t m0 = 0;
-  for (; M - m0 > kMaxTok; m0 += 4) Block<NR, 4>(x, w, y, x_sums, N, K, m0, n0);
+  for (; M - m0 > kMaxTok; m0 += kMaxTok) Block<NR, kMaxTok>(x, w, y, x_sums, N, K, m0, n0);
   switch (M - m0) {
     case 1: Block<NR, 1>(x, w, y, x_sums, N, K, m0, n0); break;
     case 2: Block<NR, 2>(x, w, y, x_sums, N, K, m0, n0); break;
     case 3: Block<NR, 3>(x, w, y, x_sums, N, K, m0, n0); break;
     case 4: Block<NR, 4>(x, w, y, x_sums, N, K, m0, n0); break;
     case 5: Block<NR, 5>(x, w, y, x_sums, N, K, m0, n0); break;
+    case 6: Block<NR, 6>(x, w, y, x_sums, N, K, m0, n0); break;
+    case 7: Block<NR, 7>(x, w, y, x_sums, N, K, m0, n0); break;
+    case 8: Block<NR, 8>(x, w, y, x_sums, N, K, m0, n0); break;
     default: break;
   }
 }
