@@ -50,6 +50,35 @@ def test_int8_matmul_refuses_bad_operands():
     native.int8_matmul(x.astype(jnp.float32), w)
 
 
+@pytest.mark.parametrize("M", [1, 5, 9])
+@pytest.mark.parametrize("K", [16, 37, 200])
+def test_int8_linear_quantizes_like_xla(M, K):
+  """The fused call (rows quantized inside, sums scaled) gives the bits of quantize_rows, XLA's
+  int8 dot and the float scaling: vector body and scalar tail of the quantizer, an all-zero row
+  (scale 1), and halves that round to even (2.5 -> 2, -3.5 -> -4; away from zero would differ).
+  True divisions instead of quantize_rows' reciprocals fail it (scales a bit off, -3.5 -> -3)."""
+  rng = np.random.default_rng(M * 100 + K)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  s = np.float32(101) * (np.float32(1) / np.float32(127))  # row 0's scale
+  step = np.float32(1) / (np.float32(1) / s)  # x = t * step gives x * (1 / s) == t exactly here
+  x[0, :4] = [101.0, *(np.float32([2.5, -3.5, 0.5]) * step)]
+  x[0, 4:] = np.clip(x[0, 4:], -0.4 * s, 0.4 * s)
+  if M > 1:
+    x[1] = 0.0
+  w = _int8(rng, (7, K))
+  w_scale = rng.random(7).astype(np.float32)
+  got = np.asarray(native.int8_linear(jnp.asarray(x), jnp.asarray(w), jnp.asarray(w_scale)))
+  xq, xs = quant.quantize_rows(jnp.asarray(x))
+  assert list(np.asarray(xq)[0, :4]) == [127, 2, -4, 0] and float(xs[0, 0]) == s
+  dot = jnp.einsum("mk,nk->mn", xq, jnp.asarray(w), preferred_element_type=jnp.int32)
+  want = np.asarray(dot.astype(jnp.float32) * xs * jnp.asarray(w_scale)[None])
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"w_scale \[N\]"):
+    native.int8_linear(jnp.asarray(x), jnp.asarray(w), jnp.ones(3, jnp.float32))
+  with pytest.raises(ValueError, match="float32 x"):
+    native.int8_linear(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), jnp.asarray(w_scale))
+
+
 @pytest.mark.parametrize("spec,shape,axes,xshape", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
 def test_native_weight_is_the_same_weight(spec, shape, axes, xshape):
   """Stored output-major, a native Int8Weight reads as the same weight (shape, dense, scales) and
@@ -132,7 +161,7 @@ def test_the_program_calls_the_kernel():
   hlo = jax.jit(forward, static_argnums=1).lower(
       params, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
-  calls = hlo.count(f"@{native.INT8}")  # StableHLO
+  calls = hlo.count(f"@{native.INT8_LINEAR}")  # StableHLO
   assert calls >= 7 * WIDE.num_layers + 1, calls  # 7 projections a layer + the head
   assert hlo.count(f"@{native.ATTENTION}") == WIDE.num_layers
   int8_dots = [line for line in hlo.splitlines() if "dot_general" in line and "xi8>" in line]
@@ -141,7 +170,7 @@ def test_the_program_calls_the_kernel():
   hlo = jax.jit(forward, static_argnums=1).lower(
       xla, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
-  assert native.INT8 not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
+  assert native.INT8_LINEAR not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
 
 
 def test_native_int8_chains_are_token_identical():
@@ -215,15 +244,16 @@ def test_q4_matmul_matches_the_reference(M, N, K):
   """Every row pass and row block, superblocks whole (K = 0 mod 512) and partial (1, 2, 3, 8 or 1
   groups past the last whole one), thread chunks."""
   rng = np.random.default_rng(M * 100 + N + K)
-  x = _int8(rng, (M, K))
+  x = rng.standard_normal((M, K)).astype(np.float32)
   codes = rng.integers(0, 256, (N, K // 2)).astype(np.uint8)
   scale = rng.random((N, K // 32)).astype(np.float16)
   got = np.asarray(native.q4_matmul(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)))
-  want = _q4_reference(x, codes, scale)
+  xq, xs = (np.asarray(a) for a in quant.quantize_rows(jnp.asarray(x)))
+  want = _q4_reference(xq, codes, scale) * xs
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
   # Has teeth: the nibbles read in the other order fail it.
   swapped = (codes >> 4) | (codes << 4)
-  assert np.abs(_q4_reference(x, swapped, scale) - want).max() > 1e-2 * np.abs(want).max()
+  assert np.abs(_q4_reference(xq, swapped, scale) * xs - want).max() > 1e-2 * np.abs(want).max()
 
 
 Q4_PROJECTIONS = [("bte,ehd->bthd", (64, 4, 16), (0,), (2, 3, 64)),

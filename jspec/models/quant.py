@@ -248,11 +248,18 @@ def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> In
   return weight
 
 
+_INV_127 = np.float32(1) / np.float32(127)
+
+
 def quantize_rows(x: Array) -> tuple[Array, Array]:
   """Per-token symmetric int8 of activations x [..., K] -> (int8 [..., K], scale [..., 1])."""
-  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32) / 127.0
+  # Reciprocals multiplied, not divisions: XLA rewrites x / c and x / broadcast(s) that way
+  # anyway, and spelling it out defines the bits that jspec's CPU kernels reproduce when they
+  # quantize inside their calls (jspec/native/quantize.h).
+  scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32) * _INV_127
   scale = jnp.where(scale == 0, 1.0, scale)
-  return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+  inverse = 1.0 / scale
+  return jnp.clip(jnp.round(x * inverse), -127, 127).astype(jnp.int8), scale
 
 
 def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
@@ -280,20 +287,20 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
 
 
 def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Array:
-  """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes."""
+  """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes, the
+  activations quantized and the result scaled inside the call (the same bits as XLA's path)."""
   lead, n_in = x.shape[:-1], len(w.in_axes)
   out_shape = w.q.shape[:w.q.ndim - n_in]
-  xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
-  y = native.int8_matmul(xq, w.q.reshape(-1, xq.shape[-1]))  # [M, N] int32, exact
-  y = y.astype(jnp.float32) * xs * w.out_scale().reshape(1, -1)
+  K = int(np.prod(w.q.shape[w.q.ndim - n_in:]))
+  y = native.int8_linear(x.reshape(-1, K).astype(jnp.float32), w.q.reshape(-1, K),
+                         w.out_scale().reshape(-1).astype(jnp.float32))  # [M, N]
   return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
 
 
 def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
-  """quant.einsum for 4-bit weights through jspec's CPU kernel."""
+  """quant.einsum for 4-bit weights through jspec's CPU kernel (activations quantized inside)."""
   lead = x.shape[:-1]
-  xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))  # [M, K], [M, 1]
-  y = native.q4_matmul(xq, w.codes, w.scale) * xs  # [M, N]
+  y = native.q4_matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w.codes, w.scale)
   return y.reshape(*lead, *w.shape[len(w.in_axes):]).astype(preferred_element_type or x.dtype)
 
 

@@ -37,8 +37,9 @@ from jspec.paths import cache_dir
 SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(Path(__file__).with_name(f)
                 for f in ("int8_matmul.cc", "q4_matmul.cc", "attention.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(f) for f in ("parallel.h", "quantize.h"))
 INT8 = "jspec_int8_matmul"
+INT8_LINEAR = "jspec_int8_linear"
 Q4 = "jspec_q4_matmul"
 ATTENTION = "jspec_attention"
 Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
@@ -108,6 +109,7 @@ def build() -> Path:
 def _library() -> ctypes.CDLL:
   lib = ctypes.CDLL(str(build()))
   jax.ffi.register_ffi_target(INT8, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(INT8_LINEAR, jax.ffi.pycapsule(lib.JspecInt8Linear), platform="cpu")
   jax.ffi.register_ffi_target(Q4, jax.ffi.pycapsule(lib.JspecQ4Matmul), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
@@ -129,18 +131,34 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(INT8, out, vmap_method="sequential")(x, w)
 
 
+def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+  """y [M, N] float32 = quantize(x) . w^T * x_scale * w_scale for float32 x [M, K], int8 w [N, K]
+  and its per-row scale w_scale [N]: x quantized per row as `jspec.models.quant.quantize_rows`
+  does, to the bit, and the int8 sums exact (CPU only). A projection in one call."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w_scale.shape != w.shape[:1]:
+    raise ValueError(f"int8_linear takes x [M, K], w [N, K] and w_scale [N], got {x.shape}, "
+                     f"{w.shape} and {w_scale.shape}")
+  if x.dtype != jnp.float32 or w.dtype != jnp.int8 or w_scale.dtype != jnp.float32:
+    raise ValueError(f"int8_linear takes float32 x, int8 w and float32 w_scale, got {x.dtype}, "
+                     f"{w.dtype} and {w_scale.dtype}")
+  _library()
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(INT8_LINEAR, out, vmap_method="sequential")(x, w, w_scale)
+
+
 def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
-  """y [M, N] float32 = x [M, K] int8 . w^T for 4-bit w given as codes [N, K / 2] uint8 (two
-  codes a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32]
-  float16, one per group of 32 inputs (CPU only)."""
+  """y [M, N] float32 = quantize(x) . w^T * x_scale for float32 x [M, K] (quantized per row as
+  `jspec.models.quant.quantize_rows` does) and 4-bit w given as codes [N, K / 2] uint8 (two codes
+  a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32] float16,
+  one per group of 32 inputs (CPU only)."""
   M, K = x.shape
   N = codes.shape[0]
   if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (N, K // 2)
       or scale.shape != (N, K // Q4_GROUP)):
     raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
                      f"and scale [N, K / {Q4_GROUP}], got {x.shape}, {codes.shape}, {scale.shape}")
-  if x.dtype != jnp.int8 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
-    raise ValueError(f"q4_matmul takes int8 x, uint8 codes and float16 scales, got {x.dtype}, "
+  if x.dtype != jnp.float32 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
+    raise ValueError(f"q4_matmul takes float32 x, uint8 codes and float16 scales, got {x.dtype}, "
                      f"{codes.dtype}, {scale.dtype}")
   _library()
   out = jax.ShapeDtypeStruct((M, N), jnp.float32)

@@ -1,6 +1,9 @@
-// int8 x int8 -> int32 matmul for CPU decoding, called from XLA through its FFI.
+// int8 x int8 matmuls for CPU decoding, called from XLA through its FFI.
 //
-//   y[m, n] = sum_k x[m, k] * w[n, k]      x: [M, K] int8, w: [N, K] int8, y: [M, N] int32
+//   jspec_int8_matmul: y[m, n] = sum_k x[m, k] * w[n, k]   x: [M, K] int8, w: [N, K] int8, y int32
+//   jspec_int8_linear: the same sums for float32 x quantized per row here (quantize.h), returned as
+//                      float32 y[m, n] = sum * x_scale[m] * w_scale[n]: what a model's projection
+//                      needs, with no XLA work around the call.
 //
 // Weights are stored output-major ([N, K], each output channel's row contiguous), so a few rows of
 // activations (a decode step: 1; a verification block: gamma + 1) stream every weight byte once,
@@ -10,7 +13,7 @@
 // in a one-token step and in a block (what greedy speculative identity needs).
 //
 // Paths (chosen when the library is compiled, with -march=native):
-//   AVX512-VNNI: vpdpbusd on (x + 128) as uint8 times w as int8, corrected by 128 * sum_k w[n, k];
+//   AVX512-VNNI: vpdpbusd on (w + 128) as uint8 times x as int8, corrected by 128 * sum_k x[m, k];
 //   otherwise a plain loop the compiler vectorizes (AVX2, NEON, ...).
 // Work is split over output-row chunks on XLA's intra-op thread pool (parallel.h).
 
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "quantize.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -33,6 +37,22 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kRowBlock = 4;   // output rows sharing one pass over a row block of x
+
+// Where results go: the exact int32 sums (`yi`), or float32 sums * x_scale[m] * w_scale[n] (`yf`,
+// jspec_int8_linear: the product in the order `quant.einsum` takes it).
+struct Out {
+  int32_t* yi = nullptr;
+  float* yf = nullptr;
+  const float* x_scale = nullptr;
+  const float* w_scale = nullptr;
+  int64_t N = 0;
+  void Set(int64_t m, int64_t n, int32_t v) const {
+    if (yf)
+      yf[m * N + n] = float(v) * x_scale[m] * w_scale[n];
+    else
+      yi[m * N + n] = v;
+  }
+};
 constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a thread
 
 #if JSPEC_VNNI
@@ -42,7 +62,7 @@ constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a t
 // activation row) and y = (w + 128) . x - 128 * sum_k x, with the activation sums `x_sums`
 // computed once per call. Fixed NR and MR keep every accumulator in a register.
 template <int NR, int MR>
-inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums, int64_t N,
+inline void Block(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums, int64_t N,
                   int64_t K, int64_t m0, int64_t n0) {
   __m512i acc[NR][MR];
   for (int r = 0; r < NR; ++r)
@@ -79,7 +99,7 @@ inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x
   }
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < MR; ++t)
-      y[(m0 + t) * N + n0 + r] = _mm512_reduce_add_epi32(acc[r][t]) - 128 * x_sums[m0 + t];
+      y.Set(m0 + t, n0 + r, _mm512_reduce_add_epi32(acc[r][t]) - 128 * x_sums[m0 + t]);
 }
 
 // Every activation row, in passes of at most kMaxTok rows (a verification block of gamma + 1 <= 8
@@ -87,7 +107,7 @@ inline void Block(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x
 constexpr int64_t kMaxTok = 8;
 
 template <int NR>
-inline void BlockRows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums,
+inline void BlockRows(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums,
                       int64_t N, int64_t K, int64_t M, int64_t n0) {
   int64_t m0 = 0;
   for (; M - m0 > kMaxTok; m0 += kMaxTok) Block<NR, kMaxTok>(x, w, y, x_sums, N, K, m0, n0);
@@ -105,7 +125,7 @@ inline void BlockRows(const int8_t* x, const int8_t* w, int32_t* y, const int32_
 }
 
 // Output rows [n_begin, n_end) for every activation row.
-void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums, int64_t M,
+void Rows(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums, int64_t M,
           int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
   int64_t n0 = n_begin;
   if (M <= 2)  // four output rows share each x load; with more tokens, two leave registers free
@@ -117,7 +137,7 @@ void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t* x_sums, i
 
 #else
 
-void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t*, int64_t M, int64_t N,
+void Rows(const int8_t* x, const int8_t* w, const Out& y, const int32_t*, int64_t M, int64_t N,
           int64_t K, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* wr = w + n * K;
@@ -125,12 +145,29 @@ void Rows(const int8_t* x, const int8_t* w, int32_t* y, const int32_t*, int64_t 
       const int8_t* xr = x + t * K;
       int32_t s = 0;
       for (int64_t k = 0; k < K; ++k) s += int32_t(xr[k]) * int32_t(wr[k]);
-      y[t * N + n] = s;
+      y.Set(t, n, s);
     }
   }
 }
 
 #endif
+
+// sum_k x[m, k] for the VNNI path's +128 correction.
+std::vector<int32_t> RowSums(const int8_t* x, int64_t M, int64_t K) {
+  std::vector<int32_t> sums(M, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) sums[m] += x[m * K + k];
+  return sums;
+}
+
+void Run(ffi::ThreadPool& pool, const int8_t* x, const int8_t* w, const Out& y, int64_t M,
+         int64_t N, int64_t K) {
+  const std::vector<int32_t> x_sums = RowSums(x, M, K);
+  const int32_t* sums = x_sums.data();
+  jspec::ParallelFor(pool, (N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
+    Rows(x, w, y, sums, M, N, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
+  });
+}
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::S8> w,
                           ffi::ResultBuffer<ffi::S32> y) {
@@ -138,17 +175,31 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("jspec_int8_matmul: x must be [M, K] and w [N, K]");
+  Out out;
+  out.yi = y->typed_data();
+  out.N = wd[0];
+  Run(pool, x.typed_data(), w.typed_data(), out, xd[0], wd[0], xd[1]);
+  return ffi::Error::Success();
+}
+
+// float32 x in, float32 y out: x quantized per row here (quantize.h), then the exact int8 sums
+// scaled by x's and w's scales.
+ffi::Error Int8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = w_scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || sd.size() != 1 || sd[0] != wd[0])
+    return ffi::Error::InvalidArgument(
+        "jspec_int8_linear: x must be [M, K], w [N, K] and w_scale [N]");
   const int64_t M = xd[0], N = wd[0], K = xd[1];
-  const int8_t* xs = x.typed_data();
-  std::vector<int32_t> x_sums(M, 0);  // sum_k x[m, k], for the VNNI path's +128 correction
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) x_sums[m] += xs[m * K + k];
-  const int8_t* ws = w.typed_data();
-  int32_t* ys = y->typed_data();
-  const int32_t* sums = x_sums.data();
-  jspec::ParallelFor(pool, (N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
-    Rows(xs, ws, ys, sums, M, N, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
-  });
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> x_scale(M);
+  jspec::QuantizeRows(x.typed_data(), xq.data(), x_scale.data(), M, K);
+  Out out;
+  out.yf = y->typed_data();
+  out.x_scale = x_scale.data();
+  out.w_scale = w_scale.typed_data();
+  out.N = N;
+  Run(pool, xq.data(), w.typed_data(), out, M, N, K);
   return ffi::Error::Success();
 }
 
@@ -160,5 +211,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecInt8Linear, Int8LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int JspecInt8MatmulPath() { return JSPEC_VNNI ? 1 : 0; }

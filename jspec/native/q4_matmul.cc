@@ -1,9 +1,10 @@
 // 4-bit weights x int8 activations -> float32 for CPU decoding, called from XLA through its FFI.
 //
-//   y[m, n] = sum_g scale[n, g] * sum_{k in group g} x[m, k] * (code[n, k] - 8)
+//   y[m, n] = x_scale[m] * sum_g scale[n, g] * sum_{k in group g} xq[m, k] * (code[n, k] - 8)
 //
-// x: [M, K] int8 (activations quantized per token; the caller applies their scales); codes: [N,
-// K / 2] uint8, two 4-bit codes a byte; scale: [N, K / 32] float16, one per group of 32 inputs.
+// x: [M, K] float32, quantized per token here to xq int8 and x_scale (quantize.h, the bits of
+// `quant.quantize_rows`); codes: [N, K / 2] uint8, two 4-bit codes a byte; scale: [N, K / 32]
+// float16, one per group of 32 inputs.
 // Half the bytes of int8 weights (plus 1/16 for the scales), so a decode step streams ~0.56 as much.
 //
 // Layout (made for one vector lane per group): a row's groups are taken 16 at a time (a superblock
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "quantize.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
@@ -48,6 +50,7 @@ struct Operands {
   const int32_t* x_init;  // [M, S * 16]: -8 * each group's sum of x, lanes past a tail zero
   const uint8_t* codes;   // [N, K / 2]
   const uint16_t* scale;  // [N, G] float16 bits
+  const float* x_scale;   // [M]
   float* y;               // [M, N]
   int64_t M, N, K, G, S;  // S: superblocks per row
 };
@@ -131,7 +134,8 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int t = 0; t < MR; ++t) o.y[(m0 + t) * o.N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < MR; ++t)
+      o.y[(m0 + t) * o.N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]) * o.x_scale[m0 + t];
 }
 
 constexpr int64_t kMaxTok = 5;
@@ -204,14 +208,14 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
       }
       for (int64_t width = kLanes / 2; width > 0; width /= 2)
         for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
-      o.y[m * o.N + n] = acc[0];
+      o.y[m * o.N + n] = acc[0] * o.x_scale[m];
     }
   }
 }
 
 #endif
 
-ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::U8> codes,
+ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                         ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] % kGroup != 0 ||
@@ -222,9 +226,12 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffe
   o.M = xd[0], o.N = cd[0], o.K = xd[1];
   o.G = o.K / kGroup, o.S = (o.G + kLanes - 1) / kLanes;
   // Per call O(M K) host work beside the O(N K) weights: negligible for a few tokens.
-  std::vector<int8_t> xp(o.M * o.K);
+  std::vector<int8_t> xq(o.M * o.K), xp(o.M * o.K);
+  std::vector<float> x_scale(o.M);
   std::vector<int32_t> x_init(o.M * o.S * kLanes);
-  PermuteX(x.typed_data(), xp.data(), x_init.data(), o.M, o.K, o.G, o.S);
+  jspec::QuantizeRows(x.typed_data(), xq.data(), x_scale.data(), o.M, o.K);
+  PermuteX(xq.data(), xp.data(), x_init.data(), o.M, o.K, o.G, o.S);
+  o.x_scale = x_scale.data();
   o.xp = xp.data();
   o.x_init = x_init.data();
   o.codes = codes.typed_data();
@@ -241,7 +248,7 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffe
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecQ4Matmul, Q4MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
