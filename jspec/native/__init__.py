@@ -2,9 +2,11 @@
 
 - `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
-  (`benchmarks/issue17_int8_step_profile_cpu.json`).
+  (`benchmarks/issue17_int8_step_profile_cpu.json`). `int8_linear`: the same sums for float32
+  activations quantized per row inside the call (`quantize.h`, the bits of
+  `quant.quantize_rows`) and scaled on the way out: a whole projection, no XLA work around it.
 - `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each) times
-  int8 activations: 0.56 of the bytes of int8 weights to stream.
+  float32 activations quantized the same way: 0.56 of the bytes of int8 weights to stream.
 - `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
   order that depends only on the visible slots, so a token gets the same bits alone or in a
   verification block, over any cache size; XLA needs a token-by-token loop for that (slow).
