@@ -47,6 +47,7 @@ python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 24 --pro
 # Session 17: q4 kernel in a lane-per-group layout (memory-bound), int8 kernel without spills
 # (5-token verification ~1.15 AR steps), a q4 drafter beside the int8 target.
 python benchmarks/native_matmul.py --rows 1,2,5,8 --json benchmarks/issue17_native_matmul_s17_cpu.json
+python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 24 --prompts 8 --formats float32,int8,q4 --json benchmarks/issue17_quant_quality_cpu.json  # q4 now with float16 scales
 Q4PAIR="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --no-transformers"
 for G in 4 5; do
   jspec bench $Q4PAIR --weights int8 --drafter-weights q4 --gamma $G --json benchmarks/issue17_q4drafter_humaneval_t0_g${G}_int8_cpu.json

@@ -123,8 +123,8 @@ class Q4Weight:
   groups of 32 consecutive inputs of an output channel share one float16 scale, w = scale *
   (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
   (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte in `pack_q4`'s order,
-  scale [N, K / 32] float16, N and K the flattened output and input sizes. Activations are quantized to
-  int8 per token, as for Int8Weight; its models run the native attention too."""
+  scale [N, K / 32] float16, N and K the flattened output and input sizes. Activations are
+  quantized to int8 per token, as for Int8Weight; its models run the native attention too."""
 
   codes: Array
   scale: Array

@@ -5,7 +5,7 @@
 // x: [M, K] float32, quantized per token here to xq int8 and x_scale (quantize.h, the bits of
 // `quant.quantize_rows`); codes: [N, K / 2] uint8, two 4-bit codes a byte; scale: [N, K / 32]
 // float16, one per group of 32 inputs.
-// Half the bytes of int8 weights (plus 1/16 for the scales), so a decode step streams ~0.56 as much.
+// Half the bytes of int8 weights (plus 1/16 for the scales): a decode step streams ~0.56 as much.
 //
 // Layout (made for one vector lane per group): a row's groups are taken 16 at a time (a superblock
 // of 512 inputs; the last one holds the g = G mod 16 groups left when G is not a multiple of 16).
@@ -109,7 +109,7 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
     for (int64_t c = 0; c < 4; ++c) {
       __m512i lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) {
-        // The same bytes of the next row block: the hardware prefetcher ramps up late on short rows.
+        // The same bytes of the next row block: the prefetcher ramps up late on short rows.
         _mm_prefetch(reinterpret_cast<const char*>(codes[r] + NR * row_bytes + c * 4 * g),
                      _MM_HINT_T1);
         const __m512i v = _mm512_maskz_loadu_epi8(bytes, codes[r] + c * 4 * g);
