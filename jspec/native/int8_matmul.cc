@@ -37,6 +37,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kRowBlock = 4;   // output rows sharing one pass over a row block of x
+constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a thread
 
 // Where results go: the exact int32 sums (`yi`), or float32 sums * x_scale[m] * w_scale[n] (`yf`,
 // jspec_int8_linear: the product in the order `quant.einsum` takes it).
@@ -53,7 +54,6 @@ struct Out {
       yi[m * N + n] = v;
   }
 };
-constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a thread
 
 #if JSPEC_VNNI
 
@@ -62,8 +62,8 @@ constexpr int64_t kChunkRows = 32; // output rows per unit of work handed to a t
 // activation row) and y = (w + 128) . x - 128 * sum_k x, with the activation sums `x_sums`
 // computed once per call. Fixed NR and MR keep every accumulator in a register.
 template <int NR, int MR>
-inline void Block(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums, int64_t N,
-                  int64_t K, int64_t m0, int64_t n0) {
+inline void Block(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums, int64_t K,
+                  int64_t m0, int64_t n0) {
   __m512i acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int t = 0; t < MR; ++t) acc[r][t] = _mm512_setzero_si512();
@@ -108,37 +108,37 @@ constexpr int64_t kMaxTok = 8;
 
 template <int NR>
 inline void BlockRows(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums,
-                      int64_t N, int64_t K, int64_t M, int64_t n0) {
+                      int64_t K, int64_t M, int64_t n0) {
   int64_t m0 = 0;
-  for (; M - m0 > kMaxTok; m0 += kMaxTok) Block<NR, kMaxTok>(x, w, y, x_sums, N, K, m0, n0);
+  for (; M - m0 > kMaxTok; m0 += kMaxTok) Block<NR, kMaxTok>(x, w, y, x_sums, K, m0, n0);
   switch (M - m0) {
-    case 1: Block<NR, 1>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 2: Block<NR, 2>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 3: Block<NR, 3>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 4: Block<NR, 4>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 5: Block<NR, 5>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 6: Block<NR, 6>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 7: Block<NR, 7>(x, w, y, x_sums, N, K, m0, n0); break;
-    case 8: Block<NR, 8>(x, w, y, x_sums, N, K, m0, n0); break;
+    case 1: Block<NR, 1>(x, w, y, x_sums, K, m0, n0); break;
+    case 2: Block<NR, 2>(x, w, y, x_sums, K, m0, n0); break;
+    case 3: Block<NR, 3>(x, w, y, x_sums, K, m0, n0); break;
+    case 4: Block<NR, 4>(x, w, y, x_sums, K, m0, n0); break;
+    case 5: Block<NR, 5>(x, w, y, x_sums, K, m0, n0); break;
+    case 6: Block<NR, 6>(x, w, y, x_sums, K, m0, n0); break;
+    case 7: Block<NR, 7>(x, w, y, x_sums, K, m0, n0); break;
+    case 8: Block<NR, 8>(x, w, y, x_sums, K, m0, n0); break;
     default: break;
   }
 }
 
 // Output rows [n_begin, n_end) for every activation row.
 void Rows(const int8_t* x, const int8_t* w, const Out& y, const int32_t* x_sums, int64_t M,
-          int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
+          int64_t K, int64_t n_begin, int64_t n_end) {
   int64_t n0 = n_begin;
   if (M <= 2)  // four output rows share each x load; with more tokens, two leave registers free
     for (; n0 + kRowBlock <= n_end; n0 += kRowBlock)
-      BlockRows<kRowBlock>(x, w, y, x_sums, N, K, M, n0);
-  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(x, w, y, x_sums, N, K, M, n0);
-  for (; n0 < n_end; ++n0) BlockRows<1>(x, w, y, x_sums, N, K, M, n0);
+      BlockRows<kRowBlock>(x, w, y, x_sums, K, M, n0);
+  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(x, w, y, x_sums, K, M, n0);
+  for (; n0 < n_end; ++n0) BlockRows<1>(x, w, y, x_sums, K, M, n0);
 }
 
 #else
 
-void Rows(const int8_t* x, const int8_t* w, const Out& y, const int32_t*, int64_t M, int64_t N,
-          int64_t K, int64_t n_begin, int64_t n_end) {
+void Rows(const int8_t* x, const int8_t* w, const Out& y, const int32_t*, int64_t M, int64_t K,
+          int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* wr = w + n * K;
     for (int64_t t = 0; t < M; ++t) {
@@ -165,7 +165,7 @@ void Run(ffi::ThreadPool& pool, const int8_t* x, const int8_t* w, const Out& y, 
   const std::vector<int32_t> x_sums = RowSums(x, M, K);
   const int32_t* sums = x_sums.data();
   jspec::ParallelFor(pool, (N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
-    Rows(x, w, y, sums, M, N, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
+    Rows(x, w, y, sums, M, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
   });
 }
 

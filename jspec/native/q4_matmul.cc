@@ -156,9 +156,8 @@ inline void BlockRows(const Operands& o, int64_t n0) {
 
 void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
   // Four output rows share each x load where one or two tokens leave registers for them.
-  const int64_t nr = o.M <= 2 ? 4 : 2;
   int64_t n0 = n_begin;
-  if (nr == 4)
+  if (o.M <= 2)
     for (; n0 + 4 <= n_end; n0 += 4) BlockRows<4>(o, n0);
   for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(o, n0);
   for (; n0 < n_end; ++n0) BlockRows<1>(o, n0);
