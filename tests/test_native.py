@@ -108,8 +108,10 @@ def test_native_reshape_merges_input_axes():
                                 np.asarray(quant.einsum("btf,fe->bte", x, xla)))
 
 
+# D = 160: two register tiles of outputs (8 + 2 chunks); D = 24: a masked chunk; S = 70: slot
+# blocks of 32 and groups of 4 with tails.
 @pytest.mark.parametrize("B,T,H,K,D,S", [(1, 1, 12, 2, 128, 512), (2, 5, 6, 2, 32, 40),
-                                          (1, 4, 4, 4, 24, 17)])
+                                          (1, 4, 4, 4, 24, 17), (1, 3, 8, 1, 160, 70)])
 def test_native_attention_matches_the_reference(B, T, H, K, D, S):
   """Against XLA's masked attention, layer by layer of a stacked cache whose invisible slots hold
   NaN (a kernel that reads one fails)."""
@@ -137,6 +139,8 @@ def test_native_attention_refuses_bad_operands():
   with pytest.raises(ValueError, match="float32 cache"):
     native.attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16),
                      jnp.ones((1, 2, 16), bool), 0)
+  with pytest.raises(ValueError, match="at most 64 query heads per KV head"):
+    native.attention(jnp.zeros((1, 2, 130, 8)), kv, kv, jnp.ones((1, 2, 16), bool), 0)
 
 
 def test_native_forward_matches_xla_int8():

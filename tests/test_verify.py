@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jspec.sampling import verify as verify_mod
-from jspec.sampling.processing import GREEDY, SamplingParams, processed_logprobs
+from jspec.sampling.processing import GREEDY, SamplingParams, argmax, processed_logprobs
 from jspec.sampling.verify import accepted_mask, verify, verify_greedy, verify_sampled
 
 # eager JAX compiles every primitive separately, which dominates run time here; jit once instead
@@ -30,6 +30,22 @@ def peaked_logits(argmaxes, V, scale=5.0, seed=0):
 
 # ---------------------------------------------------------------------------------------------
 # greedy
+
+
+def test_argmax_is_jnp_argmax_with_ties_nan_and_inf():
+  """The two-pass argmax every greedy path uses picks exactly what jnp.argmax picks: the first
+  maximum, the first NaN when there is one, index 0 of an all -inf row."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(-3, 4, (6, 3, 50)).astype(np.float32)  # small integers: many ties
+  x[0, 0, [7, 30]] = np.nan
+  x[1, 1] = -np.inf
+  x[2, 2, 5:] = np.inf
+  x[3, 0, 49] = 100.0  # the maximum at the last index
+  x[4] = rng.standard_normal((3, 50))
+  got = jax.jit(argmax)(jnp.asarray(x))
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  assert int(got[0, 0]) == 7 and int(got[1, 1]) == 0 and int(got[2, 2]) == 5
 
 
 @pytest.mark.parametrize("draft, best, n, nxt", [

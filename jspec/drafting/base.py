@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
 from jspec.tree.structure import Tree
 
 Array = jax.Array
@@ -147,7 +147,7 @@ class HeadDrafter(Drafter):
 def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
   """(token [B], processed probs [B, V]); greedy gives the argmax and a one-hot distribution."""
   def greedy():
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token = argmax(logits)
     return token, jax.nn.one_hot(token, logits.shape[-1], dtype=jnp.float32)
 
   def sampled():

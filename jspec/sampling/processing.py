@@ -75,10 +75,20 @@ def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
   return jnp.where(x < threshold, -jnp.inf, x)
 
 
+def argmax(logits: Array) -> Array:
+  """jnp.argmax(logits, axis=-1) as int32 (the first maximum; the first NaN if any), in two
+  vectorised passes: XLA:CPU runs argmax's (value, index) reduction ~5x slower over a 150k
+  vocabulary (2.0 vs 0.34 ms for 5 rows, a tenth of a 1.5B int8 verification's LM head)."""
+  V = logits.shape[-1]
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  hit = (logits == top) | jnp.isnan(logits)
+  return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample(key: Array, logits: Array, sp: SamplingParams) -> Array:
   """One token per row from logits [B, V]: argmax when greedy, else the processed distribution."""
   return jax.lax.cond(
       sp.is_greedy,
-      lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+      lambda: argmax(logits),
       lambda: jax.random.categorical(key, processed_logprobs(logits, sp), axis=-1).astype(jnp.int32),
   )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
 from jspec.sampling.verify import accept_draw, residual_distribution
 from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_tokens, take
 
@@ -44,7 +44,7 @@ def verify_tree_greedy(tree: Tree, target_logits: Array) -> tuple[Array, Array, 
 
   Ties between equally deep paths (duplicate siblings) go to the lowest node index.
   """
-  best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+  best = argmax(target_logits)  # [B, N+1]
   ok = tree.valid & (tree.tokens == take(best, tree.parents + 1))  # [B, N]
   path_ok = tree.valid & jnp.all(~ancestor_mask(tree) | ok[:, None, :], axis=-1)  # [B, N]
   deepest = jnp.argmax(jnp.where(path_ok, tree.depth, 0), axis=-1).astype(jnp.int32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
 
 Array = jax.Array
 
@@ -34,7 +34,7 @@ def verify_greedy(draft_tokens: Array, target_logits: Array) -> tuple[Array, Arr
     target_logits: [B, G+1, V], position i predicts draft token i; position G is the bonus.
   """
   G = draft_tokens.shape[1]
-  best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, G+1]
+  best = argmax(target_logits)  # [B, G+1]
   n_accepted = _prefix_length(draft_tokens == best[:, :G])
   next_token = jnp.take_along_axis(best, n_accepted[:, None], axis=1)[:, 0]
   return n_accepted, next_token
