@@ -19,7 +19,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward, lm_head
 from jspec.models.numerics import engine_jit
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import GREEDY, SamplingParams, argmax
 
 
 def best_seconds(fn, *args, repeats: int) -> float:
@@ -80,7 +80,7 @@ def round_split_s(target_params: Params, target_cfg: Config, drafter: HeadDrafte
   ar_step: one autoregressive target step (1-token forward + head), the baseline's cost a token.
   """
   sample = drafter.sampler(sampling)
-  greedy_pick = lambda key, logits: (jnp.argmax(logits, -1), logits)
+  greedy_pick = lambda key, logits: (argmax(logits), logits)
   return {
       "draft_layers": gamma * _layers_s(drafter.params, drafter.cfg, 1, cache_size, context,
                                         repeats),

@@ -31,7 +31,7 @@ from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, param_bytes
 from jspec.models.numerics import engine_jit, precision_label
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import GREEDY, SamplingParams, argmax
 from jspec.tree.shapes import TreeShape
 
 
@@ -175,7 +175,7 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
       state = drafter.update(state, seq_len + gamma + 1,
                              Features(hidden=hidden, tokens=block, start=seq_len - 1))
       # Use every logit (greedy verification takes their argmax), so none of the head is pruned.
-      return state, cache, acc + jnp.sum(jnp.argmax(logits, -1)) + q[0, 0, 0].astype(jnp.int32)
+      return state, cache, acc + jnp.sum(argmax(logits)) + q[0, 0, 0].astype(jnp.int32)
     return jax.lax.fori_loop(0, repeats, one, (state, cache, jnp.int32(0)))
 
   @engine_jit
@@ -184,7 +184,7 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
       cache, acc = carry
       block = jnp.full((1, gamma + 1), i, jnp.int32)
       logits, _, cache = forward(params, cfg, block, positions, cache)
-      return cache, acc + jnp.sum(jnp.argmax(logits, -1))
+      return cache, acc + jnp.sum(argmax(logits))
     return jax.lax.fori_loop(0, repeats, one, (cache, jnp.int32(0)))
 
   key = jax.random.key(0)

@@ -103,10 +103,10 @@ inline void PvTile(const float* const* values, const float* w, int64_t count, in
 
 // One (b, t, KV head): the G query heads that share the KV head, against its n visible slots.
 // Scores run 4 slots at a time with the heads inside and p . v over blocks of 32 slots, so each
-// key and value row comes from memory once and is re-read by the other heads from L1 (reading
-// them per head from L2 made this 3x slower than the scalar loop). Each head's score
-// of a slot is computed the same way whatever n or the slot's rank (4 slots share the loads, each
-// with its own sum); the softmax normaliser sums exponentials in 16 lanes by rank among the
+// key and value row comes from memory once and is re-read by the other heads from L1 (re-read
+// per head from L2 it was slower than the scalar loop this replaced). Each head's score of a slot
+// is computed the same way whatever n or the slot's rank (4 slots share the loads, each with its
+// own sum); the softmax normaliser sums exponentials in 16 lanes by rank among the
 // visible slots; p . v sums over the visible slots in slot order. So a token's result depends
 // only on its query and its visible slots.
 void Item(const Operands& o, int64_t item) {
@@ -151,7 +151,7 @@ void Item(const Operands& o, int64_t item) {
       _mm512_mask_storeu_ps(pg + i, lanes, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[g] = n > 0 ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;  // no visible slot: zeros
   }
   // p . v over blocks of slots whose value rows stay in L1, the sums of one head's 16 x NC
   // outputs in registers across a block.
