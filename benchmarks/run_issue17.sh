@@ -52,3 +52,10 @@ Q4PAIR="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HO
 for G in 4 5; do
   jspec bench $Q4PAIR --weights int8 --drafter-weights q4 --gamma $G --json benchmarks/issue17_q4drafter_humaneval_t0_g${G}_int8_cpu.json
 done
+# Session 18: native attention vectorised, q4 prefetch 32 KB ahead, two-pass argmax.
+S18PAIR="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --no-transformers"
+for G in 4 5; do
+  jspec bench $S18PAIR --weights int8 --drafter-weights q4 --gamma $G --json benchmarks/issue17_s18_q4drafter_humaneval_t0_g${G}_int8_cpu.json
+done
+# 12 prompts: acceptance over 768 tokens, less at the mercy of one trajectory than 4 x 64.
+jspec bench --model qwen2.5-coder-1.5b --drafters model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 12 --max-new-tokens 64 --no-transformers --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_s18_q4trim_humaneval12_t0_g4_int8_cpu.json

@@ -38,6 +38,33 @@ struct Operands {
   int64_t B, T, H, S, K, D, layer;
 };
 
+// Item `item` = (b, t, KV head kh): its G query heads (head g's query at q + g * D, its output at
+// out + g * D) and the key and value rows of the n slots it sees, in slot order. The row lists
+// are the calling thread's and hold until its next call.
+struct ItemRows {
+  const float* q;
+  float* out;
+  int64_t G, n;
+  const float* const* keys;
+  const float* const* values;
+};
+
+inline ItemRows VisibleRows(const Operands& o, int64_t item) {
+  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D, G = H / K;
+  const int64_t kh = item % K, t = (item / K) % T, b = item / (K * T);
+  const bool* vis = o.visible + (b * T + t) * S;
+  const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
+  thread_local std::vector<const float*> keys, values;
+  keys.clear(), values.clear();
+  for (int64_t s = 0; s < S; ++s)
+    if (vis[s]) {
+      keys.push_back(o.k + (row + s * K) * D);
+      values.push_back(o.v + (row + s * K) * D);
+    }
+  const int64_t first = ((b * T + t) * H + kh * G) * D;
+  return {o.q + first, o.out + first, G, int64_t(keys.size()), keys.data(), values.data()};
+}
+
 #if defined(__AVX512F__)
 
 // e^x in each lane (x <= 0 here: scores less their maximum): x = n ln2 + r with |r| <= ln2 / 2,
@@ -110,32 +137,21 @@ inline void PvTile(const float* const* values, const float* w, int64_t count, in
 // visible slots; p . v sums over the visible slots in slot order. So a token's result depends
 // only on its query and its visible slots.
 void Item(const Operands& o, int64_t item) {
-  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D, G = H / K;
-  const int64_t kh = item % K, t = (item / K) % T, b = item / (K * T);
-  const float* q0 = o.q + ((b * T + t) * H + kh * G) * D;  // head kh * G + g at q0 + g * D
-  const bool* vis = o.visible + (b * T + t) * S;
-  const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
+  const ItemRows r = VisibleRows(o, item);
+  const int64_t G = r.G, n = r.n, D = o.D;
   const float scale = 1.0f / std::sqrt(float(D));
   thread_local std::vector<float> p, acc;  // [G, n]: scores, then exponentials; [G, D] sums
-  thread_local std::vector<const float*> keys, values;
-  keys.clear(), values.clear();
-  for (int64_t s = 0; s < S; ++s)
-    if (vis[s]) {
-      keys.push_back(o.k + (row + s * K) * D);
-      values.push_back(o.v + (row + s * K) * D);
-    }
-  const int64_t n = int64_t(keys.size());
   p.resize(G * n);
   acc.assign(G * D, 0.0f);
   float scores[4];
   int64_t i = 0;
   for (; i + 4 <= n; i += 4)
     for (int64_t g = 0; g < G; ++g) {
-      Dots<4>(q0 + g * D, keys.data() + i, D, scale, scores);
+      Dots<4>(r.q + g * D, r.keys + i, D, scale, scores);
       for (int j = 0; j < 4; ++j) p[g * n + i + j] = scores[j];
     }
   for (; i < n; ++i)
-    for (int64_t g = 0; g < G; ++g) Dots<1>(q0 + g * D, keys.data() + i, D, scale, &p[g * n + i]);
+    for (int64_t g = 0; g < G; ++g) Dots<1>(r.q + g * D, r.keys + i, D, scale, &p[g * n + i]);
   float inv[kMaxGroup];  // 1 / each head's softmax normaliser
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p.data() + g * n;
@@ -162,22 +178,21 @@ void Item(const Operands& o, int64_t item) {
         const float* w = p.data() + g * n + i0;
         float* a = acc.data() + g * D + d0;
         switch (std::min<int64_t>(kMaxChunks, (D - d0 + kLanes - 1) / kLanes)) {
-          case 1: PvTile<1>(values.data() + i0, w, count, d0, D, a); break;
-          case 2: PvTile<2>(values.data() + i0, w, count, d0, D, a); break;
-          case 3: PvTile<3>(values.data() + i0, w, count, d0, D, a); break;
-          case 4: PvTile<4>(values.data() + i0, w, count, d0, D, a); break;
-          case 5: PvTile<5>(values.data() + i0, w, count, d0, D, a); break;
-          case 6: PvTile<6>(values.data() + i0, w, count, d0, D, a); break;
-          case 7: PvTile<7>(values.data() + i0, w, count, d0, D, a); break;
-          default: PvTile<8>(values.data() + i0, w, count, d0, D, a); break;
+          case 1: PvTile<1>(r.values + i0, w, count, d0, D, a); break;
+          case 2: PvTile<2>(r.values + i0, w, count, d0, D, a); break;
+          case 3: PvTile<3>(r.values + i0, w, count, d0, D, a); break;
+          case 4: PvTile<4>(r.values + i0, w, count, d0, D, a); break;
+          case 5: PvTile<5>(r.values + i0, w, count, d0, D, a); break;
+          case 6: PvTile<6>(r.values + i0, w, count, d0, D, a); break;
+          case 7: PvTile<7>(r.values + i0, w, count, d0, D, a); break;
+          default: PvTile<8>(r.values + i0, w, count, d0, D, a); break;
         }
       }
   }
-  float* out0 = o.out + ((b * T + t) * H + kh * G) * D;
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += kLanes) {
       const __mmask16 lanes = Tail(d, D);
-      _mm512_mask_storeu_ps(out0 + g * D + d, lanes, _mm512_mul_ps(
+      _mm512_mask_storeu_ps(r.out + g * D + d, lanes, _mm512_mul_ps(
           _mm512_maskz_loadu_ps(lanes, acc.data() + g * D + d), _mm512_set1_ps(inv[g])));
     }
 }
@@ -199,25 +214,14 @@ inline float Dot(const float* q, const float* k, int64_t D) {
 // One (b, t, KV head): the query heads that share the KV head, against its visible slots. Each key
 // and value row is read once for all of them; each head's sums are the same as if it ran alone.
 void Item(const Operands& o, int64_t item) {
-  const int64_t H = o.H, T = o.T, S = o.S, K = o.K, D = o.D, G = H / K;
-  const int64_t kh = item % K, t = (item / K) % T, b = item / (K * T);
-  const float* q0 = o.q + ((b * T + t) * H + kh * G) * D;  // head kh * G + g at q0 + g * D
-  const bool* vis = o.visible + (b * T + t) * S;
-  const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
+  const ItemRows r = VisibleRows(o, item);
+  const int64_t G = r.G, n = r.n, D = o.D;
   const float scale = 1.0f / std::sqrt(float(D));
   thread_local std::vector<float> p;  // [G, visible slots]
-  thread_local std::vector<int32_t> slots;
-  slots.clear();
-  for (int64_t s = 0; s < S; ++s)
-    if (vis[s]) slots.push_back(int32_t(s));
-  const int64_t n = int64_t(slots.size());
   p.resize(G * n);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* ks = o.k + (row + slots[i] * K) * D;
-    for (int64_t g = 0; g < G; ++g) p[g * n + i] = Dot(q0 + g * D, ks, D) * scale;
-  }
-  float* out0 = o.out + ((b * T + t) * H + kh * G) * D;
-  std::fill(out0, out0 + G * D, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < G; ++g) p[g * n + i] = Dot(r.q + g * D, r.keys[i], D) * scale;
+  std::fill(r.out, r.out + G * D, 0.0f);
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p.data() + g * n;
     float m = -INFINITY;
@@ -230,10 +234,10 @@ void Item(const Operands& o, int64_t item) {
     for (int64_t i = 0; i < n; ++i) pg[i] /= sum;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const float* vs = o.v + (row + slots[i] * K) * D;
+    const float* vs = r.values[i];
     for (int64_t g = 0; g < G; ++g) {
       const float w = p[g * n + i];
-      float* out = out0 + g * D;
+      float* out = r.out + g * D;
       for (int64_t d = 0; d < D; ++d) out[d] += w * vs[d];
     }
   }
