@@ -59,3 +59,5 @@ for G in 4 5; do
 done
 # 12 prompts: acceptance over 768 tokens, less at the mercy of one trajectory than 4 x 64.
 jspec bench --model qwen2.5-coder-1.5b --drafters model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 12 --max-new-tokens 64 --no-transformers --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_s18_q4trim_humaneval12_t0_g4_int8_cpu.json
+# Longer answers (256 new tokens): how the end-to-end ratio approaches the decode ratio once prefill is amortised.
+jspec bench --model qwen2.5-coder-1.5b --drafters model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 256 --no-transformers --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_s18_q4trim_humaneval_256tok_t0_g4_int8_cpu.json
