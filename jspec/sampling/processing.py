@@ -78,7 +78,7 @@ def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
 def argmax(logits: Array) -> Array:
   """jnp.argmax(logits, axis=-1) as int32 (the first maximum; the first NaN if any), in two
   vectorised passes: XLA:CPU runs argmax's (value, index) reduction ~5x slower over a 150k
-  vocabulary (2.0 vs 0.34 ms for 5 rows, a tenth of a 1.5B int8 verification's LM head)."""
+  vocabulary (5 rows: 2.0 vs 0.34 ms, beside 8.7 ms for a 1.5B int8 model's LM head)."""
   V = logits.shape[-1]
   top = jnp.max(logits, axis=-1, keepdims=True)
   hit = (logits == top) | jnp.isnan(logits)
