@@ -63,3 +63,5 @@ jspec bench --model qwen2.5-coder-1.5b --drafters model:$HOME/work/q05_trim32768
 jspec bench --model qwen2.5-coder-1.5b --drafters model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 256 --no-transformers --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_s18_q4trim_humaneval_256tok_t0_g4_int8_cpu.json
 # jspec vs transformers on the same pair and weights (float32 both), this session's code.
 jspec bench $PAIR --weights float32 --gamma 4 --json benchmarks/issue17_s18_pair_humaneval_t0_g4_float32_cpu.json
+# Native attention vs XLA's masked attention at the pair's shapes (session 18's rewrite).
+python benchmarks/native_attention.py --json benchmarks/issue17_native_attention_cpu.json
