@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import numpy as np
 
 from jspec import native
 from jspec.bench.profiling import save_script_record
+from jspec.bench.round_split import best_seconds
 from jspec.models.llama import masked_attention
 
 SHAPES = {"target_step": (1, 12, 2, 128), "target_verify_g4": (5, 12, 2, 128),
@@ -30,8 +30,8 @@ SHAPES = {"target_step": (1, 12, 2, 128), "target_verify_g4": (5, 12, 2, 128),
 LAYERS, SLOTS, VISIBLE = 24, 256, 200
 
 
-def per_layer_seconds(attend, q, k, v, visible, repeats: int = 7) -> float:
-  """Best of `repeats` runs of one program attending over every layer in turn."""
+def per_layer_seconds(attend, q, k, v, visible) -> float:
+  """One program attending over every layer in turn: best of 7 runs (this VM is noisy)."""
   def run(q, k, v, visible):
     acc = jnp.float32(0)
     for layer in range(LAYERS):
@@ -39,14 +39,7 @@ def per_layer_seconds(attend, q, k, v, visible, repeats: int = 7) -> float:
       acc, q = acc + out[0, 0, 0, 0], q + 1e-3 * out
     return acc
 
-  fn = jax.jit(run)
-  fn(q, k, v, visible).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn(q, k, v, visible).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return best / LAYERS
+  return best_seconds(jax.jit(run), q, k, v, visible, repeats=LAYERS, tries=7)
 
 
 def main() -> int:

@@ -22,11 +22,11 @@ from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, argmax
 
 
-def best_seconds(fn, *args, repeats: int) -> float:
-  """Best of 3 timed calls (after one that compiles) of a program running `repeats` times."""
+def best_seconds(fn, *args, repeats: int, tries: int = 3) -> float:
+  """Best of `tries` timed calls (after one that compiles) of a program running `repeats` times."""
   jax.block_until_ready(fn(*args))
   best = float("inf")
-  for _ in range(3):
+  for _ in range(tries):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)

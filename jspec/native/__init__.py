@@ -177,7 +177,8 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Arr
   if (v_all.shape != k_all.shape or (Bk, Dk) != (B, D) or visible.shape != (B, T, S)
       or H % K or H // K > 64 or not 0 <= layer < L):
     raise ValueError(f"attention takes q [B, T, H, D], k, v [L, B, S, K, D], visible [B, T, S] "
-                     f"(at most 64 query heads per KV head) and 0 <= layer < L, got {q.shape}, {k_all.shape}, {v_all.shape}, "
+                     f"(at most 64 query heads per KV head) and 0 <= layer < L, got {q.shape}, "
+                     f"{k_all.shape}, {v_all.shape}, "
                      f"{visible.shape}, layer {layer}")
   if not q.dtype == k_all.dtype == v_all.dtype == jnp.float32:
     raise ValueError(f"native attention reads a float32 cache and float32 queries, got "

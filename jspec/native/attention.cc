@@ -143,13 +143,9 @@ void Item(const Operands& o, int64_t item) {
   thread_local std::vector<float> p, acc;  // [G, n]: scores, then exponentials; [G, D] sums
   p.resize(G * n);
   acc.assign(G * D, 0.0f);
-  float scores[4];
   int64_t i = 0;
   for (; i + 4 <= n; i += 4)
-    for (int64_t g = 0; g < G; ++g) {
-      Dots<4>(r.q + g * D, r.keys + i, D, scale, scores);
-      for (int j = 0; j < 4; ++j) p[g * n + i + j] = scores[j];
-    }
+    for (int64_t g = 0; g < G; ++g) Dots<4>(r.q + g * D, r.keys + i, D, scale, &p[g * n + i]);
   for (; i < n; ++i)
     for (int64_t g = 0; g < G; ++g) Dots<1>(r.q + g * D, r.keys + i, D, scale, &p[g * n + i]);
   float inv[kMaxGroup];  // 1 / each head's softmax normaliser
