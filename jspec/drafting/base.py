@@ -52,6 +52,9 @@ class Features:
   hidden: Array  # [B, W, E]
   tokens: Array  # [B, W] int32
   start: Array  # [B] int32
+  # Probing drafters (Drafter.probe_masks = k > 0): the target's final-normed hidden states
+  # [B, k, E] at the k mask positions that followed the last accepted token (else None).
+  probe_hidden: Array | None = None
 
 
 class DraftState:
@@ -101,6 +104,14 @@ class Drafter(abc.ABC):
                   features: Features) -> DraftState:
     """After a tree verification accepting path [B, D] (n_accepted [B] nodes) from a round that
     started at seq_len; features hold the root and the accepted path."""
+
+  # Mask positions the target's verification forward appends after every block token for this
+  # drafter (jspec.drafting.probe): 0 for drafters that run their own model or lookup.
+  probe_masks: int = 0
+
+  def probe_embedding(self, state: DraftState) -> Array:
+    """[B, E]: the input embedding of the mask positions (probing drafters only)."""
+    raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
 
   def with_kv(self, policy, room: int) -> "Drafter":
     """This drafter with its KV cache under `policy` (a key-scored `jspec.kv.policy.KVPolicy`;

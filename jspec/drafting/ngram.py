@@ -138,6 +138,14 @@ class NgramDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.vocab if self.fallback is None else self.fallback.vocab_size
 
+  @property
+  def probe_masks(self) -> int:
+    """A probing fallback's masks (the engine appends them whatever the lookup finds)."""
+    return 0 if self.fallback is None else self.fallback.probe_masks
+
+  def probe_embedding(self, state: NgramState) -> Array:
+    return self.fallback.probe_embedding(state.inner)
+
   def with_kv(self, policy, room: int) -> NgramDrafter:
     """The fallback's cache under `policy` (the lookup's token history stays whole: 4 bytes a
     token)."""

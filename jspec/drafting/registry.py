@@ -17,6 +17,7 @@ from jspec.drafting.base import Drafter
 from jspec.drafting.feature import eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.ngram import ngram_drafter
+from jspec.drafting.probe import probe_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.fetch import default_model_path
 from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
@@ -133,6 +134,16 @@ def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
                        f"optionally +DRAFTER")
     n_min, n_max = int(lo), int(hi)
   return ngram_drafter(target.cfg.vocab_size, n_min, n_max, fallback)
+
+
+@register("mtp", "mtp[:K]", "mask-token probing (ESP): the target's own logits at K mask "
+                           "positions after each verified token draft the next K tokens, in the "
+                           "same forward; no drafter model. K = 2 by default, chains of gamma <= K "
+                           "or trees at most K deep, e.g. --tree dynamic:8,2,1,4")
+def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  if arg is not None and not (arg.isdigit() and 1 <= int(arg) <= 8):
+    raise ValueError(f"mtp:K takes K = 1 .. 8 mask positions per token, got 'mtp:{arg}'")
+  return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
 
 
 def default_drafter_path(target: Target) -> Path:

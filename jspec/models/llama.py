@@ -290,7 +290,7 @@ def lm_head(params: Params, hidden: Array) -> Array:
 
 def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
             mask: Optional[Array] = None, *, logits_indices: Optional[Array] = None,
-            mass_weights: Optional[Array] = None):
+            mass_weights: Optional[Array] = None, appended: Optional[Array] = None):
   """Run T new tokens per row through the decoder.
 
   Args:
@@ -305,11 +305,15 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
       query heads of each KV head (attention-score eviction: H2O, TOVA, SnapKV). [B, T, J]: J
       weightings at once, into a cache.mass of [L, B, S, K, J]. XLA attention only; the
       probabilities are recomputed beside the attention, which stays as it is.
+    appended: optional [B, M, E] input embeddings run after the T tokens as M more positions
+      (mask-token probing, jspec.drafting.probe); positions and mask then cover T + M.
 
   Returns:
     (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
   """
   B, T = tokens.shape
+  if appended is not None:
+    T += appended.shape[1]
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.int8_kernel(params))
   masses = None
@@ -321,7 +325,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
     attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
                                      mass_weights)
-  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend)
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended)
   if masses is not None:
     cache = dataclasses.replace(cache, mass=cache.mass + jnp.stack(masses))
   picked = hidden
@@ -379,9 +383,13 @@ def _recording_mass(attend: Callable, visible: Array, weights: Array):
 
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
-             slots: Array, attend: Callable) -> tuple[Array, KVCache]:
-  """Embedding, every layer (new K/V written at `slots` [B, T]), final norm → hidden [B, T, E]."""
+             slots: Array, attend: Callable, appended: Optional[Array] = None
+             ) -> tuple[Array, KVCache]:
+  """Embedding (then the `appended` embeddings), every layer (new K/V written at `slots`
+  [B, T]), final norm → hidden [B, T, E]."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
+  if appended is not None:
+    x = jnp.concatenate([x, appended.astype(x.dtype)], axis=1)
   cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import Drafter, Features
+from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
@@ -24,6 +25,7 @@ from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
+from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
 
 Array = jax.Array
 
@@ -43,18 +45,14 @@ class SpecConfig:
       raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
 
 
-def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
-                                prompt_lengths: Array, key: Array,
-                                sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
-                                cache_size: int, kv: KVPolicy | None = None) -> SpecOutput:
-  """Pure, jit-friendly speculative generation; `cfg`, `spec`, `cache_size` and `kv` are static.
-
-  kv: a KV budget for the target (any policy; attention-score ones count the committed tokens'
-  queries only, as decoding them one at a time would). Verification then stays exact with respect
-  to the target as it runs under that budget: a round uses the target's scores only up to the
-  token after which autoregressive decoding would have evicted (`evict_when_full`), then evicts as
-  it would, so greedy output equals greedy autoregressive output under the same policy."""
-  G, N = spec.gamma, spec.max_new_tokens
+def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                     prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY, *,
+                     spec: SpecConfig, cache_size: int, kv: KVPolicy | None = None) -> SpecState:
+  """The whole run, returning the final loop state (caches and drafter state included); see
+  `speculative_generate_tokens`."""
+  G = spec.gamma
+  k = drafter.probe_masks  # mask positions after every block token (probing drafters)
+  check_probe_round(drafter, gamma=G, kv=kv)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=G, kv=kv)
 
@@ -68,13 +66,20 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
     positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
+    mask, masks, heads = None, None, None
+    if k:  # k masks after each block token; logits of the block only
+      B = block.shape[0]
+      mask, positions = probe_layout(causal(B, G + 1), positions, k)
+      masks = mask_inputs(drafter.probe_embedding(draft), G + 1, k)
+      heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
     cache_in, weights = s.cache.with_lengths(start), None
     if kv is not None:
       cache_in = s.cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
         cache_in, weights = block_mass(s.cache, G + 1)
-    target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in,
-                                           mass_weights=weights)
+    target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in, mask,
+                                           mass_weights=weights, appended=masks,
+                                           logits_indices=heads)
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
     if kv is not None:
       # Block token j is scored over the same cache as in autoregressive decoding only while no
@@ -98,10 +103,28 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
         cache = fold_block_mass(kv, s.cache, cache, new.seq_len - s.seq_len)
       cache, dropped = evict_when_full(kv, cache)
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
+    probes = probe_hidden(hidden, G + 1, k, n_acc) if k else None  # after the last accepted
     return dataclasses.replace(new, draft=drafter.update(
-        draft, new.seq_len, Features(hidden=hidden, tokens=emitted, start=start)))
+        draft, new.seq_len, Features(hidden=hidden[:, :G + 1], tokens=emitted, start=start,
+                                     probe_hidden=probes)))
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                                prompt_lengths: Array, key: Array,
+                                sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
+                                cache_size: int, kv: KVPolicy | None = None) -> SpecOutput:
+  """Pure, jit-friendly speculative generation; `cfg`, `spec`, `cache_size` and `kv` are static.
+
+  kv: a KV budget for the target (any policy; attention-score ones count the committed tokens'
+  queries only, as decoding them one at a time would). Verification then stays exact with respect
+  to the target as it runs under that budget: a round uses the target's scores only up to the
+  token after which autoregressive decoding would have evicted (`evict_when_full`), then evicts as
+  it would, so greedy output equals greedy autoregressive output under the same policy."""
+  N = spec.max_new_tokens
+  s = speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec=spec,
+                       cache_size=cache_size, kv=kv)
   return SpecOutput(
       tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
       row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
@@ -132,12 +155,16 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   drafter keeps a full cache.
   """
   check_drafter(cfg, drafter)
+  check_probe_round(drafter, gamma=spec.gamma, kv=kv)
   # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.gamma + 1)
-  # Verification writes up to gamma + 1 entries past the last kept one.
+  # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
-                    stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.gamma + 1,
-                    reserve_for="gamma + 1 (the draft block)")
+                    stop_ids=spec.stop_ids, cache_size=cache_size,
+                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks),
+                    reserve_for="gamma + 1 (the draft block"
+                                + (f" and its {drafter.probe_masks} masks a token)"
+                                   if drafter.probe_masks else ")"))
   return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
                    cache_size=b.cache_size, precision=precision, kv=kv)

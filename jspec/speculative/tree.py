@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
 from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache, move_kv
@@ -38,6 +39,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_tree_target, initial_state)
+from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -108,6 +110,8 @@ class TreeRound:
   drafted: DraftState  # the drafter's state holding the tree
   cache: KVCache  # the target cache holding the root's and the nodes' KV
   hidden: Array  # [B, N + 1, E] the target's hidden states over [root, nodes]
+  # Probing drafters: [B, (N + 1)(1 + k), E], the block's and then the k masks of each block token
+  probed: Array | None
   path: Array  # [B, D] the accepted path (node indices, -1 padded)
   n_acc: Array  # [B] its length
   next_token: Array  # [B] the target's token after it
@@ -125,15 +129,22 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
   start = s.seq_len - 1
   positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
+  mask, masks, heads, k = verification_mask(tree), None, None, drafter.probe_masks
+  B, T = block.shape
+  if k:  # k masks after the root and after every node; logits of the block only
+    mask, positions = probe_layout(mask, positions, k)
+    masks = mask_inputs(drafter.probe_embedding(drafted), T, k)
+    heads = jnp.broadcast_to(jnp.arange(T), (B, T))
   cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
   if kv is not None and kv.needs_attention:
-    cache_in, weights = block_mass(s.cache, block.shape[1])
-  target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in,
-                                         verification_mask(tree),
-                                         mass_weights=weights)  # [B, N + 1, V]
+    cache_in, weights = block_mass(s.cache, T)
+  target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in, mask,
+                                         mass_weights=weights, appended=masks,
+                                         logits_indices=heads)  # [B, N + 1, V]
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
-  return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden, path=path,
-                   n_acc=n_acc, next_token=nxt, target_logits=target_logits)
+  return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden[:, :T],
+                   probed=hidden if k else None, path=path, n_acc=n_acc, next_token=nxt,
+                   target_logits=target_logits)
 
 
 def budgeted_tree_slots(kv: KVPolicy, spec: TreeSpecConfig) -> int:
@@ -153,6 +164,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   the mass of the committed queries only (the root and the accepted path, in decoding order), and
   it moves with the path's KV."""
   shape = spec.tree
+  check_probe_round(drafter, depth=shape.max_depth, kv=kv)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
                         target_slots=None if kv is None else budgeted_tree_slots(kv, spec))
@@ -192,7 +204,12 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     # The target's view of the root and the accepted path (node n is entry n + 1 of the block).
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
-    features = Features(hidden=take(r.hidden, on_path), tokens=emitted, start=s.seq_len - 1)
+    probes = None
+    if r.probed is not None:  # the masks after the last accepted token (the root: block index 0)
+      end = jnp.take_along_axis(on_path, n_acc[:, None], axis=1)[:, 0]
+      probes = probe_hidden(r.probed, spec.tree_nodes, drafter.probe_masks, end)
+    features = Features(hidden=take(r.hidden, on_path), tokens=emitted, start=s.seq_len - 1,
+                        probe_hidden=probes)
     return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, n_acc,
                                                               s.seq_len, features))
 
@@ -252,12 +269,16 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   """
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
+  check_probe_round(drafter, depth=spec.tree.max_depth, kv=kv)
   # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.reserve + 1)
+  k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
-                    stop_ids=spec.stop_ids, cache_size=cache_size, reserve=spec.reserve,
+                    stop_ids=spec.stop_ids, cache_size=cache_size,
+                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k)),
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
-                                f"of {spec.tree} verified per round)")
+                                f"of {spec.tree} verified per round"
+                                + (f", {k} masks after each)" if k else ")"))
   return _tree_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
                    cache_size=b.cache_size, precision=precision, kv=kv)

@@ -1,0 +1,54 @@
+"""Mask positions in a verification forward, for probing drafters (jspec.drafting.probe).
+
+A drafter with `probe_masks = k > 0` has the engine append k mask positions after EVERY token of
+the verification block (root and draft nodes; ESP, 2603.17942), so whichever token turns out to be
+the last accepted one, the k masks that followed it were scored in the same forward:
+
+  block:  b_0 .. b_{T-1}                         (the block's own [B, T, T] visibility)
+  masks:  (b_0, 1) .. (b_0, k), (b_1, 1) .. (b_{T-1}, k)     owner-major, after the block
+  mask (b, j): position pos(b) + j; sees what b sees, b itself and masks (b, 1) .. (b, j).
+
+No block token sees a mask, so the block's logits are exactly what they are without masks, and
+the masks' KV entries sit in the slots after the block's, which the engines never commit (a round
+commits accepted block tokens only and sets the cache length to them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def probe_layout(block_mask: Array, positions: Array, k: int) -> tuple[Array, Array]:
+  """(mask [B, T(1+k), T(1+k)], positions [B, T(1+k)]) of the block [B, T] (visibility
+  `block_mask` [B, T, T], RoPE `positions` [B, T]) followed by k masks per block token."""
+  B, T = positions.shape
+  owner = jnp.repeat(jnp.arange(T), k)  # [Tk]: the block token each mask follows
+  step = jnp.tile(jnp.arange(1, k + 1), T)  # [Tk]: j of mask (b, j)
+  own = (owner[:, None] == owner[None, :]) & (step[None, :] <= step[:, None])  # [Tk, Tk]
+  top = jnp.concatenate([block_mask, jnp.zeros((B, T, T * k), bool)], axis=2)
+  seen_block = block_mask[:, owner].at[:, jnp.arange(T * k), owner].set(True)  # [B, Tk, T]
+  bottom = jnp.concatenate([seen_block, jnp.broadcast_to(own, (B, T * k, T * k))], axis=2)
+  mask = jnp.concatenate([top, bottom], axis=1)
+  return mask, jnp.concatenate([positions, positions[:, owner] + step], axis=1)
+
+
+def causal(B: int, T: int) -> Array:
+  """[B, T, T]: a chain block's visibility."""
+  return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+
+def mask_inputs(embedding: Array, T: int, k: int) -> Array:
+  """[B, T k, E]: the one mask embedding [B, E] at every mask position."""
+  B, E = embedding.shape
+  return jnp.broadcast_to(embedding[:, None], (B, T * k, E))
+
+
+def probe_hidden(hidden: Array, T: int, k: int, end: Array) -> Array:
+  """[B, k, E]: the hidden states of the k masks after block token `end` [B] (hidden [B,
+  T(1+k), E] from a forward over probe_layout's block)."""
+  B, _, E = hidden.shape
+  masks = hidden[:, T:].reshape(B, T, k, E)
+  return jnp.take_along_axis(masks, end[:, None, None, None], axis=1)[:, 0]
