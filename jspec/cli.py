@@ -42,10 +42,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--gamma", type=_gamma, default=4,
-                 help="draft tokens per round, or 'auto': calibrate on the first prompt (one run "
-                      "at gamma 8 + each piece of a round timed) and take the gamma with the most "
-                      "expected tokens per second (model drafters)")
+  p.add_argument("--gamma", type=_gamma, default=None,
+                 help="draft tokens per round (default 4; K for --drafter mtp:K), or 'auto': "
+                      "calibrate on the first prompt (one run at gamma 8 + each piece of a round "
+                      "timed) and take the gamma with the most expected tokens per second (model "
+                      "drafters)")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -90,7 +91,11 @@ def _gamma(text: str) -> int | str:
 
 def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None):
   """(gamma, choice): args.gamma, or for 'auto' the gamma calibrated with the first model drafter
-  among `drafters` (its table printed to stderr) and that GammaChoice."""
+  among `drafters` (its table printed to stderr) and that GammaChoice. Without --gamma: 4, or
+  the fewest masks of the probing drafters (mtp:K drafts at most K a round)."""
+  if args.gamma is None:
+    probes = [d.probe_masks for d in drafters if d is not None and d.probe_masks]
+    return min(probes, default=4), None
   if args.gamma != "auto":
     return args.gamma, None
   from jspec.bench.gamma import choose_gamma

@@ -154,6 +154,23 @@ def test_gamma_auto(tiny_model, capsys):
   assert "unrecognized arguments: --gamma" in capsys.readouterr().err
 
 
+def test_generate_with_mask_token_probing(tiny_model, capsys):
+  """--drafter mtp:K drafts chains of K without --gamma, trees at most K deep; more is refused
+  in one line before anything compiles."""
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "6",
+               "--drafter", "mtp:3"]) == 0
+  assert "gamma 3)" in capsys.readouterr().err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "6",
+               "--drafter", "mtp", "--tree", "dynamic:6,1,1,6"]) == 0
+  assert "tree dynamic:6,1,1,6)" in capsys.readouterr().err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--drafter", "mtp",
+               "--gamma", "3"]) == 2
+  assert "need 3 masks per token; the probe has 2" in capsys.readouterr().err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--drafter",
+               "mtp:0"]) == 2
+  assert "mtp:K takes K = 1 .. 8" in capsys.readouterr().err
+
+
 def test_bad_drafter(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--drafter", "bogus"]) == 2
   assert "unknown drafter" in capsys.readouterr().err
