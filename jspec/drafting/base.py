@@ -13,8 +13,10 @@ drafter they hold:
   accept_tree(drafted, path, n_accepted, seq_len, features) -> state   after a tree verification
 
 `last2` [B, 2] holds each row's last two known tokens, `seq_len` [B] how many tokens the row knows
-(prompt plus generated). `q` are the *processed* distributions (temperature, top-k, top-p, exactly
-as the verifier processes the target's) the tokens were drawn from. `features` is what the target
+(prompt plus generated). A chain may end early: drafts of -1 from some index on (drafters with
+`stops_early`); those positions are not verified. `q` are the *processed* distributions
+(temperature, top-k, top-p, exactly as the verifier processes the target's) the tokens were drawn
+from. `features` is what the target
 computed for the tokens that just became known (its hidden states); drafters that do not read the
 target ignore it. `pick` lets a wrapper replace each draw (the n-gram lookup does); the drafter
 then reads the replacement, so its own cache follows what is proposed.
@@ -108,6 +110,18 @@ class Drafter(abc.ABC):
   # Mask positions the target's verification forward appends after every block token for this
   # drafter (jspec.drafting.probe): 0 for drafters that run their own model or lookup.
   probe_masks: int = 0
+  # Adaptive draft length: `propose` may end a row's chain early (drafts -1 from there on); the
+  # chain engine then verifies only the drafts before it, and a round with no draft in any row
+  # runs a one-token target forward instead of the full block.
+  stops_early: bool = False
+
+  def with_stop(self, threshold: float) -> "Drafter":
+    """This drafter with adaptive draft length: a chain ends before the first draft whose
+    confidence (the drafter's largest next-token probability, before temperature and top-k/p) is
+    below `threshold` (an n-gram lookup: before its first miss). Drafters that cannot say how sure
+    they are refuse."""
+    raise ValueError(f"{type(self).__name__} has no adaptive draft length; drop the draft stop "
+                     f"threshold (--draft-stop) for it")
 
   def probe_embedding(self, state: DraftState) -> Array:
     """[B, E]: the input embedding of the mask positions (probing drafters only)."""
@@ -185,29 +199,63 @@ def keep_draw(i, tokens: Array, token: Array, probs: Array) -> tuple[Array, Arra
 
 
 def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callable,
-                sample: Callable, pick: Pick | None = None):
+                sample: Callable, pick: Pick | None = None, stop: Callable | None = None):
   """The token-by-token draft loop every autoregressive drafter shares.
 
   first_logits [B, M]: the logits of draft 0; step(carry, token [B]) -> (logits [B, M], carry)
   feeds draft i - 1 and scores draft i; sample(key, logits) -> (token [B], q [B, V]) draws in the
-  full vocabulary; `pick` may replace each draw before it is fed. Returns (tokens [B, gamma],
+  full vocabulary; `pick` may replace each draw before it is fed. `stop(logits) -> [B] bool`
+  (adaptive draft length): a row whose draft i it marks ends its chain before draft i (drafts
+  i.. are -1), and the loop stops feeding once every row has ended. Returns (tokens [B, gamma],
   q [B, gamma, V], carry).
   """
   pick = pick or keep_draw
   keys = jax.random.split(key, gamma)
   B = first_logits.shape[0]
-  tokens = jnp.zeros((B, gamma), jnp.int32)
+  tokens = jnp.full((B, gamma), -1 if stop is not None else 0, jnp.int32)
   token, probs = pick(0, tokens, *sample(keys[0], first_logits))
-  tokens = tokens.at[:, 0].set(token)
+  active = jnp.ones((B,), bool) if stop is None else ~stop(first_logits)
+  tokens = tokens.at[:, 0].set(jnp.where(active, token, -1))
   all_probs = jnp.zeros((B, gamma, probs.shape[-1]), jnp.float32).at[:, 0].set(probs)
 
   def body(i, loop):
-    tokens, all_probs, carry = loop
-    prev = jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)[:, 0]  # [B]
+    tokens, all_probs, carry, active = loop
+    prev = jnp.maximum(jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)[:, 0], 0)  # [B]
     logits, carry = step(carry, prev)
     token, probs = pick(i, tokens, *sample(keys[i], logits))
+    if stop is not None:
+      active = active & ~stop(logits)
+      token = jnp.where(active, token, -1)
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
     all_probs = jax.lax.dynamic_update_slice_in_dim(all_probs, probs[:, None], i, axis=1)
-    return tokens, all_probs, carry
+    return tokens, all_probs, carry, active
 
-  return jax.lax.fori_loop(1, gamma, body, (tokens, all_probs, carry))
+  if stop is None:
+    tokens, all_probs, carry, _ = jax.lax.fori_loop(1, gamma, body,
+                                                    (tokens, all_probs, carry, active))
+    return tokens, all_probs, carry
+  _, tokens, all_probs, carry, _ = jax.lax.while_loop(
+      lambda loop: (loop[0] < gamma) & jnp.any(loop[-1]),
+      lambda loop: (loop[0] + 1,) + body(loop[0], loop[1:]),
+      (jnp.int32(1), tokens, all_probs, carry, active))
+  return tokens, all_probs, carry
+
+
+def check_stop(threshold) -> float:
+  """A draft stop threshold in (0, 1]."""
+  if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not (
+      0.0 < threshold <= 1.0):
+    raise ValueError(f"the draft stop threshold is a probability in (0, 1], got {threshold!r}")
+  return float(threshold)
+
+
+def unsure(threshold: float) -> Callable:
+  """stop(logits [B, M]) for draft_chain: the largest softmax probability is below threshold."""
+  return lambda logits: jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) < threshold
+
+
+def valid_drafts(tokens: Array) -> tuple[Array, Array]:
+  """(drafts [B, G] with -1 (a chain that ended early) replaced by 0, n_valid [B]: the drafts
+  before each row's first -1)."""
+  valid = jnp.cumprod((tokens >= 0).astype(jnp.int32), axis=1)
+  return jnp.maximum(tokens, 0), jnp.sum(valid, axis=1).astype(jnp.int32)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.drafting.base import DraftState, Features, HeadDrafter, Pick, draft_chain
+from jspec.drafting.base import (DraftState, Features, HeadDrafter, Pick, check_stop, draft_chain,
+                                 unsure)
 from jspec.drafting.frontier import KVFrontierFeeder
 from jspec.kv.evict import evict_when_full
 from jspec.kv.policy import KVPolicy
@@ -73,6 +74,14 @@ class ModelDrafter(HeadDrafter):
   keep_ids: Array | None = None
   kv: KVPolicy | None = dataclasses.field(default=None, metadata=dict(static=True))
   kv_slots: int = dataclasses.field(default=0, metadata=dict(static=True))
+  stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def stops_early(self) -> bool:
+    return self.stop_below is not None
+
+  def with_stop(self, threshold: float) -> ModelDrafter:
+    return dataclasses.replace(self, stop_below=check_stop(threshold))
 
   def with_kv(self, policy: KVPolicy | None, room: int) -> ModelDrafter:
     if policy is None:
@@ -125,7 +134,8 @@ class ModelDrafter(HeadDrafter):
       return logits[:, 0], cache.commit(1)
 
     tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step,
-                                       self.sampler(sampling), pick)
+                                       self.sampler(sampling), pick,
+                                       None if self.stop_below is None else unsure(self.stop_below))
     return tokens, probs, ModelDraftState(cache=cache, evicted=state.evicted)
 
   def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:

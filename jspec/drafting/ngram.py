@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafting.base import DraftState, Drafter, Features, Pick, keep_draw
+from jspec.drafting.base import DraftState, Drafter, Features, Pick, check_stop, keep_draw
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, parent_of, take
 
@@ -122,6 +122,7 @@ class NgramDrafter(Drafter):
   n_min: int = dataclasses.field(default=2, metadata=dict(static=True))
   n_max: int = dataclasses.field(default=4, metadata=dict(static=True))
   fallback: Drafter | None = None
+  stop_on_miss: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
     if not (isinstance(self.n_min, int) and isinstance(self.n_max, int)
@@ -137,6 +138,18 @@ class NgramDrafter(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.vocab if self.fallback is None else self.fallback.vocab_size
+
+  @property
+  def stops_early(self) -> bool:
+    return self.stop_on_miss or (self.fallback is not None and self.fallback.stops_early)
+
+  def with_stop(self, threshold: float) -> NgramDrafter:
+    """Alone: a chain ends at the lookup's first miss. With a fallback: the fallback's own rule
+    where the lookup misses (a match always stands)."""
+    check_stop(threshold)
+    if self.fallback is None:
+      return dataclasses.replace(self, stop_on_miss=True)
+    return dataclasses.replace(self, fallback=self.fallback.with_stop(threshold))
 
   @property
   def probe_masks(self) -> int:
@@ -172,19 +185,23 @@ class NgramDrafter(Drafter):
       outer = pick or keep_draw
 
       def step(i, carry):  # draft i reads the history with drafts 0..i-1 written
-        tokens, probs, history = carry
+        tokens, probs, history, active = carry
         at = seq_len + i
         guess, found = lookup(history, at, self.n_min, self.n_max)
         previous = jnp.take_along_axis(history, (at - 1)[:, None], axis=1)[:, 0]
         token = jnp.where(found, guess, previous)
         token, q = outer(i, tokens, token, jax.nn.one_hot(token, V, dtype=jnp.float32))
+        if self.stop_on_miss:  # the chain ends at the first miss (-1 from there on)
+          active = active & found
+          token = jnp.where(active, token, -1)
         return (jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1),
                 jax.lax.dynamic_update_slice_in_dim(probs, q[:, None], i, axis=1),
-                write_at(history, at, token[:, None]))
+                write_at(history, at, token[:, None]), active)
       B = last2.shape[0]
-      tokens, probs, history = jax.lax.fori_loop(
+      tokens, probs, history, _ = jax.lax.fori_loop(
           0, gamma, step, (jnp.zeros((B, gamma), jnp.int32),
-                           jnp.zeros((B, gamma, V), jnp.float32), history))
+                           jnp.zeros((B, gamma, V), jnp.float32), history,
+                           jnp.ones((B,), bool)))
       return tokens, probs, NgramState(history=history, inner=None)
 
     def mine(i, tokens, token, probs):  # draft i, given drafts 0..i-1 in `tokens` [B, G]

@@ -21,7 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafting.base import DraftState, Drafter, Features, Pick, draft_chain, sample_with_probs
+from jspec.drafting.base import (DraftState, Drafter, Features, Pick, check_stop, draft_chain,
+                                 sample_with_probs, unsure)
 from jspec.models import quant
 from jspec.models.config import Config
 from jspec.models.llama import Params, lm_head
@@ -65,6 +66,7 @@ class ProbeDrafter(Drafter):
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   probe_masks: int = dataclasses.field(default=2, metadata=dict(static=True))
   ema_rate: float = dataclasses.field(default=EMA_RATE, metadata=dict(static=True))
+  stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     if not isinstance(self.probe_masks, int) or self.probe_masks < 1:
@@ -73,6 +75,13 @@ class ProbeDrafter(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.cfg.vocab_size
+
+  @property
+  def stops_early(self) -> bool:
+    return self.stop_below is not None
+
+  def with_stop(self, threshold: float) -> ProbeDrafter:
+    return dataclasses.replace(self, stop_below=check_stop(threshold))
 
   def probe_embedding(self, state: ProbeState) -> Array:
     return state.mask
@@ -115,7 +124,8 @@ class ProbeDrafter(Drafter):
     step = lambda i, prev: (jax.lax.dynamic_index_in_dim(state.logits, i, 1, False), i + 1)
     sample = lambda key, logits: sample_with_probs(key, logits, sampling)
     tokens, probs, _ = draft_chain(key, gamma, state.logits[:, 0], jnp.int32(1), step, sample,
-                                   pick)
+                                   pick, None if self.stop_below is None
+                                   else unsure(self.stop_below))
     return tokens, probs, state
 
   def update(self, state: ProbeState, seq_len: Array, features: Features) -> ProbeState:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import prepare_batch
-from jspec.drafting.base import Drafter, Features
+from jspec.drafting.base import Drafter, Features, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
@@ -57,11 +57,14 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
                         cache_size, max_accepted=G, kv=kv)
 
   def body(s: SpecState) -> SpecState:
-    if kv is None:
+    if kv is None and not drafter.stops_early:
       key, k_draft, k_verify = jax.random.split(s.key, 3)
     else:  # one more key, for the fresh draw at a cut
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
+    cut = None  # [B]: verify only the first `cut` drafts (the rest are not the target's to judge)
+    if drafter.stops_early:
+      drafts, cut = valid_drafts(drafts)
     # Verify [last token, d_1 .. d_G] in one forward; the cache holds everything before it.
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
@@ -77,16 +80,28 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       cache_in = s.cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
         cache_in, weights = block_mass(s.cache, G + 1)
-    target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in, mask,
-                                           mass_weights=weights, appended=masks,
-                                           logits_indices=heads)
+    wide = lambda: forward(params, cfg, block, positions, cache_in, mask, mass_weights=weights,
+                           appended=masks, logits_indices=heads)
+    if cut is not None and weights is None and not k:
+      # No row drafted anything: a one-token step (outputs padded to the block) costs what
+      # autoregressive decoding does instead of a (G + 1)-token forward.
+      def narrow():
+        logits, hidden, cache = forward(params, cfg, block[:, :1], positions[:, :1], cache_in)
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, G), (0, 0)))
+        return pad(logits), pad(hidden), cache
+      target_logits, hidden, cache = jax.lax.cond(jnp.all(cut == 0), narrow, wide)
+    else:
+      target_logits, hidden, cache = wide()
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
     if kv is not None:
       # Block token j is scored over the same cache as in autoregressive decoding only while no
-      # eviction would have come between: j <= cut. Past it, stop: d_1 .. d_cut stand and the next
-      # token is drawn afresh from the target at `cut` (the event n_acc >= cut depends on the
-      # first cut draws alone, so this keeps the output law exact).
-      cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      # eviction would have come between: j <= cut.
+      kv_cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      cut = kv_cut if cut is None else jnp.minimum(cut, kv_cut)
+    if cut is not None:
+      # Past the cut, stop: d_1 .. d_cut stand and the next token is drawn afresh from the target
+      # at `cut` (the event n_acc >= cut depends on the first cut draws alone, and the cut on
+      # nothing the target computed, so this keeps the output law exact).
       at_cut = jnp.take_along_axis(target_logits, jnp.clip(cut, 0, G)[:, None, None], axis=1)
       stopped = n_acc >= cut
       nxt = jnp.where(stopped, sample(k_cut, at_cut[:, 0], sampling), nxt)
