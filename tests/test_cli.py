@@ -169,6 +169,13 @@ def test_generate_with_mask_token_probing(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--drafter",
                "mtp:0"]) == 2
   assert "mtp:K takes K = 1 .. 8" in capsys.readouterr().err
+  # NAME@P: adaptive draft length (a chain ends before a draft the probe is less than P sure of).
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "6",
+               "--drafter", "mtp:3@0.2"]) == 0
+  assert "with drafter mtp:3@0.2, gamma 3)" in capsys.readouterr().err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--drafter",
+               "mtp@1.5"]) == 2
+  assert "probability in (0, 1]" in capsys.readouterr().err
 
 
 def test_bad_drafter(tiny_model, capsys):

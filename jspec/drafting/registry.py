@@ -65,13 +65,23 @@ def register(name: str, usage: str, help: str, takes_fallback: bool = False):
 
 
 def drafter_help() -> str:
-  return " | ".join(["none"] + [f"{k.usage} ({k.help})" for k in KINDS.values()])
+  return " | ".join(["none"] + [f"{k.usage} ({k.help})" for k in KINDS.values()]) + (
+      "; any NAME@P: adaptive draft length, a chain ends before the first draft the drafter is "
+      "less than P sure of (n-gram: at its first miss), e.g. default@0.4, ngram@1")
 
 
 def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter | None:
-  """The drafter called `name` for `target`; None for "none". See drafter_help()."""
+  """The drafter called `name` for `target`; None for "none". See drafter_help(). `NAME@P`:
+  that drafter with adaptive draft length (`Drafter.with_stop(P)`: a chain ends before the first
+  draft it is less than P sure of; an n-gram lookup at its first miss)."""
   if name == "none":
     return None
+  base, at, stop = name.rpartition("@")
+  if at and re.fullmatch(r"[0-9.]+", stop):
+    drafter = load_drafter(base, target, dtype)
+    if drafter is None:
+      raise ValueError(f"drafter {name!r}: 'none' drafts nothing to stop")
+    return drafter.with_stop(float(stop))
   match = re.fullmatch(r"([a-z][a-z-]*)(.*)", name, flags=re.DOTALL)
   kind = KINDS.get(match.group(1)) if match else None
   if kind is None:
