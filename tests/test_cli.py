@@ -178,6 +178,22 @@ def test_generate_with_mask_token_probing(tiny_model, capsys):
   assert "probability in (0, 1]" in capsys.readouterr().err
 
 
+def test_generate_with_layer_skipping(tmp_path, capsys):
+  """--drafter skip:N calibrates on the target's own text, then drafts chains; trees and
+  impossible N are refused in one line."""
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama", num_hidden_layers=4,
+                                        max_position_embeddings=2048)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  assert main(["generate", "--model", str(d), "--prompt", "Hi", "--max-new-tokens", "6",
+               "--drafter", "skip:2", "--gamma", "3"]) == 0
+  assert "with drafter skip:2, gamma 3)" in capsys.readouterr().err
+  assert main(["generate", "--model", str(d), "--prompt", "Hi", "--drafter", "skip:3"]) == 2
+  assert "skips 1 .. 2 of the target's 4 layers" in capsys.readouterr().err
+  assert main(["generate", "--model", str(d), "--prompt", "Hi", "--drafter", "skip:1",
+               "--tree", "fixed:2"]) == 2
+  assert "chains only" in capsys.readouterr().err
+
+
 def test_bad_drafter(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--drafter", "bogus"]) == 2
   assert "unknown drafter" in capsys.readouterr().err

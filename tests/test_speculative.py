@@ -96,28 +96,28 @@ N_SAMPLES = 20000
 
 
 def exact_distribution(params, sp: SamplingParams, steps: int = 3,
-                       prompt: list[int] = TINY_PROMPT) -> np.ndarray:
+                       prompt: list[int] = TINY_PROMPT, cfg: Config = TINY) -> np.ndarray:
   """The target's processed distribution over the first `steps` tokens, by enumeration."""
-  V = TINY.vocab_size
+  V = cfg.vocab_size
   joint = np.ones([1])
   for t in range(steps):
     prefixes = list(itertools.product(range(V), repeat=t))
     seqs = jnp.asarray([prompt + list(p) for p in prefixes])  # [V^t, P + t]
     n = seqs.shape[1]
-    logits, _, _ = forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
-                           KVCache.init(TINY, seqs.shape[0], n))
+    logits, _, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                           KVCache.init(cfg, seqs.shape[0], n))
     probs = np.exp(np.asarray(processed_logprobs(logits[:, -1], sp), np.float64))  # [V^t, V]
     joint = (joint[:, None] * probs).reshape(-1)
   return joint / joint.sum()
 
 
 def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
-                     prompt: list[int] = TINY_PROMPT) -> np.ndarray:
+                     prompt: list[int] = TINY_PROMPT, cfg: Config = TINY) -> np.ndarray:
   spec = SpecConfig(gamma=gamma, max_new_tokens=3)
   lengths = jnp.asarray([len(prompt)])
   prompt = jnp.asarray([prompt + [0] * (16 - len(prompt))])
   run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
-      params, TINY, drafter, prompt, lengths, key, sp, spec=spec, cache_size=32).tokens[0]))
+      params, cfg, drafter, prompt, lengths, key, sp, spec=spec, cache_size=32).tokens[0]))
   tokens = np.asarray(run(jax.random.split(jax.random.key(42), N_SAMPLES)))  # [N, 3]
   assert (tokens >= 0).all()
   return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]

@@ -114,6 +114,9 @@ class Drafter(abc.ABC):
   # chain engine then verifies only the drafts before it, and a round with no draft in any row
   # runs a one-token target forward instead of the full block.
   stops_early: bool = False
+  # Layer-skip drafts run the target's own layers over the target's KV cache: the chain engine
+  # calls propose_shared(state, target cache, ...) -> (tokens, q, state, cache) instead of propose.
+  shares_target_cache: bool = False
 
   def with_stop(self, threshold: float) -> "Drafter":
     """This drafter with adaptive draft length: a chain ends before the first draft whose

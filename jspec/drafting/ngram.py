@@ -152,6 +152,19 @@ class NgramDrafter(Drafter):
     return dataclasses.replace(self, fallback=self.fallback.with_stop(threshold))
 
   @property
+  def shares_target_cache(self) -> bool:
+    return self.fallback is not None and self.fallback.shares_target_cache
+
+  def propose_shared(self, state: NgramState, cache, last2: Array, seq_len: Array, key: Array,
+                     sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+    """`propose` over a fallback that drafts in the target's KV cache (layer skipping)."""
+    history, mine = self._lookup_pick(state, last2, seq_len, pick)
+    tokens, probs, inner, cache = self.fallback.propose_shared(state.inner, cache, last2, seq_len,
+                                                               key, sampling, gamma, pick=mine)
+    return (tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner),
+            cache)
+
+  @property
   def probe_masks(self) -> int:
     """A probing fallback's masks (the engine appends them whatever the lookup finds)."""
     return 0 if self.fallback is None else self.fallback.probe_masks
@@ -204,6 +217,17 @@ class NgramDrafter(Drafter):
                            jnp.ones((B,), bool)))
       return tokens, probs, NgramState(history=history, inner=None)
 
+    history, mine = self._lookup_pick(state, last2, seq_len, pick)
+    tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
+                                                 gamma, pick=mine)
+    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
+
+  def _lookup_pick(self, state: NgramState, last2: Array, seq_len: Array, pick: Pick | None):
+    """(the history with the last two known tokens written, the `pick` that puts the lookup's
+    match in place of the fallback's draw wherever it finds one)."""
+    V = self.vocab_size
+    history = write_at(state.history, seq_len - 2, last2)
+
     def mine(i, tokens, token, probs):  # draft i, given drafts 0..i-1 in `tokens` [B, G]
       guess, found = lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min,
                             self.n_max)
@@ -211,9 +235,7 @@ class NgramDrafter(Drafter):
                       jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype),
                                 probs))
       return (pick or keep_draw)(i, tokens, token, probs)
-    tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
-                                                 gamma, pick=mine)
-    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
+    return history, mine
 
   def update(self, state: NgramState, seq_len: Array, features: Features) -> NgramState:
     if self.fallback is None:

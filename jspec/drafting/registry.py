@@ -18,6 +18,7 @@ from jspec.drafting.feature import eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
+from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.fetch import default_model_path
 from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
@@ -154,6 +155,27 @@ def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   if arg is not None and not (arg.isdigit() and 1 <= int(arg) <= 8):
     raise ValueError(f"mtp:K takes K = 1 .. 8 mask positions per token, got 'mtp:{arg}'")
   return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
+
+
+# What the target writes to calibrate a layer-skip draft on (its own greedy continuations).
+SKIP_CALIBRATION = ("Explain step by step how a hash map handles collisions, with a short example.",
+                    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n")
+
+
+@register("skip", "skip:N", "layer skipping: the target drafts with all but N of its layers "
+                            "(those that change its residual stream least on text it generated), "
+                            "sharing its KV cache; chains only")
+def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  L = target.cfg.num_layers
+  if arg is None or not arg.isdigit():
+    raise ValueError(f"skip:N needs the number of layers to skip, 1 .. {L - 2}, got "
+                     f"{'skip' + ('' if arg is None else ':' + arg)!r}")
+  calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
+  from jspec.generate import generate
+  prompts = [target.tokenizer.encode(text) for text in SKIP_CALIBRATION]
+  out = generate(target.params, target.cfg, prompts, max_new_tokens=48).sequences()
+  influence = sum(layer_influence(target.params, target.cfg, p + o) for p, o in zip(prompts, out))
+  return skip_drafter(target.params, target.cfg, calibrated_layers(influence, int(arg)))
 
 
 def default_drafter_path(target: Target) -> Path:

@@ -358,6 +358,19 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   return lm_head(params, hidden), cache
 
 
+def forward_layers(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+                   layers: tuple[int, ...]) -> tuple[Array, KVCache]:
+  """`forward` of T new causal tokens [B, T] through the decoder layers `layers` only (indices
+  of the full model; the residual stream passes the others unchanged), reading and writing those
+  layers' entries of the full model's cache → (logits [B, T, V], cache). A layer-skip draft
+  (jspec.drafting.skip) shares the target's KV cache this way."""
+  B, T = tokens.shape
+  slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+  attend = attention_fn(cfg, cache.lengths, cache.size, None, T, quant.int8_kernel(params))
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, layers=layers)
+  return lm_head(params, hidden), cache
+
+
 def attention_mass(q: Array, k: Array, visible: Array, weights: Array) -> Array:
   """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
   of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
@@ -383,16 +396,19 @@ def _recording_mass(attend: Callable, visible: Array, weights: Array):
 
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
-             slots: Array, attend: Callable, appended: Optional[Array] = None
-             ) -> tuple[Array, KVCache]:
-  """Embedding (then the `appended` embeddings), every layer (new K/V written at `slots`
-  [B, T]), final norm → hidden [B, T, E]."""
+             slots: Array, attend: Callable, appended: Optional[Array] = None,
+             layers: Optional[tuple[int, ...]] = None) -> tuple[Array, KVCache]:
+  """Embedding (then the `appended` embeddings), every layer (or only those in `layers`; the
+  residual stream passes the others unchanged) with new K/V written at `slots` [B, T], final
+  norm → hidden [B, T, E]."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   if appended is not None:
     x = jnp.concatenate([x, appended.astype(x.dtype)], axis=1)
   cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
+    if layers is not None and i not in layers:
+      continue
     with jax.named_scope(f"layer_{i}"):
       x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]

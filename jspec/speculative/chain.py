@@ -24,7 +24,8 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
-from jspec.speculative.loop import SpecOutput, SpecState, advance, check_drafter, initial_state
+from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
+                                    check_shared_cache, initial_state)
 from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
 
 Array = jax.Array
@@ -53,6 +54,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
   G = spec.gamma
   k = drafter.probe_masks  # mask positions after every block token (probing drafters)
   check_probe_round(drafter, gamma=G, kv=kv)
+  check_shared_cache(drafter, kv, tree=False)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=G, kv=kv)
 
@@ -61,7 +63,12 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       key, k_draft, k_verify = jax.random.split(s.key, 3)
     else:  # one more key, for the fresh draw at a cut
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
-    drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
+    target_cache = s.cache
+    if drafter.shares_target_cache:  # a layer-skip draft writes past the committed entries
+      drafts, q, draft, target_cache = drafter.propose_shared(s.draft, s.cache, s.last2,
+                                                              s.seq_len, k_draft, sampling, G)
+    else:
+      drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
     cut = None  # [B]: verify only the first `cut` drafts (the rest are not the target's to judge)
     if drafter.stops_early:
       drafts, cut = valid_drafts(drafts)
@@ -75,7 +82,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       mask, positions = probe_layout(causal(B, G + 1), positions, k)
       masks = mask_inputs(drafter.probe_embedding(draft), G + 1, k)
       heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
-    cache_in, weights = s.cache.with_lengths(start), None
+    cache_in, weights = target_cache.with_lengths(start), None
     if kv is not None:
       cache_in = s.cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
@@ -171,6 +178,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   """
   check_drafter(cfg, drafter)
   check_probe_round(drafter, gamma=spec.gamma, kv=kv)
+  check_shared_cache(drafter, kv, tree=False)
   # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.gamma + 1)

@@ -183,3 +183,15 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
     raise ValueError(
         f"draft vocabulary ({drafter.vocab_size} tokens) differs from the target's "
         f"({cfg.vocab_size}): speculative decoding needs a drafter with the target's tokenizer")
+
+
+def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> None:
+  """Host-side: a drafter that drafts in the target's KV cache (layer skipping) runs chains over
+  a full target cache only."""
+  if not drafter.shares_target_cache:
+    return
+  if tree:
+    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only: drop --tree")
+  if kv is not None:
+    raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
+                     "evict under them: drop --kv-budget / kv=, or use another drafter")

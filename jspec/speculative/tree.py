@@ -38,7 +38,7 @@ from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_tree_target, initial_state)
+                                    check_shared_cache, check_tree_target, initial_state)
 from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
@@ -165,6 +165,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   it moves with the path's KV."""
   shape = spec.tree
   check_probe_round(drafter, depth=shape.max_depth, kv=kv)
+  check_shared_cache(drafter, kv, tree=True)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
                         target_slots=None if kv is None else budgeted_tree_slots(kv, spec))
@@ -269,6 +270,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   """
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
+  check_shared_cache(drafter, kv, tree=True)
   check_probe_round(drafter, depth=spec.tree.max_depth, kv=kv)
   # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:

@@ -1,0 +1,118 @@
+"""Layer-skip self-speculation (jspec.drafting.skip): the kept layers run exactly as the target's,
+the draft reads the target's committed KV and leaves nothing behind, output stays the target's
+(greedy identity, the sampled law with a control that must fail), the calibration skips the
+layers that change the residual stream least, and bad skip sets are refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.drafting.ngram import ngram_drafter
+from jspec.drafting.skip import (SkipDrafter, calibrated_layers, layer_influence, skip_drafter)
+from jspec.generate import generate
+from jspec.models.cache import KVCache
+from jspec.models.llama import forward, forward_layers, init_params
+from jspec.sampling.processing import SamplingParams
+from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from test_ngram import REPEATING
+from test_speculative import PROMPTS, TARGET, TINY, chi_square, exact_distribution, sample_sequences
+
+DEEP = dataclasses.replace(TARGET, num_layers=4)
+DEEP_TINY = dataclasses.replace(TINY, num_layers=3)
+PROMPT_SET = PROMPTS[:2] + REPEATING[:2]
+
+
+@pytest.fixture(scope="module")
+def deep():
+  return init_params(DEEP, jax.random.key(3), scale=0.3)
+
+
+def test_kept_layers_compute_what_a_model_of_those_layers_does(deep):
+  keep = (0, 2, 3)
+  tokens = jnp.asarray([[4, 8, 15, 16, 23, 42]])
+  positions = jnp.arange(6)[None]
+  got, cache = forward_layers(deep, DEEP, tokens, positions, KVCache.init(DEEP, 1, 8), keep)
+  sub_cfg = dataclasses.replace(DEEP, num_layers=3)
+  sub = dataclasses.replace(deep, layers=[deep.layers[i] for i in keep])
+  want, _, _ = forward(sub, sub_cfg, tokens, positions, KVCache.init(sub_cfg, 1, 8))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+  # The skipped layer's cache entries were not written.
+  assert float(jnp.abs(cache.k[1]).max()) == 0.0 and float(jnp.abs(cache.k[2]).max()) > 0.0
+
+
+def test_the_draft_reads_the_targets_kv_and_leaves_the_length(deep):
+  """After a full-model prefill, the draft's first logits are those of the kept layers over the
+  target's own cached entries; its entries sit past the committed length, which is unchanged."""
+  prompt = jnp.asarray([[4, 8, 15, 16, 23]])
+  cache = KVCache.init(DEEP, 1, 16)
+  _, _, cache = forward(deep, DEEP, prompt, jnp.arange(5)[None], cache)
+  cache = cache.commit(5)
+  drafter = skip_drafter(deep, DEEP, (0, 3))
+  last2 = jnp.asarray([[23, 42]])
+  tokens, q, _, shared = drafter.propose_shared(drafter.init(None, None, 0, None), cache, last2,
+                                                jnp.asarray([7]), jax.random.key(0),
+                                                SamplingParams(temperature=0.0), 2)
+  assert int(shared.lengths[0]) == 6  # seq_len - 1: the root is the last known token
+  first, _ = forward_layers(deep, DEEP, last2[:, 1:], jnp.asarray([[6]]),
+                            dataclasses.replace(cache, lengths=jnp.asarray([6])), (0, 3))
+  assert int(tokens[0, 0]) == int(jnp.argmax(first[0, 0]))
+  np.testing.assert_array_equal(np.asarray(shared.k[:, :, :6]), np.asarray(cache.k[:, :, :6]))
+
+
+def test_skip_drafts_are_greedy_identical_to_autoregressive(deep):
+  ar = generate(deep, DEEP, PROMPT_SET, max_new_tokens=14).sequences()
+  skip = skip_drafter(deep, DEEP, (0, 3))
+  for drafter in (skip, skip.with_stop(0.5), ngram_drafter(DEEP.vocab_size, fallback=skip)):
+    out = speculative_generate(deep, DEEP, drafter, PROMPT_SET,
+                               spec=SpecConfig(gamma=3, max_new_tokens=14))
+    assert out.sequences() == ar
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _UniformQ(SkipDrafter):
+  """The negative control: drafts drawn right, q reported uniform."""
+
+  def propose_shared(self, state, cache, last2, seq_len, key, sampling, gamma, pick=None):
+    tokens, q, state, cache = super().propose_shared(state, cache, last2, seq_len, key, sampling,
+                                                     gamma, pick)
+    return tokens, jnp.full_like(q, 1.0 / q.shape[-1]), state, cache
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_sampled_skip_drafts_follow_the_target_distribution(control):
+  target = init_params(DEEP_TINY, jax.random.key(10), scale=0.8)
+  kind = _UniformQ if control else SkipDrafter
+  drafter = kind(params=target, cfg=DEEP_TINY, layers=(0, 2))
+  sp = SamplingParams(temperature=1.0)
+  codes = sample_sequences(target, drafter, sp, gamma=2, cfg=DEEP_TINY)
+  stat, dof, ok = chi_square(codes, exact_distribution(target, sp, cfg=DEEP_TINY))
+  assert ok != control, (control, stat, dof)
+
+
+def test_calibration_skips_the_layers_that_change_the_stream_least(deep):
+  influence = layer_influence(deep, DEEP, PROMPTS[0] + PROMPTS[1])
+  assert influence.shape == (4,) and (influence >= 0).all()
+  # A layer made to do nothing (zero output projections) has no influence and is skipped first.
+  quiet = dataclasses.replace(deep, layers=list(deep.layers))
+  quiet.layers[2] = dataclasses.replace(quiet.layers[2], wo=quiet.layers[2].wo * 0,
+                                        w_down=quiet.layers[2].w_down * 0)
+  influence = layer_influence(quiet, DEEP, PROMPTS[0] + PROMPTS[1])
+  assert influence[2] < 1e-5 < influence[1]
+  assert calibrated_layers(influence, 1) == (0, 1, 3)
+
+
+def test_bad_skip_sets_are_refused(deep):
+  with pytest.raises(ValueError, match="non-empty ascending"):
+    skip_drafter(deep, DEEP, ())
+  with pytest.raises(ValueError, match="runs all 4 layers"):
+    skip_drafter(deep, DEEP, (0, 1, 2, 3))
+  with pytest.raises(ValueError, match=r"skips 1 \.\. 2 of the target's 4 layers"):
+    calibrated_layers(np.zeros(4), 3)
+  with pytest.raises(ValueError, match="chains only"):
+    tree_speculative_generate(deep, DEEP, skip_drafter(deep, DEEP, (0, 3)), PROMPTS[:1],
+                              spec=TreeSpecConfig("fixed:2", max_new_tokens=4))
