@@ -39,6 +39,9 @@ class Target(Protocol):
   tokenizer: Tokenizer
   source: str
 
+  def generate_ids(self, prompts, max_new_tokens: int):
+    """Greedy continuations (what `skip:N` calibrates on)."""
+
 
 # build(target, arg, dtype, fallback) -> a drafter; arg is the text after "KIND:" (None without
 # one), fallback the drafter named after "+" (kinds with `takes_fallback` only).
@@ -171,9 +174,8 @@ def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
     raise ValueError(f"skip:N needs the number of layers to skip, 1 .. {L - 2}, got "
                      f"{'skip' + ('' if arg is None else ':' + arg)!r}")
   calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
-  from jspec.generate import generate
   prompts = [target.tokenizer.encode(text) for text in SKIP_CALIBRATION]
-  out = generate(target.params, target.cfg, prompts, max_new_tokens=48).sequences()
+  out = target.generate_ids(prompts, max_new_tokens=48).sequences()
   influence = sum(layer_influence(target.params, target.cfg, p + o) for p, o in zip(prompts, out))
   return skip_drafter(target.params, target.cfg, calibrated_layers(influence, int(arg)))
 
