@@ -48,6 +48,7 @@ def main() -> None:
   p = argparse.ArgumentParser()
   p.add_argument("--glob", default="benchmarks/trees_*_n*_cpu.json")
   p.add_argument("--out", type=Path, default=Path("benchmarks/trees_tau_vs_budget_cpu.png"))
+  p.add_argument("--title", default="jspec token trees, default model + default drafter")
   args = p.parse_args()
   import matplotlib
   matplotlib.use("Agg")
@@ -76,8 +77,8 @@ def main() -> None:
     axes[1, col].axhline(1.0, color="gray", lw=0.8, ls="--")
   axes[0, 0].legend()
   machine = load(args.glob)[0].get("machine", {})
-  fig.suptitle(f"jspec token trees, default model + default drafter "
-               f"({machine.get('processor') or machine.get('cpu') or 'CPU'})", fontsize=10)
+  fig.suptitle(f"{args.title} ({machine.get('processor') or machine.get('cpu') or 'CPU'})",
+               fontsize=10)
   fig.tight_layout()
   fig.savefig(args.out, dpi=110)
   print(f"wrote {args.out}")
