@@ -178,6 +178,19 @@ def test_generate_with_mask_token_probing(tiny_model, capsys):
   assert "probability in (0, 1]" in capsys.readouterr().err
 
 
+def test_bench_runs_probing_and_stopping_drafters(tiny_model, tmp_path):
+  """Their rounds do not split into "propose, then one forward": the bench's overhead baseline
+  leaves them out instead of failing, and the runs stay identical to autoregressive decoding."""
+  out = tmp_path / "bench.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "1",
+               "--max-new-tokens", "6", "--drafters", "mtp:2,ngram@1", "--no-transformers",
+               "--json", str(out)]) == 0
+  records = [r for r in json.loads(out.read_text()) if r["method"] == "jspec-speculative"]
+  assert [r["drafter"] for r in records] == ["mtp:2", "ngram@1"]
+  assert all(r["identical_to_ar"] for r in records)
+  assert records[0]["gamma"] == 2
+
+
 def test_generate_with_layer_skipping(tmp_path, capsys):
   """--drafter skip:N calibrates on the target's own text, then drafts chains; trees and
   impossible N are refused in one line."""

@@ -431,6 +431,11 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
       jax.clear_caches()
     if not (measure_overhead and measure_ttft):
       continue  # the overhead compares decode time per round, prefill timed apart
+    d = named.drafter
+    if d.probe_masks or d.shares_target_cache or d.stops_early:
+      # Their rounds are not "propose gamma, then one (gamma + 1)-token forward": the masks ride
+      # in the verification, the draft runs in the target's cache, or the chain ends early.
+      continue
     # Engine overhead: a round's wall time against its model work alone.
     # Baseline at the median prompt's cache size, so attention costs the same in both.
     median = sorted(len(p) for p in prompts)[len(prompts) // 2]
