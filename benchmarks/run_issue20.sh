@@ -4,18 +4,20 @@
 # 2-core VM; run it on an idle machine.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
+# Resumable: a record that already exists is kept (delete it to rerun that part).
+run() { local out="${@: -1}"; [ -e "$out" ] || jspec bench "$@"; }
 COMMON="--num-prompts 6 --max-new-tokens 64 --no-transformers --no-ttft --no-overhead"
 # Chains of 3: the distilled drafter, the lookup (and with the stop at its first miss), mask-token
 # probing, layer skipping (10 of 30 layers; and with a 0.5 confidence stop).
 for ds in mt-bench humaneval; do
-  jspec bench --dataset $ds $COMMON --drafters default,ngram,ngram@1,mtp:3,skip:10,skip:10@0.5 \
+  run --dataset $ds $COMMON --drafters default,ngram,ngram@1,mtp:3,skip:10,skip:10@0.5 \
     --gamma 3 --json benchmarks/issue20_chains_${ds}_t0_cpu.json
   # tau vs node budget for one-mask probing trees (ESP's best shape: the top N of mask 1).
-  jspec bench --dataset $ds $COMMON --drafters mtp:1 --gamma 1 \
+  run --dataset $ds $COMMON --drafters mtp:1 --gamma 1 \
     --tree dynamic:2,1,1,2,dynamic:4,1,1,4,dynamic:8,1,1,8,dynamic:16,1,1,16 \
     --json benchmarks/issue20_mtp_trees_${ds}_t0_cpu.json
 done
-jspec bench --dataset mt-bench $COMMON --temperature 1 --drafters default,ngram,ngram@1,mtp:3,skip:10 \
+run --dataset mt-bench $COMMON --temperature 1 --drafters default,ngram,ngram@1,mtp:3,skip:10 \
   --gamma 3 --json benchmarks/issue20_chains_mt-bench_t1_cpu.json
 python benchmarks/plot_trees.py --glob 'benchmarks/issue20_mtp_trees_*_t0_cpu.json' \
   --out benchmarks/issue20_mtp_trees_cpu.png --title 'mask-token probing (mtp:1) trees, default model'

@@ -2,17 +2,20 @@
 exactly what an offline replay of that lookup predicts, output stays the target's (greedy
 identity, sampled distribution), one compiled program, clear errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.decode import prepare_batch
 from jspec.generate import generate
 from jspec.models.llama import init_params
 from jspec.bench.profiling import CompileCounter
 from jspec.sampling.processing import SamplingParams
 from jspec.drafting.model import ModelDrafter
-from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_loop
 from jspec.drafting.ngram import lookup, ngram_drafter
 from jspec.train.trainer import student_logits
 from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
@@ -163,3 +166,48 @@ def test_bad_input(target):
     ngram_drafter(TARGET.vocab_size, 2, 4, fallback=ngram_drafter(TARGET.vocab_size))
   with pytest.raises(ValueError, match="not itself a lookup"):
     ngram_drafter(TARGET.vocab_size, 2, 4, fallback=object())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _NoCatchUp(ModelDrafter):
+  """Control: a fallback that forgets the rounds the lookup left it out of."""
+
+  def catch_up(self, state, tokens, seq_len):
+    return state
+
+
+_loop_jit = jax.jit(speculative_loop, static_argnums=1, static_argnames=("spec", "cache_size"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])  # sampled, but cold enough to repeat
+def test_rounds_the_lookup_matched_skip_the_fallback_and_change_nothing(target, temperature):
+  """Leaving the fallback out of fully matched rounds gives the same tokens, acceptances and
+  (after its catch-up forward) the same fallback KV entries as drafting every round; a fallback
+  that skips without catching up ends with different entries (so rounds were skipped)."""
+  model = noised_drafter(target, 0.5)
+  spec = SpecConfig(gamma=3, max_new_tokens=24)
+  sampling = SamplingParams(temperature=temperature)
+
+  def run(fallback, skip, prompt):
+    drafter = dataclasses.replace(ngram_drafter(TARGET.vocab_size, 2, 3, fallback=fallback),
+                                  skip_matched=skip)
+    b = prepare_batch(TARGET, [prompt], max_new_tokens=24, sampling=sampling, key=5,
+                      stop_ids=(), cache_size=None, reserve=4, reserve_for="the block")
+    s = _loop_jit(target, TARGET, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                  cache_size=b.cache_size)
+    known = int(s.seq_len[0]) - 2  # the fallback's entries a next round would read
+    return (np.asarray(s.tokens[0, :24]), np.asarray(s.accept_hist),
+            np.asarray(s.draft.inner.cache.k[:, 0, :known]))
+
+  forgetful = _NoCatchUp(params=model.params, cfg=model.cfg)
+  differs = 0
+  for prompt in REPEATING:
+    tokens, hist, kv = run(model, False, prompt)
+    skip_tokens, skip_hist, skip_kv = run(model, True, prompt)
+    np.testing.assert_array_equal(skip_tokens, tokens)
+    np.testing.assert_array_equal(skip_hist, hist)
+    np.testing.assert_allclose(skip_kv, kv, atol=1e-5)
+    _, _, lost_kv = run(forgetful, True, prompt)
+    differs += not np.allclose(lost_kv, kv, atol=1e-5)
+  assert differs >= 1, differs

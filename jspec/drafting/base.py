@@ -117,6 +117,15 @@ class Drafter(abc.ABC):
   # Layer-skip drafts run the target's own layers over the target's KV cache: the chain engine
   # calls propose_shared(state, target cache, ...) -> (tokens, q, state, cache) instead of propose.
   shares_target_cache: bool = False
+  # ngram+X: the lookup may leave this drafter out of a chain round it matched in full; the
+  # drafter then reads that round's tokens afterwards with `catch_up`.
+  catches_up: bool = False
+
+  def catch_up(self, state: DraftState, tokens: Array, seq_len: Array) -> DraftState:
+    """The state as if `propose` had run in a round that started at seq_len: `tokens` [B, W]
+    are that round's last two known tokens and its first W - 2 drafts (at positions seq_len - 2
+    onward; those a later round re-reads or that were rejected may be anything)."""
+    raise NotImplementedError(f"{type(self).__name__} cannot catch up on a skipped round")
 
   def with_stop(self, threshold: float) -> "Drafter":
     """This drafter with adaptive draft length: a chain ends before the first draft whose

@@ -138,6 +138,18 @@ class ModelDrafter(HeadDrafter):
                                        None if self.stop_below is None else unsure(self.stop_below))
     return tokens, probs, ModelDraftState(cache=cache, evicted=state.evicted)
 
+  catches_up = True
+
+  def catch_up(self, state: ModelDraftState, tokens: Array, seq_len: Array) -> ModelDraftState:
+    """One forward over the skipped round's tokens writes the entries its propose would have."""
+    B, W = tokens.shape
+    start = seq_len - 2
+    positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
+    _, _, cache = forward(self.params, self.cfg, tokens, positions,
+                          state.cache.with_lengths(start - _evicted(state)),
+                          logits_indices=jnp.zeros((B, 1), jnp.int32))
+    return ModelDraftState(cache=cache.commit(W), evicted=state.evicted)
+
   def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:
     """Under a budget: keep the entries of positions < seq_len - 2 (what the next round does not
     re-read), then evict on decoding's schedule."""

@@ -11,7 +11,11 @@ exact at any temperature: speculative sampling accepts it with probability p(x) 
 samples the residual. With a `fallback` drafter (any drafter but another lookup) the lookup wins
 wherever it finds a match and the fallback's own draw (and q) is used elsewhere; the fallback reads
 every proposed token either way (the protocol's `pick`), so its cache stays in step with the
-history. Trees work the same way: each frontier node's context is the history plus its path.
+history. A chain round in which the lookup matches every draft of every row leaves the fallback
+out (`skip_matched`, for fallbacks that `catches_up`): the drafts and q are what the full round
+would have proposed, and after verification the fallback reads the round's tokens in one forward
+instead of drafting them one at a time. Trees work the same way: each frontier node's context is
+the history plus its path (the fallback always drafts there).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def write_at(history: Array, start: Array, tokens: Array) -> Array:
 class NgramState(DraftState):
   history: Array  # [B, L] int32: prompt and known tokens (past them: last round's drafts)
   inner: DraftState | None = None  # the fallback drafter's state
+  skipped: Array | None = None  # [] bool: the last chain round left the fallback out
 
 
 def one_hot_logits(token: Array, vocab: int) -> Array:
@@ -105,7 +110,7 @@ class _LookupFeeder:
 
   def result(self, tree: Tree, reindexed: bool) -> NgramState:
     inner = None if self.inner is None else self.inner.result(tree, reindexed)
-    return NgramState(history=self.history, inner=inner)
+    return NgramState(history=self.history, inner=inner, skipped=jnp.zeros((), bool))
 
 
 @jax.tree_util.register_dataclass
@@ -123,6 +128,8 @@ class NgramDrafter(Drafter):
   n_max: int = dataclasses.field(default=4, metadata=dict(static=True))
   fallback: Drafter | None = None
   stop_on_miss: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # Leave the fallback out of chain rounds the lookup matched in full (see the module docstring).
+  skip_matched: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   def __post_init__(self):
     if not (isinstance(self.n_min, int) and isinstance(self.n_max, int)
@@ -159,10 +166,46 @@ class NgramDrafter(Drafter):
                      sampling: SamplingParams, gamma: int, pick: Pick | None = None):
     """`propose` over a fallback that drafts in the target's KV cache (layer skipping)."""
     history, mine = self._lookup_pick(state, last2, seq_len, pick)
-    tokens, probs, inner, cache = self.fallback.propose_shared(state.inner, cache, last2, seq_len,
-                                                               key, sampling, gamma, pick=mine)
-    return (tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner),
-            cache)
+
+    def drafted():
+      tokens, probs, inner, shared = self.fallback.propose_shared(
+          state.inner, cache, last2, seq_len, key, sampling, gamma, pick=mine)
+      return tokens, probs, inner, shared, jnp.zeros((), bool)
+
+    tokens, probs, inner, cache, skipped = self._unless_matched(
+        history, seq_len, gamma, pick, drafted, lambda: (state.inner, cache))
+    return (tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner,
+                                      skipped=skipped), cache)
+
+  def _unless_matched(self, history: Array, seq_len: Array, gamma: int, pick: Pick | None,
+                      drafted, untouched):
+    """drafted() -> (tokens, q, *rest, skipped=False) runs the fallback; when the lookup
+    matches all `gamma` drafts of every row the round is (lookup tokens, one-hot q,
+    *untouched(), skipped=True) instead, without the fallback's work."""
+    if not (self.skip_matched and self.fallback.catches_up and pick is None):
+      return drafted()
+    tokens, found = self._lookup_chain(history, seq_len, gamma)
+
+    def matched():
+      q = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
+      return (tokens, q) + tuple(untouched()) + (jnp.ones((), bool),)
+    return jax.lax.cond(jnp.all(found), matched, drafted)
+
+  def _lookup_chain(self, history: Array, seq_len: Array, gamma: int) -> tuple[Array, Array]:
+    """(drafts [B, gamma] by lookup alone, found [B]: every draft of the row matched); stops
+    looking at the first draft some row misses."""
+    B = history.shape[0]
+
+    def body(loop):
+      i, tokens, history, found = loop
+      guess, hit = lookup(history, seq_len + i, self.n_min, self.n_max)
+      tokens = jax.lax.dynamic_update_slice_in_dim(tokens, guess[:, None], i, axis=1)
+      return i + 1, tokens, write_at(history, seq_len + i, guess[:, None]), found & hit
+
+    _, tokens, _, found = jax.lax.while_loop(
+        lambda loop: (loop[0] < gamma) & jnp.all(loop[3]), body,
+        (jnp.int32(0), jnp.zeros((B, gamma), jnp.int32), history, jnp.ones((B,), bool)))
+    return tokens, found
 
   @property
   def probe_masks(self) -> int:
@@ -186,7 +229,7 @@ class NgramDrafter(Drafter):
     history = jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
     inner = None if self.fallback is None else self.fallback.init(prompt, prompt_lengths,
                                                                   cache_size, features)
-    return NgramState(history=history, inner=inner)
+    return NgramState(history=history, inner=inner, skipped=jnp.zeros((), bool))
 
   def propose(self, state: NgramState, last2: Array, seq_len: Array, key: Array,
               sampling: SamplingParams, gamma: int, pick: Pick | None = None
@@ -215,12 +258,19 @@ class NgramDrafter(Drafter):
           0, gamma, step, (jnp.zeros((B, gamma), jnp.int32),
                            jnp.zeros((B, gamma, V), jnp.float32), history,
                            jnp.ones((B,), bool)))
-      return tokens, probs, NgramState(history=history, inner=None)
+      return tokens, probs, NgramState(history=history, inner=None, skipped=state.skipped)
 
     history, mine = self._lookup_pick(state, last2, seq_len, pick)
-    tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
-                                                 gamma, pick=mine)
-    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner)
+
+    def drafted():
+      tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
+                                                   gamma, pick=mine)
+      return tokens, probs, inner, jnp.zeros((), bool)
+
+    tokens, probs, inner, skipped = self._unless_matched(history, seq_len, gamma, pick, drafted,
+                                                         lambda: (state.inner,))
+    return tokens, probs, NgramState(history=write_at(history, seq_len, tokens), inner=inner,
+                                     skipped=skipped)
 
   def _lookup_pick(self, state: NgramState, last2: Array, seq_len: Array, pick: Pick | None):
     """(the history with the last two known tokens written, the `pick` that puts the lookup's
@@ -240,7 +290,19 @@ class NgramDrafter(Drafter):
   def update(self, state: NgramState, seq_len: Array, features: Features) -> NgramState:
     if self.fallback is None:
       return state
-    return dataclasses.replace(state, inner=self.fallback.update(state.inner, seq_len, features))
+    inner = state.inner
+    if self.skip_matched and self.fallback.catches_up:
+      # A skipped round's tokens at round_start - 2 onward: its last two known ones and drafts.
+      round_start = features.start + 1
+      W = features.tokens.shape[1]  # gamma + 1
+      cols = (round_start - 2)[:, None] + jnp.arange(W, dtype=jnp.int32)
+      tokens = jnp.take_along_axis(state.history, jnp.clip(cols, 0, state.history.shape[1] - 1),
+                                   axis=1)
+      inner = jax.lax.cond(state.skipped,
+                           lambda: self.fallback.catch_up(inner, tokens, round_start),
+                           lambda: inner)
+    return dataclasses.replace(state, inner=self.fallback.update(inner, seq_len, features),
+                               skipped=jnp.zeros((), bool))
 
   def tree_feeder(self, state: NgramState, last2: Array, seq_len: Array) -> _LookupFeeder:
     inner = None if self.fallback is None else self.fallback.tree_feeder(state.inner, last2,
@@ -253,7 +315,8 @@ class NgramDrafter(Drafter):
     """The accepted path and the target's token follow the known tokens in the history."""
     inner = None if self.fallback is None else self.fallback.accept_tree(
         drafted.inner, path, n_accepted, seq_len, features)
-    return NgramState(history=write_at(drafted.history, seq_len, features.tokens), inner=inner)
+    return NgramState(history=write_at(drafted.history, seq_len, features.tokens), inner=inner,
+                      skipped=jnp.zeros((), bool))
 
 
 def ngram_drafter(vocab_size: int, n_min: int | None = None, n_max: int = 4,

@@ -93,6 +93,12 @@ class SkipDrafter(HeadDrafter):
         None if self.stop_below is None else unsure(self.stop_below))
     return tokens, probs, state, shared.with_lengths(start)
 
+  catches_up = True
+
+  def catch_up(self, state: SkipState, tokens: Array, seq_len: Array) -> SkipState:
+    """Nothing to catch up: the target's verification writes every entry the draft reads."""
+    return state
+
   def update(self, state: SkipState, seq_len: Array, features: Features) -> SkipState:
     return state
 
