@@ -142,6 +142,33 @@ def test_probe_after_a_round_reads_the_masks_after_its_last_accepted_token(targe
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("engine", ["chain", "tree"])
+def test_the_prefill_probes_after_each_prompts_last_token(target, engine):
+  """Before round one the probe holds the target's logits at k masks (the prompt's mean
+  embedding) after each row's last prompt token, rows of different lengths in one padded batch;
+  the prefill's own logits and committed cache are those of a prefill without masks."""
+  prompts, k = [PROMPTS[1], PROMPTS[0][:3], REPEATING[1]], 2
+  spec = (SpecConfig(gamma=2, max_new_tokens=1) if engine == "chain"
+          else TreeSpecConfig("dynamic:4,2,1,2", max_new_tokens=1))
+  loop = speculative_loop if engine == "chain" else tree_speculative_loop
+  b = prepare_batch(TARGET, prompts, max_new_tokens=1, sampling=GREEDY, key=0, stop_ids=(),
+                    cache_size=None, reserve=3 * (1 + k), reserve_for="the block")
+  s = jax.jit(lambda d, t, n, key: loop(target, TARGET, d, t, n, key, b.sampling, spec=spec,
+                                        cache_size=b.cache_size))(
+      probe_drafter(target, TARGET, k), b.tokens, b.lengths, b.key)
+  for row, prompt in enumerate(prompts):
+    m = np.asarray(target.embed)[prompt].mean(0)
+    want = _masks_after(target, prompt, m, k)
+    np.testing.assert_allclose(np.asarray(s.draft.logits[row]), np.asarray(want[0]), atol=2e-4)
+    L = len(prompt)
+    _, _, alone = forward(target, TARGET, jnp.asarray([prompt]), jnp.arange(L)[None],
+                          KVCache.init(TARGET, 1, L))
+    np.testing.assert_allclose(np.asarray(s.cache.k[:, row, :L]), np.asarray(alone.k[:, 0]),
+                               atol=1e-4)
+  first = generate(target, TARGET, prompts, max_new_tokens=1).sequences()
+  assert [list(np.asarray(s.tokens[r, :1])) for r in range(3)] == first
+
+
 def test_chain_tree_and_lookup_greedy_identical_to_autoregressive(target):
   ar = generate(target, TARGET, PROMPT_SET, max_new_tokens=14).sequences()
   probe = probe_drafter(target, TARGET, 3)

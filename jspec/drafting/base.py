@@ -55,7 +55,8 @@ class Features:
   tokens: Array  # [B, W] int32
   start: Array  # [B] int32
   # Probing drafters (Drafter.probe_masks = k > 0): the target's final-normed hidden states
-  # [B, k, E] at the k mask positions that followed the last accepted token (else None).
+  # [B, k, E] at the k mask positions that followed the last accepted token (at prefill: the
+  # last prompt token; None without a probe, e.g. a prefill under a KV budget).
   probe_hidden: Array | None = None
 
 
@@ -137,6 +138,10 @@ class Drafter(abc.ABC):
 
   def probe_embedding(self, state: DraftState) -> Array:
     """[B, E]: the input embedding of the mask positions (probing drafters only)."""
+    raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
+
+  def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
+    """[B, E]: the mask embedding of the masks the prefill appends (probing drafters only)."""
     raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
 
   def with_kv(self, policy, room: int) -> "Drafter":

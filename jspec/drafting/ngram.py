@@ -215,6 +215,9 @@ class NgramDrafter(Drafter):
   def probe_embedding(self, state: NgramState) -> Array:
     return self.fallback.probe_embedding(state.inner)
 
+  def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
+    return self.fallback.prompt_probe_embedding(prompt, prompt_lengths)
+
   def with_kv(self, policy, room: int) -> NgramDrafter:
     """The fallback's cache under `policy` (the lookup's token history stays whole: 4 bytes a
     token)."""

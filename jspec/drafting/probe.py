@@ -10,8 +10,8 @@ token hold the next round's drafts: a chain (mask i's top-1, or a draw from its 
 distribution, for draft i) or a token tree of any jspec.tree shape, every node at depth d scored
 by mask d whatever its parent (so `dynamic:N,D,1,K` is ESP's tree: the top-K of each mask below
 the best node of the depth above). Verification is the engines' own, lossless at every
-temperature. The first round has no probe yet and drafts from flat logits (it is rejected or
-accepted like any draft; nothing else depends on it).
+temperature. The prefill probes as well (k masks after the last prompt token, with the prompt's
+mean embedding), so the first round drafts like every other.
 """
 
 from __future__ import annotations
@@ -89,16 +89,24 @@ class ProbeDrafter(Drafter):
   def _embed(self, tokens: Array) -> Array:
     return quant.take_rows(self.head.embed, tokens).astype(jnp.float32)  # [B, T, E]
 
+  def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
+    """The mean of each prompt's input embeddings [B, E] (ESP's initial mask)."""
+    P = prompt.shape[1]
+    valid = (jnp.arange(P)[None, :] < prompt_lengths[:, None]).astype(jnp.float32)  # [B, P]
+    return jnp.einsum("bp,bpe->be", valid, self._embed(prompt)) / prompt_lengths[:, None]
+
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ProbeState:
-    B, P = prompt.shape
-    valid = (jnp.arange(P)[None, :] < prompt_lengths[:, None]).astype(jnp.float32)  # [B, P]
-    mean = jnp.einsum("bp,bpe->be", valid, self._embed(prompt)) / prompt_lengths[:, None]
+    B = prompt.shape[0]
+    mean = self.prompt_probe_embedding(prompt, prompt_lengths)
     # The prompt's first sampled token is committed too (features.tokens at prompt_lengths - 1).
     first = jnp.take_along_axis(features.tokens, (prompt_lengths - 1)[:, None], axis=1)
     mask = self._moved(mean, first, jnp.ones((B,), jnp.int32))
-    return ProbeState(mask=mask, logits=jnp.zeros((B, self.probe_masks, self.vocab_size),
-                                                  jnp.float32))
+    if features.probe_hidden is None:  # no probe at prefill: the first round drafts blind
+      logits = jnp.zeros((B, self.probe_masks, self.vocab_size), jnp.float32)
+    else:  # the masks after the last prompt token
+      logits = lm_head(self.head, features.probe_hidden)
+    return ProbeState(mask=mask, logits=logits)
 
   def _moved(self, mask: Array, tokens: Array, n: Array) -> Array:
     """The mask embedding after committing tokens [B, W] (the first n [B] of each row) in order:

@@ -18,8 +18,9 @@ from jspec.kv.prefill import chunked_prefill
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params
+from jspec.models.llama import Params, forward
 from jspec.sampling.processing import SamplingParams, sample
+from jspec.speculative.probing import prefill_layout
 
 Array = jax.Array
 
@@ -95,7 +96,19 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   B, P = prompt.shape
   N = spec.max_new_tokens
   evicted = None
-  if kv is None:
+  probed = None
+  if kv is None and drafter.probe_masks:
+    # k masks after each prompt's last token: the first round's drafts (jspec.drafting.probe).
+    k = drafter.probe_masks
+    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
+    mask, positions = prefill_layout(prompt_lengths, P, k)
+    masks = jnp.broadcast_to(drafter.prompt_probe_embedding(prompt, prompt_lengths)[:, None],
+                             (B, k, cfg.hidden_size))
+    logits, hidden, cache = forward(params, cfg, prompt, positions, cache, mask,
+                                    logits_indices=(prompt_lengths - 1)[:, None], appended=masks)
+    logits, hidden, probed = logits[:, 0], hidden[:, :P], hidden[:, P:]
+    cache = cache.with_lengths(prompt_lengths)
+  elif kv is None:
     cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
     logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
@@ -108,7 +121,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   following = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
   following = following.at[jnp.arange(B), prompt_lengths - 1].set(first)  # [B, P]
   draft_state = drafter.init(prompt, prompt_lengths, cache_size, Features(
-      hidden=hidden, tokens=following, start=jnp.zeros((B,), jnp.int32)))
+      hidden=hidden, tokens=following, start=jnp.zeros((B,), jnp.int32), probe_hidden=probed))
   prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
   zeros = lambda n: jnp.zeros((n,), jnp.int32)
   return SpecState(

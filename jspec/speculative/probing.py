@@ -11,6 +11,9 @@ the last accepted one, the k masks that followed it were scored in the same forw
 No block token sees a mask, so the block's logits are exactly what they are without masks, and
 the masks' KV entries sit in the slots after the block's, which the engines never commit (a round
 commits accepted block tokens only and sets the cache length to them).
+
+The prefill probes too (`prefill_layout`): k masks after each row's last prompt token, so the
+first round drafts from the prompt like every later one does from its last accepted token.
 """
 
 from __future__ import annotations
@@ -52,3 +55,19 @@ def probe_hidden(hidden: Array, T: int, k: int, end: Array) -> Array:
   B, _, E = hidden.shape
   masks = hidden[:, T:].reshape(B, T, k, E)
   return jnp.take_along_axis(masks, end[:, None, None, None], axis=1)[:, 0]
+
+
+def prefill_layout(prompt_lengths: Array, P: int, k: int) -> tuple[Array, Array]:
+  """(mask [B, P + k, P + k], positions [B, P + k]) of padded prompts [B, P] followed by k masks
+  after each row's last real token: mask j at position prompt_length - 1 + j, seeing the row's
+  prompt and masks 1 .. j (the padding past a row's length is never seen by its masks)."""
+  B = prompt_lengths.shape[0]
+  top = jnp.concatenate([causal(B, P), jnp.zeros((B, P, k), bool)], axis=2)
+  prompt_seen = jnp.arange(P)[None, None, :] < prompt_lengths[:, None, None]  # [B, 1, P]
+  own = jnp.tril(jnp.ones((k, k), bool))
+  bottom = jnp.concatenate([jnp.broadcast_to(prompt_seen, (B, k, P)),
+                            jnp.broadcast_to(own, (B, k, k))], axis=2)
+  positions = jnp.concatenate(
+      [jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)),
+       (prompt_lengths - 1)[:, None] + jnp.arange(1, k + 1, dtype=jnp.int32)], axis=1)
+  return jnp.concatenate([top, bottom], axis=1), positions
