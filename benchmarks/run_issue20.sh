@@ -21,3 +21,11 @@ run --dataset mt-bench $COMMON --temperature 1 --drafters default,ngram,ngram@1,
   --gamma 3 --json benchmarks/issue20_chains_mt-bench_t1_cpu.json
 python benchmarks/plot_trees.py --glob 'benchmarks/issue20_mtp_trees_*_t0_cpu.json' \
   --out benchmarks/issue20_mtp_trees_cpu.png --title 'mask-token probing (mtp:1) trees, default model'
+# Paired tau (`jspec bench-tau`): the probing trees on the SAME contexts (the target's greedy
+# responses cut every 4th token; the prefill probes after each context), where they differ little.
+for ds in mt-bench humaneval; do
+  out=benchmarks/issue20_mtp_trees_paired_${ds}_t0_cpu.json
+  [ -e "$out" ] || jspec bench-tau --dataset $ds --num-prompts 6 --max-new-tokens 64 --rounds 1 \
+    --drafter mtp:1 --tree dynamic:2,1,1,2,dynamic:4,1,1,4,dynamic:8,1,1,8,dynamic:16,1,1,16 \
+    --json "$out"
+done

@@ -159,9 +159,12 @@ def cmd_generate(args) -> int:
   return 0
 
 
+_ARGV: list[str] | None = None  # what main() was given (None: the process's own arguments)
+
+
 def _command() -> str:
   """The command line being run, for the records and metadata that say how they were made."""
-  return " ".join(["jspec"] + sys.argv[1:])
+  return " ".join(["jspec"] + (sys.argv[1:] if _ARGV is None else _ARGV))
 
 
 def _stamp(records: list[dict]) -> str:
@@ -603,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  global _ARGV
+  _ARGV = None if argv is None else [str(a) for a in argv]
   args = build_parser().parse_args(argv)
   from jspec.io import compilation_cache
   compilation_cache.enable()
