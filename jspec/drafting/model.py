@@ -111,17 +111,23 @@ class ModelDrafter(HeadDrafter):
                           logits_indices=(prompt_lengths - 1)[:, None])
     return ModelDraftState(cache=cache.with_lengths(prompt_lengths))
 
+  def _feed(self, state: ModelDraftState, tokens: Array, seq_len: Array
+            ) -> tuple[Array, KVCache]:
+    """Feed tokens [B, W] at positions seq_len - 2 onward: (logits [B, 1, M] after the second,
+    the cache holding seq_len - 2 + W (less the evicted) entries)."""
+    B, W = tokens.shape
+    start = seq_len - 2
+    positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
+    logits, _, cache = forward(self.params, self.cfg, tokens, positions,
+                               state.cache.with_lengths(start - _evicted(state)),
+                               logits_indices=jnp.ones((B, 1), jnp.int32))
+    return logits, cache.commit(W)
+
   def _read_last2(self, state: ModelDraftState, last2: Array, seq_len: Array
                   ) -> tuple[Array, KVCache]:
     """Feed the last two known tokens at seq_len - 2, seq_len - 1: (logits [B, 1, M] for the next
     token, the cache holding seq_len (less the evicted) entries)."""
-    B = last2.shape[0]
-    start = seq_len - 2
-    positions = start[:, None] + jnp.arange(2, dtype=jnp.int32)  # [B, 2]
-    logits, _, cache = forward(self.params, self.cfg, last2, positions,
-                               state.cache.with_lengths(start - _evicted(state)),
-                               logits_indices=jnp.ones((B, 1), jnp.int32))
-    return logits, cache.commit(2)
+    return self._feed(state, last2, seq_len)
 
   def propose(self, state: ModelDraftState, last2: Array, seq_len: Array, key: Array,
               sampling: SamplingParams, gamma: int, pick: Pick | None = None):
@@ -142,13 +148,8 @@ class ModelDrafter(HeadDrafter):
 
   def catch_up(self, state: ModelDraftState, tokens: Array, seq_len: Array) -> ModelDraftState:
     """One forward over the skipped round's tokens writes the entries its propose would have."""
-    B, W = tokens.shape
-    start = seq_len - 2
-    positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
-    _, _, cache = forward(self.params, self.cfg, tokens, positions,
-                          state.cache.with_lengths(start - _evicted(state)),
-                          logits_indices=jnp.zeros((B, 1), jnp.int32))
-    return ModelDraftState(cache=cache.commit(W), evicted=state.evicted)
+    _, cache = self._feed(state, tokens, seq_len)
+    return ModelDraftState(cache=cache, evicted=state.evicted)
 
   def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:
     """Under a budget: keep the entries of positions < seq_len - 2 (what the next round does not
