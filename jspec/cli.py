@@ -232,7 +232,7 @@ def cmd_train_drafter(args) -> int:
   from jspec.train import distill, trainer
   from jspec.train.recipe import DrafterRecipe, train_drafter
 
-  target = load(args.target, "float32")
+  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   recipe = DrafterRecipe(
       num_layers=args.layers, hidden_size=args.hidden_size, init=args.init,
       vocab_trim=args.vocab_trim, data_dirs=tuple(args.data or ()), save_dtype=args.save_dtype,
@@ -254,7 +254,7 @@ def cmd_train_eagle(args) -> int:
   from jspec.train import trainer
   from jspec.train.eagle import EagleLoss, EagleRecipe, train_eagle
 
-  target = load(args.target, "float32")
+  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   recipe = EagleRecipe(
       data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
       loss=EagleLoss(cls_weight=args.cls_weight, unroll=args.unroll, noise=args.noise),
@@ -273,7 +273,7 @@ def cmd_distill_data(args) -> int:
   from jspec.train import distill
   from jspec.train.recipe import distill_texts
 
-  target = load(args.target, "float32")
+  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   cfg = distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                            batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed)
   out = distill.build_dataset(target, distill_texts(cfg, args.prompt_offset), args.out, cfg)
@@ -285,7 +285,7 @@ def cmd_trim_vocab(args) -> int:
   from jspec.model import load
   from jspec.train.recipe import trim_drafter
 
-  target = load(args.target, "float32")
+  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   out = trim_drafter(target, args.drafter, tuple(args.data or ()), args.size, args.out,
                      dtype=args.save_dtype, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
@@ -298,7 +298,7 @@ def cmd_eval_drafter(args) -> int:
   from jspec.model import load
   from jspec.train.recipe import heldout_acceptance
 
-  target = load(args.target, "float32")
+  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   names = [n for n in args.drafters.split(",") if n]
   drafters = {n: load_drafter(n, target) for n in names}
   if None in drafters.values():

@@ -12,7 +12,8 @@ from jspec.drafting.model import ModelDrafter
 from jspec.io.load import QUANTIZED, int8_kernel
 from jspec.models import quant
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params, masked_attention, quantize_params
+from jspec.models.llama import (forward, init_params, masked_attention, native_float_params,
+                                 quantize_params)
 from tests.test_quant import PROJECTIONS, PROMPTS, WIDE, _chain_matches_generate
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
@@ -304,3 +305,157 @@ def test_q4_token_bit_identical_alone_or_in_a_block_and_chains_identical():
   noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
   drafter = ModelDrafter(quantize_params(noised, "native", bits=4), WIDE)
   _chain_matches_generate(params, WIDE, drafter, 3, 47)
+
+
+# ----------------------------------------------------------------------------- float32 kernel
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("N,K", [(1, 1), (7, 33), (37, 200), (130, 576), (5, 17), (66, 1536)])
+def test_f32_linear_matches_the_reference_and_a_row_alone(M, N, K):
+  """Against a float64 matmul at every pass width (1-8 rows, then 8 at a time), weight-row blocks
+  of 4, 3, 2 and 1, K tails under 16 floats and thread chunks of 32 rows; and each row computed
+  alone gives the bits it gets in the block (the fixed summation order greedy identity needs)."""
+  rng = np.random.default_rng(M * 1000 + N + K)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  w = rng.standard_normal((N, K)).astype(np.float32)
+  fn = jax.jit(native.f32_linear)
+  got = np.asarray(fn(jnp.asarray(x), jnp.asarray(w)))
+  want = x.astype(np.float64) @ w.astype(np.float64).T
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+  for m in {0, M // 2, M - 1}:
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x[m:m + 1]), jnp.asarray(w)))[0],
+                                  got[m])
+
+
+def test_f32_linear_gradients_and_refusals():
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((3, 40)).astype(np.float32))
+  w = jnp.asarray(rng.standard_normal((9, 40)).astype(np.float32))
+  c = jnp.asarray(rng.standard_normal((3, 9)).astype(np.float32))
+  got = jax.grad(lambda x, w: jnp.sum(native.f32_linear(x, w) * c), (0, 1))(x, w)
+  want = jax.grad(lambda x, w: jnp.sum((x @ w.T) * c), (0, 1))(x, w)
+  for g, h in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\]"):
+    native.f32_linear(x, w[:, :7])
+  with pytest.raises(ValueError, match="float32 operands"):
+    native.f32_linear(x.astype(jnp.bfloat16), w)
+  with pytest.raises(ValueError, match="float32 weights"):
+    quant.dense_native(np.ones((4, 4), np.float16), (0,))
+
+
+@pytest.mark.parametrize("spec,shape,axes,xshape", PROJECTIONS, ids=[p[0] for p in PROJECTIONS])
+def test_dense_weight_is_the_same_weight(spec, shape, axes, xshape):
+  """Stored output-major, a DenseWeight reads as the same weight and its matmul agrees with XLA's
+  to float32 rounding."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal(shape).astype(np.float32)
+  nat = quant.dense_native(w, axes)
+  assert nat.shape == shape and nat.stored.shape[-1] == shape[axes[0]]
+  np.testing.assert_array_equal(np.asarray(nat.dense()), w)
+  np.testing.assert_array_equal(np.asarray(nat), w)  # __array__: savers and borrowers
+  for rows in (xshape, (1, 5, xshape[-1])):
+    x = jnp.asarray(rng.standard_normal(rows).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(quant.einsum(spec, x, nat)),
+                               np.asarray(jnp.einsum(spec, x, w)), rtol=1e-5, atol=1e-5)
+  if axes == (0, 1) or len(shape) == 3:
+    return
+  if axes == (1,):  # the embedding table: rows read by id
+    ids = jnp.asarray([[3, 0, 95]])
+    np.testing.assert_array_equal(np.asarray(quant.take_rows(nat, ids)), w[np.asarray(ids)])
+
+
+def test_dense_weight_reshape_merges_input_axes():
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((4, 16, 64)).astype(np.float32)
+  nat = quant.dense_native(w, (0, 1)).reshape(64, 64)
+  assert nat.stored.shape == (64, 64) and nat.in_axes == (0,)
+  np.testing.assert_array_equal(np.asarray(nat.dense()), w.reshape(64, 64))
+  with pytest.raises(ValueError, match="keeps the trailing output axes"):
+    nat.reshape(32, 128)
+
+
+@pytest.mark.parametrize("cfg", ["narrow", "wide"])
+def test_native_float_token_bit_identical_alone_or_in_a_block(cfg):
+  """A float32 model on the native kernels scores a token with the same bits in a block as in a
+  one-token step, over caches of other sizes (XLA's float32 dot does not promise it)."""
+  from tests.test_quant import TARGET, _block_and_steps
+  cfg = TARGET if cfg == "narrow" else WIDE
+  params = native_float_params(init_params(cfg, jax.random.key(2), scale=0.3))
+  together, alone = _block_and_steps(params, cfg, block_cache=64, step_cache=128)
+  np.testing.assert_array_equal(np.asarray(together), np.asarray(alone))
+
+
+def test_native_float_forward_and_gradients_match_xla():
+  params = init_params(WIDE, jax.random.key(2), scale=0.3)
+  nat = native_float_params(params)
+  tokens, positions = jnp.asarray([PROMPTS[2][:6]]), jnp.arange(6)[None]
+
+  def loss(p):
+    logits, _, _ = forward(p, WIDE, tokens, positions, KVCache.init(WIDE, 1, 32))
+    return jnp.mean(jax.nn.logsumexp(logits, -1)), logits
+
+  (l_nat, logits_nat), g_nat = jax.value_and_grad(loss, has_aux=True)(nat)
+  (l_xla, logits_xla), g_xla = jax.value_and_grad(loss, has_aux=True)(params)
+  np.testing.assert_allclose(np.asarray(logits_nat), np.asarray(logits_xla), rtol=1e-4,
+                             atol=1e-4 * float(jnp.abs(logits_xla).max()))
+  g_up = g_nat.layers[1].w_up  # a DenseWeight's cotangent, in its stored layout
+  want = np.asarray(g_xla.layers[1].w_up)
+  np.testing.assert_allclose(np.asarray(g_up.stored.T), want, rtol=1e-3,
+                             atol=1e-3 * np.abs(want).max())
+  want = np.asarray(g_xla.layers[0].wq)  # through the attention kernel's gradient
+  np.testing.assert_allclose(np.asarray(g_nat.layers[0].wq.dense()), want, rtol=1e-3,
+                             atol=1e-3 * np.abs(want).max())
+
+
+def test_the_float_program_calls_the_kernel():
+  """No silent fallback: every projection and the head of a native float32 model is the custom
+  call, attention is jspec's, and no float dot is left to XLA."""
+  params = native_float_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  args = (WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None], KVCache.init(WIDE, 1, 16))
+  hlo = jax.jit(forward, static_argnums=1).lower(params, *args).as_text()
+  assert hlo.count(f"@{native.F32_LINEAR}") >= 7 * WIDE.num_layers + 1
+  assert hlo.count(f"@{native.ATTENTION}") == WIDE.num_layers
+  assert "dot_general" not in hlo
+  plain = jax.jit(forward, static_argnums=1).lower(
+      init_params(WIDE, jax.random.key(2)), *args).as_text()
+  assert native.F32_LINEAR not in plain and "dot_general" in plain  # the check above can see one
+
+
+def test_native_float_chains_and_trees_are_token_identical():
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  base = init_params(WIDE, jax.random.key(2), scale=0.3)
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
+  target = native_float_params(base)
+  drafter = ModelDrafter(native_float_params(noised), WIDE)
+  want = _chain_matches_generate(target, WIDE, drafter, 3, 32)
+  tree = tree_speculative_generate(target, WIDE, drafter, PROMPTS,
+                                   spec=TreeSpecConfig(tree="dynamic:6", max_new_tokens=32))
+  assert tree.sequences() == want
+
+
+def test_float32_formats_choose_their_kernel():
+  from jspec.io.load import in_format
+  params = init_params(WIDE, jax.random.key(2))
+  nat, xla = in_format(params, "float32"), in_format(params, "float32-xla")
+  assert isinstance(nat.layers[0].wq, quant.DenseWeight) and isinstance(nat.embed, quant.DenseWeight)
+  assert quant.attention_kernel(nat) == "native" and not quant.is_quantized(nat)
+  assert xla.layers[0].wq is params.layers[0].wq and quant.attention_kernel(xla) is None
+
+
+def test_a_float_prefill_past_the_row_limit_runs_xla():
+  """Past NATIVE_F32_MAX_ROWS rows (a prefill, compute-bound) the projections are XLA dots; up to
+  it (decode steps, verification blocks, trees) they are the kernel."""
+  params = native_float_params(init_params(WIDE, jax.random.key(2), scale=0.3))
+  limit = quant.NATIVE_F32_MAX_ROWS
+
+  def hlo(T):
+    return jax.jit(forward, static_argnums=1).lower(
+        params, WIDE, jnp.zeros((1, T), jnp.int32), jnp.arange(T)[None],
+        KVCache.init(WIDE, 1, 2 * limit + 8)).as_text()
+
+  at, past = hlo(limit), hlo(limit + 1)
+  assert at.count(f"@{native.F32_LINEAR}") >= 7 * WIDE.num_layers + 1 and "dot_general" not in at
+  assert native.F32_LINEAR not in past and "dot_general" in past

@@ -121,7 +121,7 @@ def layer_influence(params: Params, cfg: Config, tokens: Sequence[int]) -> np.nd
     cache = KVCache.init(cfg, 1, T, jnp.float32)
     positions = jnp.arange(T)[None]
     cos, sin = rope_tables(cfg, positions)
-    attend = attention_fn(cfg, cache.lengths, T, None, T, quant.int8_kernel(params))
+    attend = attention_fn(cfg, cache.lengths, T, None, T, quant.attention_kernel(params))
     x = quant.take_rows(params.embed, ids).astype(jnp.float32)
     k_all, v_all, out = cache.k, cache.v, []
     for i, lp in enumerate(params.layers):

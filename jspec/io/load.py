@@ -12,16 +12,18 @@ from jspec.io.fetch import NAMED_MODELS, default_model_path, fetch
 from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params, quantize_params
+from jspec.models.llama import Params, native_float_params, quantize_params
 
 # Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
 # channel, activations int8 per token inside each matmul, float32 everywhere else; its matmuls run
 # jspec's native kernel where JAX computes on the CPU (XLA's int8 dot elsewhere). "int8-xla": the
 # same numbers through XLA's int8 dot everywhere (slower on CPU; no C++ compiler needed). "q4": the
 # decoder layers' projections in 4 bits (groups of 32, jspec's native kernel: CPU only), the
-# embedding and head as "int8".
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.float32,
-          "int8-xla": jnp.float32, "q4": jnp.float32}
+# embedding and head as "int8". "float32": where JAX computes on the CPU its matmuls run jspec's
+# native float32 kernel (the same numbers; a verification block of up to 8 tokens costs about a
+# one-token step, and a token scores the same bits in any block); "float32-xla": XLA's dot.
+DTYPES = {"float32": jnp.float32, "float32-xla": jnp.float32, "bfloat16": jnp.bfloat16,
+          "int8": jnp.float32, "int8-xla": jnp.float32, "q4": jnp.float32}
 QUANTIZED = ("int8", "int8-xla", "q4")
 DEFAULT = "default"
 
@@ -47,6 +49,8 @@ def in_format(params: Params, name: str) -> Params:
       raise ValueError(f"--weights q4 runs jspec's CPU kernels only; JAX computes on "
                        f"{jax.default_backend()}: use --weights int8 or bfloat16 there")
     return quantize_params(params, "native", bits=4)
+  if name == "float32" and jax.default_backend() == "cpu":
+    return native_float_params(params)
   return quantize_params(params, int8_kernel(name)) if name in QUANTIZED else params
 
 

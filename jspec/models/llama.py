@@ -9,6 +9,7 @@ suits layer-skip drafting and multi-layer feature readers. The stacked KV cache 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -202,21 +203,22 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool 
 
 
 def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int,
-                 int8: Optional[str] = None) -> Callable:
+                 kernel: Optional[str] = None) -> Callable:
   """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
 
   "xla": masked softmax over the whole cache in jnp. "pallas" / "pallas-interpret": the tree
   attention kernel reading the stacked cache in place (interpreted on CPU). No fallback between
-  them: a kernel that cannot run raises. `int8`: the int8 weights' kernel (`quant.int8_kernel`),
-  whose re-quantized activations need each token scored with the same bits in any block; see
-  `visible_attention`.
+  them: a kernel that cannot run raises. `kernel`: the attention the weights need
+  (`quant.attention_kernel`: int8 weights re-quantize activations, so each token must score the
+  same bits in any block); see `visible_attention`.
   """
   if cfg.attention_impl == "xla":
     full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
-    return visible_attention(full_mask, int8)
-  if int8:
-    raise ValueError(f"int8 weights run with attention_impl='xla' only (the tree attention "
-                     f"kernel is not yet token-invariant), got {cfg.attention_impl!r}")
+    return visible_attention(full_mask, kernel)
+  if kernel:
+    raise ValueError(f"int8 weights and weights on jspec's CPU kernels run with "
+                     f"attention_impl='xla' only (the tree attention kernel is not yet "
+                     f"token-invariant), got {cfg.attention_impl!r}")
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
   block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
   if block_k is None:
@@ -228,17 +230,40 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
                                                    block_sizes=blocks, interpret=interpret)
 
 
-def visible_attention(visible: Array, int8: Optional[str] = None) -> Callable:
+def visible_attention(visible: Array, kernel: Optional[str] = None) -> Callable:
   """attend(q, k_all, v_all, layer) where each new token sees exactly the cache slots `visible`
-  [B, T, S] marks. Float weights: XLA's attention. int8 weights need a token's bits independent of
-  the block and cache around it: with `int8="xla"` XLA attends one token at a time with
-  fixed-order sums (`masked_attention(per_token=True)`); with "native", jspec's CPU kernel
-  (`jspec.native.attention`: fixed-order sums over the visible slots, every token at once)."""
-  if int8 == "native":
-    return lambda q, k_all, v_all, i: native.attention(q, k_all, v_all, visible, i)
+  [B, T, S] marks. None (plain float weights): XLA's attention. int8 weights need a token's bits
+  independent of the block and cache around it: with `kernel="xla"` XLA attends one token at a
+  time with fixed-order sums (`masked_attention(per_token=True)`); with "native" (int8, q4 and
+  float32 weights on jspec's CPU kernels), jspec's CPU kernel (`jspec.native.attention`:
+  fixed-order sums over the visible slots, every token at once)."""
+  if kernel == "native":
+    return lambda q, k_all, v_all, i: _native_attention(q, k_all, v_all, visible, i)
   return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
                                                      v_all[i].astype(q.dtype), visible,
-                                                     int8 is not None)
+                                                     kernel is not None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _native_attention(q: Array, k_all: Array, v_all: Array, visible: Array, layer: int) -> Array:
+  """jspec's CPU attention kernel, differentiable: its gradients are XLA's masked attention's (a
+  model loaded for decoding can also be trained or probed for gradients)."""
+  return native.attention(q, k_all, v_all, visible, layer)
+
+
+def _native_attention_fwd(q, k_all, v_all, visible, layer):
+  return native.attention(q, k_all, v_all, visible, layer), (q, k_all, v_all, visible)
+
+
+def _native_attention_bwd(layer, res, dout):
+  q, k_all, v_all, visible = res
+  _, vjp = jax.vjp(lambda q, k, v: masked_attention(q, k, v, visible), q, k_all[layer],
+                   v_all[layer])
+  dq, dk, dv = vjp(dout)
+  return dq, jnp.zeros_like(k_all).at[layer].set(dk), jnp.zeros_like(v_all).at[layer].set(dv), None
+
+
+_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
@@ -315,7 +340,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
   if appended is not None:
     T += appended.shape[1]
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.int8_kernel(params))
+  attend = attention_fn(cfg, cache.lengths, cache.size, mask, T, quant.attention_kernel(params))
   masses = None
   if mass_weights is not None:
     if cfg.attention_impl != "xla" or cache.mass is None:
@@ -354,7 +379,7 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   forward's [B, T, T] mask over consecutive new tokens cannot express.
   """
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
-                           visible_attention(visible, quant.int8_kernel(params)))
+                           visible_attention(visible, quant.attention_kernel(params)))
   return lm_head(params, hidden), cache
 
 
@@ -366,7 +391,7 @@ def forward_layers(params: Params, cfg: Config, tokens: Array, positions: Array,
   (jspec.drafting.skip) shares the target's KV cache this way."""
   B, T = tokens.shape
   slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-  attend = attention_fn(cfg, cache.lengths, cache.size, None, T, quant.int8_kernel(params))
+  attend = attention_fn(cfg, cache.lengths, cache.size, None, T, quant.attention_kernel(params))
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, layers=layers)
   return lm_head(params, hidden), cache
 
@@ -444,6 +469,19 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   return dataclasses.replace(
       params, embed=q8(params.embed, (1,)), layers=tuple(layer(lp) for lp in params.layers),
       lm_head=None if params.lm_head is None else q8(params.lm_head, (0,)))
+
+
+def native_float_params(params: Params) -> Params:
+  """Float32 params with every projection, the LM head and the embedding table in the layout of
+  jspec's float32 CPU kernel (`quant.DenseWeight`): the same numbers, matmuls that cost about the
+  same at 1 to 8 rows (a verification block) and score a token with the same bits in any block."""
+  def layer(lp: LayerParams) -> LayerParams:
+    return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
+                                      for name, axes in _INT8_INPUT_AXES.items()})
+  return dataclasses.replace(
+      params, embed=quant.dense_native(params.embed, (1,)),
+      layers=tuple(layer(lp) for lp in params.layers),
+      lm_head=None if params.lm_head is None else quant.dense_native(params.lm_head, (0,)))
 
 
 def param_bytes(params: Params) -> int:

@@ -164,6 +164,64 @@ class Q4Weight:
     return np.asarray(self.dense(), dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DenseWeight:
+  """A float32 weight stored output-major (w's output axes, then its input axes: each output
+  channel's weights contiguous) for jspec's CPU kernel (`jspec.native.f32_linear`), which streams
+  them at memory speed at 1-8 rows and sums every output in one order whatever the rows; XLA's
+  float32 dot slows at 2-8 rows (a verification block). Not quantized: the same numbers as w."""
+
+  stored: Array
+  in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def _order(self) -> tuple[int, ...]:
+    ndim = self.stored.ndim
+    return tuple(a for a in range(ndim) if a not in self.in_axes) + self.in_axes
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """w's shape (whatever the stored layout)."""
+    stored = dict(zip(self._order, self.stored.shape))
+    return tuple(stored[a] for a in range(self.stored.ndim))
+
+  @property
+  def dtype(self):
+    return self.stored.dtype
+
+  def reshape(self, *shape) -> "DenseWeight":
+    """Merge leading input axes (wo [H, D, E] -> [H * D, E]); the output axes stay."""
+    n_out = self.stored.ndim - len(self.in_axes)
+    if self.in_axes != tuple(range(len(self.in_axes))) or shape[-n_out:] != self.shape[-n_out:]:
+      raise ValueError(f"DenseWeight.reshape keeps the trailing output axes: {self.shape} "
+                       f"(input axes {self.in_axes}) -> {shape}")
+    n_in = len(shape) - n_out
+    out_shape = self.shape[-n_out:]
+    return DenseWeight(self.stored.reshape(*out_shape, *shape[:n_in]), tuple(range(n_in)))
+
+  def dense(self) -> Array:
+    """w in its own layout."""
+    return jnp.transpose(self.stored, np.argsort(self._order))
+
+  def __jax_array__(self) -> Array:
+    return self.dense()
+
+  def __array__(self, dtype=None, copy=None):
+    return np.asarray(self.dense(), dtype)
+
+
+def dense_native(w: Array, in_axes: tuple[int, ...]) -> DenseWeight:
+  """float32 w with input axes `in_axes` in the CPU kernel's output-major layout."""
+  if isinstance(w, DenseWeight) and w.in_axes == tuple(in_axes):
+    return w
+  w = jnp.asarray(w)
+  if w.dtype != jnp.float32:
+    raise ValueError(f"the native float32 kernel takes float32 weights, got {w.dtype}")
+  order = DenseWeight(w, tuple(in_axes))._order
+  return DenseWeight(jnp.transpose(w, order), tuple(in_axes))
+
+
 def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   """Symmetric 4 bits in groups of 32 inputs: each group's max |w| maps to 7."""
   in_axes = tuple(in_axes)
@@ -223,6 +281,20 @@ def is_quantized(tree) -> bool:
   return int8_kernel(tree) is not None
 
 
+def _is_weight(x) -> bool:
+  return isinstance(x, (Int8Weight, Q4Weight, DenseWeight))
+
+
+def attention_kernel(tree) -> Optional[str]:
+  """The attention the pytree's weights need (`llama.attention_fn`): "native" (jspec's CPU kernel,
+  fixed-order sums) for weights on the native kernels, "xla" (XLA's, one token at a time) for
+  int8 weights on XLA's dot, None (XLA's masked attention) for plain float weights."""
+  w = next((x for x in jax.tree.leaves(tree, is_leaf=_is_weight) if _is_weight(x)), None)
+  if isinstance(w, DenseWeight):
+    return "native"
+  return int8_kernel(tree)
+
+
 def int8_kernel(tree) -> Optional[str]:
   """The kernel of the pytree's quantized weights ("xla" or "native"; 4-bit weights run only the
   native one), None if it has none."""
@@ -268,6 +340,8 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   x's leading axes then w's output axes (the layout every projection of the decoder has)."""
   if isinstance(w, Q4Weight):
     return _q4_einsum(x, w, preferred_element_type)
+  if isinstance(w, DenseWeight):
+    return _f32_einsum(x, w, preferred_element_type)
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   lead = x.shape[:-1]
@@ -297,6 +371,27 @@ def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Arra
   return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
 
 
+# Rows up to which float32 matmuls run jspec's kernel: decode steps, verification blocks and trees
+# (where a token must score the same bits in any block). Past it (a prefill) the matmul is
+# compute-bound, and XLA's dot, which reaches this CPU's peak there (~1.3x the kernel at 128
+# rows), is the faster program; a prefill's bits need not match a decode step's.
+NATIVE_F32_MAX_ROWS = 64
+
+
+def _f32_einsum(x: Array, w: DenseWeight, preferred_element_type=None) -> Array:
+  """quant.einsum for float32 weights: jspec's CPU kernel, or XLA's dot past
+  NATIVE_F32_MAX_ROWS rows, every row of x against w's output-major rows."""
+  lead, n_in = x.shape[:-1], len(w.in_axes)
+  out_shape = w.stored.shape[:w.stored.ndim - n_in]
+  K = int(np.prod(w.stored.shape[w.stored.ndim - n_in:]))
+  rows, table = x.reshape(-1, K).astype(jnp.float32), w.stored.reshape(-1, K)
+  if rows.shape[0] > NATIVE_F32_MAX_ROWS:
+    y = jnp.einsum("mk,nk->mn", rows, table, preferred_element_type=jnp.float32)
+  else:
+    y = native.f32_linear(rows, table)  # [M, N]
+  return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
+
+
 def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
   """quant.einsum for 4-bit weights through jspec's CPU kernel (activations quantized inside)."""
   lead = x.shape[:-1]
@@ -307,6 +402,11 @@ def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
 def take_rows(table, ids: Array) -> Array:
   """table[ids] for a float table [V, E], or the dequantized rows of an int8 one (scale per row:
   quantized over its input axis 1, the tied LM head's)."""
+  if isinstance(table, DenseWeight):
+    if table.in_axes != (1,):
+      raise ValueError(f"take_rows reads a table stored by rows (input axes (1,)), got input "
+                       f"axes {table.in_axes}")
+    return table.stored[ids]
   if not isinstance(table, Int8Weight):
     return table[ids]
   if table.in_axes != (1,):

@@ -7,6 +7,9 @@
   `quant.quantize_rows`) and scaled on the way out: a whole projection, no XLA work around it.
 - `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each) times
   float32 activations quantized the same way: 0.56 of the bytes of int8 weights to stream.
+- `f32_linear` (`f32_matmul.cc`): the float32 matmul over output-major weights, each output
+  summed in one fixed order whatever the number of rows: XLA:CPU's float32 dot slows to ~20 GB/s
+  at 2-8 rows, so a verification block cost ~1.4 one-token steps; this streams at memory speed.
 - `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
   order that depends only on the visible slots, so a token gets the same bits alone or in a
   verification block, over any cache size; XLA needs a token-by-token loop for that (slow).
@@ -38,11 +41,12 @@ from jspec.paths import cache_dir
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = tuple(Path(__file__).with_name(f)
-                for f in ("int8_matmul.cc", "q4_matmul.cc", "attention.cc"))
+                for f in ("int8_matmul.cc", "q4_matmul.cc", "f32_matmul.cc", "attention.cc"))
 HEADERS = tuple(Path(__file__).with_name(f) for f in ("parallel.h", "quantize.h"))
 INT8 = "jspec_int8_matmul"
 INT8_LINEAR = "jspec_int8_linear"
 Q4 = "jspec_q4_matmul"
+F32_LINEAR = "jspec_f32_linear"
 ATTENTION = "jspec_attention"
 Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
@@ -113,6 +117,7 @@ def _library() -> ctypes.CDLL:
   jax.ffi.register_ffi_target(INT8, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
   jax.ffi.register_ffi_target(INT8_LINEAR, jax.ffi.pycapsule(lib.JspecInt8Linear), platform="cpu")
   jax.ffi.register_ffi_target(Q4, jax.ffi.pycapsule(lib.JspecQ4Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(F32_LINEAR, jax.ffi.pycapsule(lib.JspecF32Linear), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
 
@@ -146,6 +151,35 @@ def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
   _library()
   out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(INT8_LINEAR, out, vmap_method="sequential")(x, w, w_scale)
+
+
+def f32_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """y [M, N] float32 = x [M, K] . w [N, K]^T, every y[m, n] summed in the same order whatever M
+  (CPU only). Differentiable: its gradients are XLA dots."""
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"f32_linear takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+  if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+    raise ValueError(f"f32_linear takes float32 operands, got {x.dtype} and {w.dtype}")
+  _library()
+  return _f32_linear(x, w)
+
+
+@jax.custom_vjp
+def _f32_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(F32_LINEAR, out, vmap_method="sequential")(x, w)
+
+
+def _f32_linear_fwd(x, w):
+  return _f32_linear(x, w), (x, w)
+
+
+def _f32_linear_bwd(res, dy):
+  x, w = res
+  return dy @ w, dy.T @ x  # dx [M, K], dw [N, K]
+
+
+_f32_linear.defvjp(_f32_linear_fwd, _f32_linear_bwd)
 
 
 def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
