@@ -29,3 +29,15 @@ for ds in mt-bench humaneval; do
     --drafter mtp:1 --tree dynamic:2,1,1,2,dynamic:4,1,1,4,dynamic:8,1,1,8,dynamic:16,1,1,16 \
     --json "$out"
 done
+# Session 21: float32 on CPU runs jspec's float32 kernel (`--weights float32`, the default), where a
+# verification block of 4 tokens costs 1.17 one-token steps instead of 1.41 (XLA's dot). The
+# width costs side by side, then the chains table again (and HumanEval at T=1, missing above).
+[ -e benchmarks/issue20_f32_width_cpu.json ] || python benchmarks/f32_width.py \
+  --json benchmarks/issue20_f32_width_cpu.json
+for ds in mt-bench humaneval; do
+  for t in 0 1; do
+    run --dataset $ds $COMMON --temperature $t \
+      --drafters default,ngram,ngram@1,mtp:3,skip:10,skip:10@0.5 \
+      --gamma 3 --json benchmarks/issue20_native_chains_${ds}_t${t}_cpu.json
+  done
+done

@@ -91,3 +91,17 @@ def round_split_s(target_params: Params, target_cfg: Config, drafter: HeadDrafte
       "ar_step": (_layers_s(target_params, target_cfg, 1, cache_size, context, repeats)
                   + _head_s(target_params, target_cfg, 1, greedy_pick, repeats)),
   }
+
+
+def forward_width_s(params: Params, cfg: Config, widths: tuple[int, ...], context: int = 200,
+                    cache_size: int = 512, repeats: int = 20) -> dict[int, dict[str, float]]:
+  """Seconds of one target forward of T new tokens (layers, then the head and a greedy pick at
+  every position) for each T in `widths`: what a verification block costs against a one-token
+  step, the ratio speculation has to beat."""
+  greedy_pick = lambda key, logits: (argmax(logits), logits)
+  out = {}
+  for T in widths:
+    layers = _layers_s(params, cfg, T, cache_size, context, repeats)
+    head = _head_s(params, cfg, T, greedy_pick, repeats)
+    out[T] = {"layers_s": layers, "head_s": head, "total_s": layers + head}
+  return out

@@ -216,9 +216,10 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
     full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
     return visible_attention(full_mask, kernel)
   if kernel:
-    raise ValueError(f"int8 weights and weights on jspec's CPU kernels run with "
-                     f"attention_impl='xla' only (the tree attention kernel is not yet "
-                     f"token-invariant), got {cfg.attention_impl!r}")
+    raise ValueError(f"int8 weights run with attention_impl='xla' only, as do float32 weights "
+                     f"on jspec's CPU kernels (the tree attention kernel is not yet "
+                     f"token-invariant), got {cfg.attention_impl!r}. Fix: attention_impl='xla', "
+                     f"or load float32 weights with --weights float32-xla")
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
   block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
   if block_k is None:

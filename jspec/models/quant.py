@@ -204,6 +204,23 @@ class DenseWeight:
     """w in its own layout."""
     return jnp.transpose(self.stored, np.argsort(self._order))
 
+  # Read as the array it holds by code written for plain weights (training, VocabTrim, savers).
+  @property
+  def ndim(self) -> int:
+    return self.stored.ndim
+
+  @property
+  def T(self) -> Array:
+    return self.dense().T
+
+  def __getitem__(self, index) -> Array:
+    if self._order == tuple(range(self.stored.ndim)):  # stored as w (the embedding): no copy
+      return self.stored[index]
+    return self.dense()[index]
+
+  def astype(self, dtype) -> Array:
+    return self.dense().astype(dtype)
+
   def __jax_array__(self) -> Array:
     return self.dense()
 

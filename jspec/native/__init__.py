@@ -1,4 +1,4 @@
-"""Native CPU kernels of int8 decoding, compiled on first use and called from XLA through its FFI.
+"""Native CPU kernels of decoding (float32, int8 and q4 weights), compiled on first use and called from XLA through its FFI.
 
 - `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
@@ -63,9 +63,10 @@ def _compiler() -> str:
     if found:
       return found
   raise NativeKernelError(
-      "jspec's native int8 kernel needs a C++ compiler and none was found ($CXX, c++, g++, "
-      "clang++). Fix: install one (e.g. `apt-get install g++`), or use XLA's int8 dot instead: "
-      "--weights int8-xla / load(..., 'int8-xla') (slower on CPU).")
+      "jspec's native CPU kernels (float32, int8 and q4 weights on CPU) need a C++ compiler "
+      "and none was found ($CXX, c++, g++, clang++). Fix: install one (e.g. `apt-get install "
+      "g++`), or use XLA's dots instead: --weights float32-xla / load(..., 'float32-xla'), "
+      "--weights int8-xla (slower on CPU).")
 
 
 def _cpu_signature() -> str:
@@ -103,10 +104,10 @@ def build() -> Path:
     if proc.returncode != 0:
       errors = [line for line in proc.stderr.splitlines() if "error" in line] or [proc.stderr]
       raise NativeKernelError(
-          f"compiling jspec's native int8 kernel failed ({' '.join(cmd)}):\n"
+          f"compiling jspec's native CPU kernels failed ({' '.join(cmd)}):\n"
           f"{chr(10).join(errors)[:3000]}\n"
-          f"Fix: a C++17 compiler with jaxlib's FFI headers, or use XLA's int8 dot instead: "
-          f"--weights int8-xla / load(..., 'int8-xla').")
+          f"Fix: a C++17 compiler with jaxlib's FFI headers, or use XLA's dots instead: "
+          f"--weights float32-xla / load(..., 'float32-xla'), --weights int8-xla.")
     os.replace(tmp_out, out)  # atomic: concurrent builders each publish a whole file
   return out
 
