@@ -42,7 +42,7 @@ jspec trim-vocab --target qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b --data
 TRIMMED="--model qwen2.5-coder-1.5b --drafters model:qwen2.5-coder-0.5b,model:$HOME/work/q05_trim32768 --dataset humaneval --num-prompts 4 --max-new-tokens 64 --no-transformers"
 jspec bench $TRIMMED --weights int8 --gamma 4 --json benchmarks/issue17_native_trim_humaneval_t0_g4_int8_cpu.json
 jspec bench $TRIMMED --weights int8 --drafter-weights q4 --gamma 4 --json benchmarks/issue17_native_trim_q4drafter_humaneval_t0_g4_int8_cpu.json
-python benchmarks/int8_kernels_side_by_side.py --model qwen2.5-coder-1.5b --json benchmarks/issue17_int8_kernels_side_by_side_cpu.json
+python benchmarks/kernels_side_by_side.py --model qwen2.5-coder-1.5b --json benchmarks/issue17_int8_kernels_side_by_side_cpu.json
 python benchmarks/int8_quality.py --model qwen2.5-coder-1.5b --problems 24 --prompts 8 --formats float32,int8,q4 --json benchmarks/issue17_quant_quality_cpu.json
 # Session 17: q4 kernel in a lane-per-group layout (memory-bound), int8 kernel without spills
 # (5-token verification ~1.15 AR steps), a q4 drafter beside the int8 target.

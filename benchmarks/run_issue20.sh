@@ -41,3 +41,10 @@ for ds in mt-bench humaneval; do
       --gamma 3 --json benchmarks/issue20_native_chains_${ds}_t${t}_cpu.json
   done
 done
+# The float32 kernel against XLA's dot in one process: AR and the lookup's chains in each format.
+for ds in humaneval mt-bench; do
+  out=benchmarks/issue20_f32_kernels_side_by_side_${ds}_cpu.json
+  [ -e "$out" ] || python benchmarks/kernels_side_by_side.py --model default \
+    --formats float32,float32-xla --dataset $ds --num-prompts 6 --max-new-tokens 64 \
+    --drafter ngram@1 --gamma 3 --json "$out"
+done
