@@ -399,6 +399,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
           "int8_kernel": quant.int8_kernel(model.params),  # "native", "xla" or None
+          # "native": jspec's CPU kernels (float32 or quantized weights), "xla": XLA's dots
+          "matmul_kernel": "native" if quant.attention_kernel(model.params) == "native" else "xla",
           # "highest" under --precision exact (jspec.models.numerics), else the backend default.
           "matmul_precision": precision_label(),
           "machine": machine_info()}
