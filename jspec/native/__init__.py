@@ -9,7 +9,7 @@
   float32 activations quantized the same way: 0.56 of the bytes of int8 weights to stream.
 - `f32_linear` (`f32_matmul.cc`): the float32 matmul over output-major weights, each output
   summed in one fixed order whatever the number of rows: XLA:CPU's float32 dot slows to ~20 GB/s
-  at 2-8 rows, so a verification block cost ~1.4 one-token steps; this streams at memory speed.
+  at 2-8 rows, so a verification block cost ~1.5 one-token steps; this streams at memory speed.
 - `attention` (`attention.cc`): attention over the stacked KV cache whose sums run in a fixed
   order that depends only on the visible slots, so a token gets the same bits alone or in a
   verification block, over any cache size; XLA needs a token-by-token loop for that (slow).

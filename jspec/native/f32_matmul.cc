@@ -4,7 +4,7 @@
 //
 // Why not XLA's dot: at 2-8 rows (a verification block) XLA:CPU's float32 dot streams its weights
 // at ~20 GB/s where its 1-row path reads ~31-44 (`benchmarks/issue20_f32_width_cpu.json`), so a
-// block of 4 tokens cost 1.44 one-token steps on the default model: width ate what speculation won.
+// block of 4 tokens cost 1.50 one-token steps on the default model: width ate what speculation won.
 // Weights are stored output-major ([N, K], each output channel contiguous) as for the int8 kernel,
 // and a pass of up to 8 activation rows reads each weight byte once.
 //
