@@ -48,3 +48,9 @@ for ds in humaneval mt-bench; do
     --formats float32,float32-xla --dataset $ds --num-prompts 6 --max-new-tokens 64 \
     --drafter ngram@1 --gamma 3 --json "$out"
 done
+# The probing trees again with the float32 kernel (a 16-node tree's forward: 2.0 steps, not 2.5).
+for ds in mt-bench humaneval; do
+  run --dataset $ds $COMMON --drafters mtp:1 --gamma 1 \
+    --tree dynamic:2,1,1,2,dynamic:4,1,1,4,dynamic:8,1,1,8,dynamic:16,1,1,16 \
+    --json benchmarks/issue20_native_mtp_trees_${ds}_t0_cpu.json
+done
