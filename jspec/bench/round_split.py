@@ -69,6 +69,10 @@ def _head_s(params: Params, cfg: Config, tokens: int, sample, repeats: int) -> f
   return best_seconds(run, params, jax.random.key(0), repeats=repeats)
 
 
+def _greedy_pick(key, logits):
+  return argmax(logits), logits
+
+
 def round_split_s(target_params: Params, target_cfg: Config, drafter: HeadDrafter, gamma: int,
                   sampling: SamplingParams = GREEDY, context: int = 128, cache_size: int = 512,
                   repeats: int = 8) -> dict[str, float]:
@@ -80,16 +84,15 @@ def round_split_s(target_params: Params, target_cfg: Config, drafter: HeadDrafte
   ar_step: one autoregressive target step (1-token forward + head), the baseline's cost a token.
   """
   sample = drafter.sampler(sampling)
-  greedy_pick = lambda key, logits: (argmax(logits), logits)
   return {
       "draft_layers": gamma * _layers_s(drafter.params, drafter.cfg, 1, cache_size, context,
                                         repeats),
       "draft_head": gamma * _head_s(drafter.params, drafter.cfg, 1, sample, repeats),
       "verify_layers": _layers_s(target_params, target_cfg, gamma + 1, cache_size, context,
                                  repeats),
-      "verify_head": _head_s(target_params, target_cfg, gamma + 1, greedy_pick, repeats),
+      "verify_head": _head_s(target_params, target_cfg, gamma + 1, _greedy_pick, repeats),
       "ar_step": (_layers_s(target_params, target_cfg, 1, cache_size, context, repeats)
-                  + _head_s(target_params, target_cfg, 1, greedy_pick, repeats)),
+                  + _head_s(target_params, target_cfg, 1, _greedy_pick, repeats)),
   }
 
 
@@ -98,10 +101,9 @@ def forward_width_s(params: Params, cfg: Config, widths: tuple[int, ...], contex
   """Seconds of one target forward of T new tokens (layers, then the head and a greedy pick at
   every position) for each T in `widths`: what a verification block costs against a one-token
   step, the ratio speculation has to beat."""
-  greedy_pick = lambda key, logits: (argmax(logits), logits)
   out = {}
   for T in widths:
     layers = _layers_s(params, cfg, T, cache_size, context, repeats)
-    head = _head_s(params, cfg, T, greedy_pick, repeats)
+    head = _head_s(params, cfg, T, _greedy_pick, repeats)
     out[T] = {"layers_s": layers, "head_s": head, "total_s": layers + head}
   return out

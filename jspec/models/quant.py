@@ -42,6 +42,17 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
 # on which other tokens share the forward (`jspec.models.numerics`: what else that takes).
 
 
+def _output_major(ndim: int, in_axes: tuple[int, ...]) -> tuple[int, ...]:
+  """w's axes in the native kernels' storage order: its output axes, then its input axes."""
+  return tuple(a for a in range(ndim) if a not in in_axes) + tuple(in_axes)
+
+
+def _logical_shape(stored_shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+  """w's shape from its stored shape and the storage order of its axes."""
+  stored = dict(zip(order, stored_shape))
+  return tuple(stored[a] for a in range(len(stored_shape)))
+
+
 KERNELS = ("xla", "native")
 
 
@@ -65,16 +76,14 @@ class Int8Weight:
   @property
   def _order(self) -> tuple[int, ...]:
     """w's axes in q's storage order."""
-    ndim = self.q.ndim
     if self.kernel == "xla":
-      return tuple(range(ndim))
-    return tuple(a for a in range(ndim) if a not in self.in_axes) + self.in_axes
+      return tuple(range(self.q.ndim))
+    return _output_major(self.q.ndim, self.in_axes)
 
   @property
   def shape(self) -> tuple[int, ...]:
     """w's shape (whatever q's layout)."""
-    stored = dict(zip(self._order, self.q.shape))
-    return tuple(stored[a] for a in range(self.q.ndim))
+    return _logical_shape(self.q.shape, self._order)
 
   @property
   def dtype(self):
@@ -177,14 +186,12 @@ class DenseWeight:
 
   @property
   def _order(self) -> tuple[int, ...]:
-    ndim = self.stored.ndim
-    return tuple(a for a in range(ndim) if a not in self.in_axes) + self.in_axes
+    return _output_major(self.stored.ndim, self.in_axes)
 
   @property
   def shape(self) -> tuple[int, ...]:
     """w's shape (whatever the stored layout)."""
-    stored = dict(zip(self._order, self.stored.shape))
-    return tuple(stored[a] for a in range(self.stored.ndim))
+    return _logical_shape(self.stored.shape, self._order)
 
   @property
   def dtype(self):
@@ -235,8 +242,7 @@ def dense_native(w: Array, in_axes: tuple[int, ...]) -> DenseWeight:
   w = jnp.asarray(w)
   if w.dtype != jnp.float32:
     raise ValueError(f"the native float32 kernel takes float32 weights, got {w.dtype}")
-  order = DenseWeight(w, tuple(in_axes))._order
-  return DenseWeight(jnp.transpose(w, order), tuple(in_axes))
+  return DenseWeight(jnp.transpose(w, _output_major(w.ndim, in_axes)), tuple(in_axes))
 
 
 def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
@@ -332,7 +338,7 @@ def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> In
   q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
   weight = Int8Weight(q, scale, tuple(in_axes))
   if kernel == "native":
-    order = Int8Weight(q, scale, tuple(in_axes), kernel)._order
+    order = _output_major(q.ndim, in_axes)
     weight = Int8Weight(jnp.transpose(q, order), jnp.transpose(scale, order), tuple(in_axes), kernel)
   return weight
 
@@ -377,15 +383,20 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   return y.astype(preferred_element_type or x.dtype)
 
 
+def _as_rows(x: Array, stored: Array, n_in: int) -> tuple[Array, Array, tuple[int, ...]]:
+  """For a native kernel: x as rows [M, K], an output-major stored weight as [N, K], and the
+  output axes' shape to unflatten N into."""
+  out_shape = stored.shape[:stored.ndim - n_in]
+  K = int(np.prod(stored.shape[stored.ndim - n_in:]))
+  return x.reshape(-1, K).astype(jnp.float32), stored.reshape(-1, K), out_shape
+
+
 def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Array:
   """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes, the
   activations quantized and the result scaled inside the call (the same bits as XLA's path)."""
-  lead, n_in = x.shape[:-1], len(w.in_axes)
-  out_shape = w.q.shape[:w.q.ndim - n_in]
-  K = int(np.prod(w.q.shape[w.q.ndim - n_in:]))
-  y = native.int8_linear(x.reshape(-1, K).astype(jnp.float32), w.q.reshape(-1, K),
-                         w.out_scale().reshape(-1).astype(jnp.float32))  # [M, N]
-  return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
+  rows, q, out_shape = _as_rows(x, w.q, len(w.in_axes))
+  y = native.int8_linear(rows, q, w.out_scale().reshape(-1).astype(jnp.float32))  # [M, N]
+  return y.reshape(*x.shape[:-1], *out_shape).astype(preferred_element_type or x.dtype)
 
 
 # Rows up to which float32 matmuls run jspec's kernel: decode steps, verification blocks and trees
@@ -398,15 +409,12 @@ NATIVE_F32_MAX_ROWS = 64
 def _f32_einsum(x: Array, w: DenseWeight, preferred_element_type=None) -> Array:
   """quant.einsum for float32 weights: jspec's CPU kernel, or XLA's dot past
   NATIVE_F32_MAX_ROWS rows, every row of x against w's output-major rows."""
-  lead, n_in = x.shape[:-1], len(w.in_axes)
-  out_shape = w.stored.shape[:w.stored.ndim - n_in]
-  K = int(np.prod(w.stored.shape[w.stored.ndim - n_in:]))
-  rows, table = x.reshape(-1, K).astype(jnp.float32), w.stored.reshape(-1, K)
+  rows, table, out_shape = _as_rows(x, w.stored, len(w.in_axes))
   if rows.shape[0] > NATIVE_F32_MAX_ROWS:
     y = jnp.einsum("mk,nk->mn", rows, table, preferred_element_type=jnp.float32)
   else:
     y = native.f32_linear(rows, table)  # [M, N]
-  return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
+  return y.reshape(*x.shape[:-1], *out_shape).astype(preferred_element_type or x.dtype)
 
 
 def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
