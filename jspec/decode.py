@@ -14,8 +14,9 @@ import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params, forward, place_params
 from jspec.sampling.processing import SamplingParams
+from jspec.sharding import Mesh, Placement, model_placement
 
 Array = jax.Array
 PAD = -1  # output slots past a row's length
@@ -136,3 +137,17 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                key=jax.random.key(key) if isinstance(key, int) else key,
                sampling=jax.tree.map(jnp.asarray, sampling), stop_ids=stop, cache_size=size)
+
+
+def on_mesh(params: Params, cfg: Config, b: Batch, mesh: Mesh | None
+            ) -> tuple[Params, Batch, Placement | None]:
+  """Host-side, for a run on `mesh` (None: as given): the model's placement, checked against the
+  batch; params placed by their layout (a no-op when `jspec.model.load(..., mesh=)` placed them);
+  the prompts split over `dp`."""
+  if mesh is None:
+    return params, b, None
+  placement = model_placement(cfg, mesh)
+  placement.check_batch(b.tokens.shape[0])
+  b = dataclasses.replace(b, tokens=placement.put_batch(b.tokens),
+                          lengths=placement.put_batch(b.lengths))
+  return place_params(params, cfg, placement), b, placement

@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import PAD, is_stop, prefill, prepare_batch, trimmed_rows
+from jspec.decode import PAD, is_stop, on_mesh, prefill, prepare_batch, trimmed_rows
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.cache import KVCache
@@ -21,6 +21,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
+from jspec.sharding import Mesh, Placement
 
 Array = jax.Array
 
@@ -69,7 +70,8 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                     sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
                     stop_ids: tuple[int, ...] = (), cache_dtype=None,
-                    record_top_k: int = 0, kv: KVPolicy | None = None) -> GenerateOutput:
+                    record_top_k: int = 0, kv: KVPolicy | None = None,
+                    placement: Placement | None = None) -> GenerateOutput:
   """Generate up to `max_new_tokens` per row; pure and jit-friendly.
 
   Args:
@@ -78,14 +80,16 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
     kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
       (cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
+    placement: a mesh and its rules (jspec.sharding; static): the cache is pinned to it and the
+      outputs are replicated; params and prompts should already be placed (`generate` does it).
   """
   B, P = prompt.shape
   evicted = None
   if kv is None:
-    cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype)
+    cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype).placed(placement)
     logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
-    cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype)
+    cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype).placed(placement)
     logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
@@ -128,22 +132,23 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
                        top_logprobs=top_logprobs, evicted=evicted)
 
   state = jax.lax.while_loop(cond, body, state)
-  return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
-                        target_calls=state.target_calls, steps=state.step - 1,
-                        top_ids=state.top_ids, top_logprobs=state.top_logprobs)
+  out = GenerateOutput(tokens=state.tokens, lengths=state.lengths,
+                       target_calls=state.target_calls, steps=state.step - 1,
+                       top_ids=state.top_ids, top_logprobs=state.top_logprobs)
+  return out if placement is None else placement.replicated(out)
 
 
 _generate_jit = engine_jit(
     generate_tokens, static_argnums=(1,),
     static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype", "record_top_k",
-                     "kv"))
+                     "kv", "placement"))
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None,
              record_top_k: int = 0, precision: str = "fast",
-             kv: KVPolicy | None = None) -> GenerateOutput:
+             kv: KVPolicy | None = None, mesh: Mesh | None = None) -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
 
   Example:
@@ -155,6 +160,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
   kv: a KV budget (`jspec.kv.policy.KVPolicy`): prompts of any length run in kv.slots cache slots
   per row (chunked prefill, eviction by kv.method); exclusive with cache_size.
+  mesh: a ("dp", "tp") `jax.sharding.Mesh` (jspec.sharding.make_mesh): the batch split over dp,
+  heads, MLP and vocabulary over tp, one program for all devices; the same tokens as one device.
   """
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
@@ -170,8 +177,9 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                      f"holds kv.slots={kv.slots} slots. Fix: drop cache_size.")
   b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                     stop_ids=stop_ids, cache_size=cache_size)
+  params, b, placement = on_mesh(params, cfg, b, mesh)
   return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
                        max_new_tokens=int(max_new_tokens),
                        cache_size=b.cache_size if kv is None else kv.slots,
                        stop_ids=b.stop_ids, record_top_k=int(record_top_k), precision=precision,
-                       kv=kv)
+                       kv=kv, placement=placement)

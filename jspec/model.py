@@ -13,12 +13,13 @@ import jax
 
 from jspec.drafting.base import Drafter
 from jspec.generate import GenerateOutput, generate
-from jspec.io.load import DEFAULT, load_checkpoint
+from jspec.io.load import DEFAULT, QUANTIZED, load_checkpoint
 from jspec.io.tokenizer import Tokenizer
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import Params
+from jspec.models.llama import Params, place_params
 from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sharding import Mesh, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import TreeShape
@@ -30,6 +31,7 @@ class Model:
   params: Params
   tokenizer: Tokenizer
   source: str
+  mesh: Mesh | None = None  # where params live and every generate runs (jspec.sharding)
 
   def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
     """Token ids for a prompt, wrapped in the chat template when `chat`."""
@@ -59,16 +61,17 @@ class Model:
       if draft_kv is not None:
         raise ValueError("draft_kv budgets a drafter's cache; pass a drafter= too, or drop it")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
-                      sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv)
+                      sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv,
+                      mesh=self.mesh)
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
           spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
-          precision=precision, kv=kv, draft_kv=draft_kv)
+          precision=precision, kv=kv, draft_kv=draft_kv, mesh=self.mesh)
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key, precision=precision, kv=kv,
-                                draft_kv=draft_kv)
+                                draft_kv=draft_kv, mesh=self.mesh)
 
   def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt."""
@@ -76,7 +79,21 @@ class Model:
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
 
 
-def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32") -> Model:
-  """Load weights and tokenizer from "default", a .gguf file or an HF directory."""
+def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
+         mesh: Mesh | str | None = None) -> Model:
+  """Load weights and tokenizer from "default", a .gguf file or an HF directory.
+
+  mesh: a ("dp", "tp") `jax.sharding.Mesh` or its text ("dp=2,tp=4", jspec.sharding.make_mesh):
+  params are placed on it by their logical axes (heads, MLP, vocabulary over tp) and every
+  generate of the model runs there. jspec's CPU kernels take whole weights, so on a mesh
+  "float32" means XLA's float32 dot ("float32-xla"); int8 and q4 are refused."""
+  mesh = mesh_from(mesh)
+  if mesh is not None:
+    if dtype in QUANTIZED:
+      raise ValueError(f"--weights {dtype} runs jspec's CPU kernels, which cannot be sharded over "
+                       f"a mesh. Fix: --weights float32 or bfloat16 with --mesh, or drop --mesh.")
+    dtype = "float32-xla" if dtype == "float32" else dtype
   cfg, params, tokenizer, path = load_checkpoint(name_or_path, dtype)
-  return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path))
+  if mesh is not None:
+    params = place_params(params, cfg, model_placement(cfg, mesh))
+  return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path), mesh=mesh)

@@ -1,12 +1,30 @@
-"""Logical-axis sharding: every array names its axes once; one rules table maps them to a mesh."""
+"""Logical-axis sharding: every array names its axes once; one rules table maps them to a mesh.
+
+A mesh has two axes: `dp` (data: the batch) and `tp` (tensor parallel: attention heads, KV heads,
+MLP columns, vocabulary; Megatron's split, so a layer needs two all-reduces of [B, T, E] and a
+decode step's logits stay sharded over the vocabulary: greedy picks and sampling reduce them
+shard by shard). `Placement` carries a mesh and its rules as one static, hashable value: it puts
+params, caches and inputs on the mesh and pins shardings inside the jitted engines, which XLA's
+SPMD partitioner then turns into one program per device.
+
+KV heads fewer than (or not divided by) `tp`: the K/V projections and the KV cache are replicated
+over `tp` (every device holds every KV head; query heads stay sharded). Sharding the cache's other
+axes instead (sequence, head_dim) would put a collective inside every attention; replicating costs
+memory (the cache is divided by dp only) and a little duplicated K/V projection, never a
+collective. Choose tp <= num_kv_heads to keep the cache sharded (see README "Sharded inference").
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("dp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +62,10 @@ class ShardingRules:
     return PartitionSpec(*names)
 
 
+# A drafter far smaller than its target: every weight replicated, only the batch split.
+DATA_ONLY = ShardingRules(vocab=None, heads=None, kv_heads=None, mlp=None)
+
+
 def is_spec(x: Any) -> bool:
   return isinstance(x, ArraySpec)
 
@@ -57,3 +79,117 @@ def shardings(layout: Any, mesh: Mesh, rules: ShardingRules = ShardingRules()) -
 def shard(tree: Any, layout: Any, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Any:
   """Place a params/cache pytree on a mesh according to its layout."""
   return jax.device_put(tree, shardings(layout, mesh, rules))
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """"dp=2,tp=4" → {"dp": 2, "tp": 4} (an axis left out has size 1)."""
+  sizes = {"dp": 1, "tp": 1}
+  seen = set()
+  for part in [p.strip() for p in str(text).split(",") if p.strip()]:
+    m = re.fullmatch(r"(\w+)\s*=\s*(\d+)", part)
+    if not m or m.group(1) not in sizes or m.group(1) in seen or int(m.group(2)) < 1:
+      raise ValueError(f"mesh {text!r}: expected axes dp and/or tp with positive sizes, e.g. "
+                       f"'dp=2,tp=4' or 'tp=8' (got {part!r})")
+    seen.add(m.group(1))
+    sizes[m.group(1)] = int(m.group(2))
+  if not seen:
+    raise ValueError(f"mesh {text!r} names no axis: e.g. 'dp=2,tp=4'")
+  return sizes
+
+
+def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ("dp", "tp") mesh over the first dp * tp devices (default: jax.devices(), every process's
+  devices under jax.distributed). `tp` runs along consecutive devices: on a GPU host or TPU slice
+  those are the ones joined by the fastest links, where the per-layer all-reduces go."""
+  devices = list(jax.devices() if devices is None else devices)
+  if dp * tp > len(devices):
+    raise ValueError(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, but {len(devices)} are "
+                     f"visible ({devices[0].platform}). Fix: a smaller mesh, or on CPU set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} before JAX starts.")
+  return Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), MESH_AXES)
+
+
+def mesh_from(spec: str | Mesh | None) -> Mesh | None:
+  """A Mesh from "dp=2,tp=4", a Mesh (as is) or None (no mesh)."""
+  if spec is None or isinstance(spec, Mesh):
+    return spec
+  return make_mesh(**parse_mesh(spec))
+
+
+def default_mesh(batch: int) -> Mesh | None:
+  """All local devices on `dp` when the batch divides over them; None (one device) otherwise."""
+  n = jax.local_device_count()
+  if n > 1 and batch % n == 0 and jax.process_count() == 1:
+    return make_mesh(dp=n)
+  return None
+
+
+def _axis_size(mesh: Mesh, name: str) -> int:
+  return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """A mesh and the rules for one model on it: static (hashable), so engines take it as a static
+  argument and pin their caches with it."""
+
+  mesh: Mesh
+  rules: ShardingRules = ShardingRules()
+
+  @property
+  def dp(self) -> int:
+    return _axis_size(self.mesh, "dp")
+
+  @property
+  def tp(self) -> int:
+    return _axis_size(self.mesh, "tp")
+
+  def put(self, tree: Any, layout: Any) -> Any:
+    return jax.device_put(tree, shardings(layout, self.mesh, self.rules))
+
+  def constrain(self, tree: Any, layout: Any) -> Any:
+    """Inside jit: pin `tree`'s shardings to its layout."""
+    return jax.lax.with_sharding_constraint(tree, shardings(layout, self.mesh, self.rules))
+
+  def batch_sharding(self, ndim: int) -> NamedSharding:
+    """Axis 0 over the batch rule, the rest replicated."""
+    return NamedSharding(self.mesh, self.rules.spec(("batch",) + (None,) * (ndim - 1), self.mesh))
+
+  def put_batch(self, x: Any) -> jax.Array:
+    """A host array whose axis 0 is the batch, placed on the mesh (the same value on every
+    process under jax.distributed)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, self.batch_sharding(x.ndim), lambda i: x[i])
+
+  def replicated(self, tree: Any) -> Any:
+    """Inside jit: every leaf whole on every device (outputs every process can read)."""
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+  def check_batch(self, batch: int) -> None:
+    if batch % self.dp:
+      raise ValueError(f"a batch of {batch} prompts does not divide over the mesh's dp={self.dp} "
+                       f"devices. Fix: a batch that is a multiple of {self.dp} (pad with copies of "
+                       f"a prompt and drop their outputs), or a mesh with dp dividing {batch}.")
+
+
+def model_placement(cfg, mesh: Mesh, rules: ShardingRules | None = None) -> Placement:
+  """The placement of a model with config `cfg` on `mesh`, checked: tp must divide the query
+  heads, the MLP width and the vocabulary; KV heads it does not divide are replicated (module
+  docstring)."""
+  unknown = [a for a in mesh.axis_names if a not in MESH_AXES]
+  if unknown:
+    raise ValueError(f"mesh axes {mesh.axis_names}: jspec shards over {MESH_AXES}; name the mesh "
+                     f"axes so (jspec.sharding.make_mesh)")
+  rules = rules or ShardingRules()
+  tp = _axis_size(mesh, "tp")
+  if tp > 1:
+    for what, n, rule in (("attention heads", cfg.num_heads, rules.heads),
+                          ("MLP width", cfg.intermediate_size, rules.mlp),
+                          ("vocabulary", cfg.vocab_size, rules.vocab)):
+      if rule == "tp" and n % tp:
+        fits = [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+        raise ValueError(f"tp={tp} does not divide the model's {what} ({n}): tensor parallelism "
+                         f"splits them evenly. Fix: tp in {fits}, the other devices on dp.")
+    if rules.kv_heads == "tp" and cfg.num_kv_heads % tp:
+      rules = dataclasses.replace(rules, kv_heads=None)
+  return Placement(mesh, rules)

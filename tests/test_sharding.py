@@ -1,46 +1,82 @@
-"""Params and cache shard over a (dp, tp) mesh of fake CPU devices and give the same results."""
+"""Sharded generation on 8 simulated CPU devices: the same tokens as one device for autoregressive,
+chain and tree speculative decoding (greedy and sampled, ragged batches) under dp, tp and dp x tp
+meshes, one compile per shape, Megatron's communication and no more; and clear errors for meshes
+that do not fit. The device count is fixed when JAX starts, so the checks run in a subprocess
+(tests/sharding_checks.py)."""
 
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
-SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh
-    from jspec.generate import generate
-    from jspec.models.cache import KVCache, cache_layout
-    from jspec.models.config import Config
-    from jspec.models.llama import forward, init_params, param_layout
-    from jspec.sharding import shard
+import jax
+import numpy as np
+import pytest
 
-    assert len(jax.devices()) == 4, jax.devices()
-    cfg = Config(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
-    params = init_params(cfg, jax.random.key(0), scale=0.3)
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
-    sharded = shard(params, param_layout(cfg), mesh)
-    assert sharded.layers[0].wq.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
-    assert len(sharded.layers[1].w_up.addressable_shards) == 4
-    assert sharded.layers[1].w_up.addressable_shards[0].data.shape == (64, 64)
+from jspec.generate import generate
+from jspec.models.config import Config
+from jspec.models.llama import init_params, native_float_params
+from jspec.sharding import Placement, make_mesh, model_placement, parse_mesh
 
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)))
-    pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
-    want, _, _ = forward(params, cfg, tokens, pos, KVCache.init(cfg, 2, 32))
-    cache = shard(KVCache.init(cfg, 2, 32), cache_layout(cfg, 2, 32), mesh)
-    got, _, _ = jax.jit(forward, static_argnums=1)(sharded, cfg, tokens, pos, cache)
-    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-4  # sharded sums reorder
-
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    a = generate(params, cfg, prompts, max_new_tokens=6).sequences()
-    b = generate(sharded, cfg, prompts, max_new_tokens=6).sequences()
-    assert a == b, (a, b)
-    print("SHARDING-OK")
-""")
+CHECKS = Path(__file__).with_name("sharding_checks.py")
 
 
-def test_sharded_forward_and_generate():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
-  assert result.returncode == 0 and "SHARDING-OK" in result.stdout, result.stderr[-3000:]
+def run_checks(*groups: str) -> None:
+  """Run check groups of tests/sharding_checks.py in a subprocess that sees 8 CPU devices."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(CHECKS.parent.parent))
+  result = subprocess.run([sys.executable, str(CHECKS), *groups], env=env, capture_output=True,
+                          text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  for group in groups:
+    assert f"{group}-OK" in result.stdout, result.stdout
+
+
+def test_placement_and_communication_of_a_decode_step():
+  run_checks("communication", "compiles")
+
+
+def test_generate_on_meshes_equals_one_device():
+  run_checks("generate")
+
+
+CFG = Config(arch="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
+             num_heads=6, num_kv_heads=2, head_dim=8)
+
+
+@pytest.mark.parametrize("text, want", [("dp=2,tp=4", {"dp": 2, "tp": 4}), ("tp=8", {"dp": 1, "tp": 8}),
+                                        (" dp = 3 ", {"dp": 3, "tp": 1})])
+def test_parse_mesh(text, want):
+  assert parse_mesh(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "dp=2,pp=2", "dp=0", "dp=2,dp=2", "tp:4", "dp=two"])
+def test_parse_mesh_refuses(text):
+  with pytest.raises(ValueError, match="mesh"):
+    parse_mesh(text)
+
+
+def test_a_mesh_larger_than_the_devices_is_refused():
+  with pytest.raises(ValueError, match=f"needs {2 * len(jax.devices())} devices.*device_count"):
+    make_mesh(dp=2 * len(jax.devices()))
+
+
+def test_mesh_checks_against_the_model():
+  mesh = make_mesh(1, 1)
+  fake = lambda dp, tp: type("M", (), {"shape": {"dp": dp, "tp": tp}, "axis_names": ("dp", "tp")})()
+  with pytest.raises(ValueError, match=r"tp=4 does not divide the model's attention heads \(6\).*"
+                                       r"tp in \[1, 2, 3, 6\]"):
+    model_placement(CFG, fake(1, 4))
+  assert model_placement(CFG, fake(1, 2)).rules.kv_heads == "tp"  # 2 KV heads split 2 ways
+  assert model_placement(CFG, fake(1, 3)).rules.kv_heads is None  # 2 KV heads over 3: replicated
+  with pytest.raises(ValueError, match="batch of 3 prompts does not divide .* dp=2"):
+    Placement(fake(2, 1)).check_batch(3)
+  with pytest.raises(ValueError, match="axes"):
+    model_placement(CFG, jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)))
+  assert model_placement(CFG, mesh).tp == 1
+
+
+def test_native_kernel_weights_are_refused_on_a_mesh():
+  params = native_float_params(init_params(CFG, jax.random.key(0)))
+  with pytest.raises(ValueError, match="DenseWeight.*cannot be sharded.*float32-xla"):
+    generate(params, CFG, [[1, 2]], max_new_tokens=2, mesh=make_mesh(1, 1))

@@ -50,12 +50,23 @@ class KVCache:
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
+  def layout(self) -> "KVCache":
+    """Logical axes of this cache's arrays (jspec.sharding)."""
+    kv = ArraySpec(self.k.shape, ("layers", "batch", "seq", "kv_heads", "head_dim"), "zeros")
+    mass = None if self.mass is None else ArraySpec(
+        self.mass.shape, ("layers", "batch", "seq", "kv_heads") + (None,) * (self.mass.ndim - 4))
+    return KVCache(k=kv, v=kv, lengths=ArraySpec(self.lengths.shape, ("batch",)), mass=mass)
+
+  def placed(self, placement) -> "KVCache":
+    """Inside jit: this cache pinned to `placement` (a jspec.sharding.Placement; None: as is).
+    Engines pin the caches they create, so XLA partitions the loop around them, not around
+    whatever sharding it would infer."""
+    return self if placement is None else placement.constrain(self, self.layout())
+
 
 def cache_layout(cfg: Config, batch: int, size: int) -> KVCache:
   """Logical axes of the cache arrays, for sharding (see jspec.sharding)."""
-  kv = ArraySpec((cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim),
-                 ("layers", "batch", "seq", "kv_heads", "head_dim"), "zeros")
-  return KVCache(k=kv, v=kv, lengths=ArraySpec((batch,), ("batch",), "zeros"))
+  return jax.eval_shape(lambda: KVCache.init(cfg, batch, size)).layout()
 
 
 def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import prepare_batch
+from jspec.decode import on_mesh, prepare_batch
 from jspec.drafting.base import Drafter, Features, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
@@ -24,8 +24,9 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
+from jspec.sharding import Mesh, Placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_shared_cache, initial_state)
+                                    check_shared_cache, initial_state, place_drafter)
 from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
 
 Array = jax.Array
@@ -48,7 +49,8 @@ class SpecConfig:
 
 def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                      prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY, *,
-                     spec: SpecConfig, cache_size: int, kv: KVPolicy | None = None) -> SpecState:
+                     spec: SpecConfig, cache_size: int, kv: KVPolicy | None = None,
+                     placement: Placement | None = None) -> SpecState:
   """The whole run, returning the final loop state (caches and drafter state included); see
   `speculative_generate_tokens`."""
   G = spec.gamma
@@ -56,7 +58,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
   check_probe_round(drafter, gamma=G, kv=kv)
   check_shared_cache(drafter, kv, tree=False)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=G, kv=kv)
+                        cache_size, max_accepted=G, kv=kv, placement=placement)
 
   def body(s: SpecState) -> SpecState:
     if kv is None and not drafter.stops_early:
@@ -136,24 +138,29 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
 def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                 prompt_lengths: Array, key: Array,
                                 sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
-                                cache_size: int, kv: KVPolicy | None = None) -> SpecOutput:
+                                cache_size: int, kv: KVPolicy | None = None,
+                                placement: Placement | None = None) -> SpecOutput:
   """Pure, jit-friendly speculative generation; `cfg`, `spec`, `cache_size` and `kv` are static.
 
   kv: a KV budget for the target (any policy; attention-score ones count the committed tokens'
   queries only, as decoding them one at a time would). Verification then stays exact with respect
   to the target as it runs under that budget: a round uses the target's scores only up to the
   token after which autoregressive decoding would have evicted (`evict_when_full`), then evicts as
-  it would, so greedy output equals greedy autoregressive output under the same policy."""
+  it would, so greedy output equals greedy autoregressive output under the same policy.
+
+  placement: a mesh (jspec.sharding; static): the target cache pinned to it, outputs replicated;
+  params, drafter and prompts placed beforehand (`speculative_generate` does it)."""
   N = spec.max_new_tokens
   s = speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec=spec,
-                       cache_size=cache_size, kv=kv)
-  return SpecOutput(
+                       cache_size=cache_size, kv=kv, placement=placement)
+  out = SpecOutput(
       tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
       row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
+  return out if placement is None else placement.replicated(out)
 
 
 _spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
-                       static_argnames=("spec", "cache_size", "kv"))
+                       static_argnames=("spec", "cache_size", "kv", "placement"))
 
 
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
@@ -161,7 +168,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                          sampling: SamplingParams = GREEDY, key: Array | int = 0,
                          cache_size: int | None = None, precision: str = "fast",
                          kv: KVPolicy | None = None,
-                         draft_kv: KVPolicy | None = None) -> SpecOutput:
+                         draft_kv: KVPolicy | None = None, mesh: Mesh | None = None) -> SpecOutput:
   """Validated, bucketed, jitted speculative generation from token-id prompts.
 
   Example:
@@ -174,7 +181,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   jspec.models.numerics). kv: a KV budget for the target (`jspec.kv.policy.KVPolicy`): greedy
   output equals `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
   cache (model drafters, `Drafter.with_kv`; it changes acceptance, never the output); None: the
-  drafter keeps a full cache.
+  drafter keeps a full cache. mesh: a ("dp", "tp") mesh (as for `generate`): the target sharded,
+  a draft model replicated, the batch split over dp.
   """
   check_drafter(cfg, drafter)
   check_probe_round(drafter, gamma=spec.gamma, kv=kv)
@@ -189,5 +197,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                     reserve_for="gamma + 1 (the draft block"
                                 + (f" and its {drafter.probe_masks} masks a token)"
                                    if drafter.probe_masks else ")"))
-  return _spec_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision, kv=kv)
+  placed, b, placement = on_mesh(params, cfg, b, mesh)
+  drafter = place_drafter(drafter, placement, params, placed)
+  return _spec_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                   cache_size=b.cache_size, precision=precision, kv=kv, placement=placement)

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.decode import PAD, is_stop, prefill, trimmed_rows
 from jspec.drafting.base import DraftState, Drafter, Features
@@ -20,6 +21,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.sampling.processing import SamplingParams, sample
+from jspec.sharding import Placement
 from jspec.speculative.probing import prefill_layout
 
 Array = jax.Array
@@ -86,12 +88,14 @@ class SpecState:
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                   prompt_lengths: Array, key: Array, sampling: SamplingParams, spec,
                   cache_size: int, *, max_accepted: int,
-                  kv: KVPolicy | None = None, target_slots: int | None = None) -> SpecState:
+                  kv: KVPolicy | None = None, target_slots: int | None = None,
+                  placement: Placement | None = None) -> SpecState:
   """Prefill target and drafter, sample the first token: the loop state before round one.
 
   `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
   kv: a KV budget for the target (chunked prefill into `target_slots`, default kv.slots, slots);
   the drafter sizes its own cache (`cache_size` slots, or its own budget: `Drafter.with_kv`).
+  placement: the target cache pinned to a mesh (jspec.sharding); the drafter's follows its inputs.
   """
   B, P = prompt.shape
   N = spec.max_new_tokens
@@ -100,7 +104,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   if kv is None and drafter.probe_masks:
     # k masks after each prompt's last token: the first round's drafts (jspec.drafting.probe).
     k = drafter.probe_masks
-    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
+    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype).placed(placement)
     mask, positions = prefill_layout(prompt_lengths, P, k)
     masks = jnp.broadcast_to(drafter.prompt_probe_embedding(prompt, prompt_lengths)[:, None],
                              (B, k, cfg.hidden_size))
@@ -109,10 +113,10 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     logits, hidden, probed = logits[:, 0], hidden[:, :P], hidden[:, P:]
     cache = cache.with_lengths(prompt_lengths)
   elif kv is None:
-    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype)
+    cache = KVCache.init(cfg, B, cache_size, params.embed.dtype).placed(placement)
     logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
-    cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype)
+    cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype).placed(placement)
     logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
                                                      kv, keep_hidden=True)
   key, sub = jax.random.split(key)
@@ -208,3 +212,25 @@ def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> Non
   if kv is not None:
     raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
                      "evict under them: drop --kv-budget / kv=, or use another drafter")
+
+
+def place_drafter(drafter: Drafter, placement: Placement | None, target: Params,
+                  placed_target: Params) -> Drafter:
+  """Host-side: a drafter's arrays on the target's mesh. Arrays it shares with the target (a
+  layer-skip or probing drafter reads the target's own weights) take the target's placed copies;
+  arrays already on the mesh stay as they are; the rest (a draft model's weights: small beside
+  the target, and read every draft step) are replicated, so drafting needs no collective but the
+  batch's own split over dp."""
+  if placement is None:
+    return drafter
+  shared = {id(a): b for a, b in zip(jax.tree.leaves(target), jax.tree.leaves(placed_target))}
+  whole = NamedSharding(placement.mesh, PartitionSpec())
+
+  def put(x):
+    if id(x) in shared:
+      return shared[id(x)]
+    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == placement.mesh:
+      return x
+    return jax.device_put(x, whole)
+
+  return jax.tree.map(put, drafter)

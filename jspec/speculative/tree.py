@@ -26,7 +26,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import prepare_batch
+from jspec.decode import on_mesh, prepare_batch
 from jspec.drafting.base import DraftState, Drafter, Features
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
@@ -37,8 +37,10 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
+from jspec.sharding import Mesh, Placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_shared_cache, check_tree_target, initial_state)
+                                    check_shared_cache, check_tree_target, initial_state,
+                                    place_drafter)
 from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
@@ -156,7 +158,8 @@ def budgeted_tree_slots(kv: KVPolicy, spec: TreeSpecConfig) -> int:
 def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                           prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
                           *, spec: TreeSpecConfig, cache_size: int,
-                          kv: KVPolicy | None = None) -> SpecState:
+                          kv: KVPolicy | None = None,
+                          placement: Placement | None = None) -> SpecState:
   """The whole run, returning the final loop state (caches included); see the module docstring.
 
   kv: a KV budget for the target, exact as in the chain engine: an accepted path is used only to
@@ -168,7 +171,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   check_shared_cache(drafter, kv, tree=True)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
-                        target_slots=None if kv is None else budgeted_tree_slots(kv, spec))
+                        target_slots=None if kv is None else budgeted_tree_slots(kv, spec),
+                        placement=placement)
 
   def body(s: SpecState) -> SpecState:
     if kv is None:
@@ -220,23 +224,24 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
 def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                      prompt_lengths: Array, key: Array,
                                      sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig,
-                                     cache_size: int, kv: KVPolicy | None = None
-                                     ) -> TreeSpecOutput:
+                                     cache_size: int, kv: KVPolicy | None = None,
+                                     placement: Placement | None = None) -> TreeSpecOutput:
   """Pure, jit-friendly tree speculative generation; `cfg`, `spec`, `cache_size`, `kv` static.
 
   prompt [B, P] int32 right-padded, prompt_lengths [B]; any drafter (jspec.drafting). Needs
   cache_size >= max(prompt_lengths) + max_new_tokens + spec.reserve.
   """
   s = tree_speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
-                            spec=spec, cache_size=cache_size, kv=kv)
-  return TreeSpecOutput(
+                            spec=spec, cache_size=cache_size, kv=kv, placement=placement)
+  out = TreeSpecOutput(
       tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
       round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
       accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
+  return out if placement is None else placement.replicated(out)
 
 
 _tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,),
-                       static_argnames=("spec", "cache_size", "kv"))
+                       static_argnames=("spec", "cache_size", "kv", "placement"))
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
@@ -254,7 +259,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               sampling: SamplingParams = GREEDY, key: Array | int = 0,
                               cache_size: int | None = None,
                               precision: str = "fast", kv: KVPolicy | None = None,
-                              draft_kv: KVPolicy | None = None) -> TreeSpecOutput:
+                              draft_kv: KVPolicy | None = None,
+                              mesh: Mesh | None = None) -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
   Example (any drafter grows trees):
@@ -266,7 +272,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   precision="exact": full float32 matmuls, for token-identical greedy output on accelerators (see
   jspec.models.numerics). kv: a KV budget for the target (any policy): greedy output equals
   `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
-  cache (model drafters; `Drafter.with_kv`); None: a full drafter cache.
+  cache (model drafters; `Drafter.with_kv`); None: a full drafter cache. mesh: a ("dp", "tp")
+  mesh, as for `speculative_generate`.
   """
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
@@ -282,5 +289,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round"
                                 + (f", {k} masks after each)" if k else ")"))
-  return _tree_jit(params, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision, kv=kv)
+  placed, b, placement = on_mesh(params, cfg, b, mesh)
+  drafter = place_drafter(drafter, placement, params, placed)
+  return _tree_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+                   cache_size=b.cache_size, precision=precision, kv=kv, placement=placement)

@@ -1,0 +1,155 @@
+"""Checks of sharded generation, run by tests/test_sharding.py in a subprocess that sees 8 CPU
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=8; JAX reads it once, at start-up, so
+the main test process cannot). `python tests/sharding_checks.py GROUP` runs one group and prints
+"<GROUP>-OK"; an assertion names what differed."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jspec.bench.collectives import decode_loop_collectives, summarize
+from jspec.bench.profiling import CompileCounter
+from jspec.decode import on_mesh, prepare_batch
+from jspec.drafting.model import ModelDrafter
+from jspec.drafting.ngram import ngram_drafter
+from jspec.drafting.probe import probe_drafter
+from jspec.drafting.skip import skip_drafter
+from jspec.generate import generate, generate_tokens
+from jspec.models.config import Config
+from jspec.models.llama import init_params
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sharding import make_mesh
+from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+
+# 8 query heads, 2 KV heads: tp=2 shards the KV cache, tp=4 and tp=8 replicate it.
+TARGET = Config(arch="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=8, num_kv_heads=2, head_dim=8, qkv_bias=True)
+DRAFT = Config(arch="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=16)
+# Ragged: every row a different length, one of a single token.
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [3, 3, 3, 3, 3, 3, 3], [200, 17],
+           [5, 6, 5, 6, 5, 6], [42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
+MESHES = ((8, 1), (1, 8), (2, 4), (4, 2))  # (dp, tp)
+SAMPLED = SamplingParams(temperature=1.0)
+FILTERED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+
+
+def models():
+  # Large weights make confident logits: no near-tie a sharded sum's other rounding could flip.
+  target = init_params(TARGET, jax.random.key(0), scale=0.5)
+  draft = init_params(DRAFT, jax.random.key(1), scale=0.5)
+  return target, draft
+
+
+def same(a, b, what):
+  assert a.sequences() == b.sequences(), (what, a.sequences(), b.sequences())
+
+
+def check_generate():
+  target, _ = models()
+  for sp, key in ((GREEDY, 0), (SAMPLED, 5), (FILTERED, 7)):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
+    for dp, tp in MESHES:
+      got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
+                     mesh=make_mesh(dp, tp))
+      same(got, want, f"generate dp={dp} tp={tp} {sp}")
+
+
+def check_chains():
+  target, draft = models()
+  drafters = {"model": ModelDrafter(draft, DRAFT), "ngram": ngram_drafter(256),
+              "ngram+model": ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)),
+              "skip": skip_drafter(target, TARGET, (1,)), "mtp": probe_drafter(target, TARGET, 3)}
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  for name, drafter in drafters.items():
+    for sp, key in ((GREEDY, 0), (SAMPLED, 3)) if name in ("model", "mtp") else ((GREEDY, 0),):
+      want = speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
+                                  key=key)
+      meshes = MESHES if name == "model" and sp is GREEDY else ((2, 4),)
+      for dp, tp in meshes:
+        got = speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
+                                   key=key, mesh=make_mesh(dp, tp))
+        same(got, want, f"chain {name} dp={dp} tp={tp} {sp}")
+        assert int(got.rounds) == int(want.rounds), (name, dp, tp)
+  ar = generate(target, TARGET, PROMPTS, max_new_tokens=12)
+  got = speculative_generate(target, TARGET, drafters["model"], PROMPTS, spec=spec,
+                             mesh=make_mesh(2, 4))
+  same(got, ar, "greedy chain on a mesh vs autoregressive on one device")
+
+
+def check_trees():
+  target, draft = models()
+  spec = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
+  runs = (("model", ModelDrafter(draft, DRAFT), GREEDY, 0, ((2, 4), (1, 8))),
+          ("model", ModelDrafter(draft, DRAFT), SAMPLED, 11, ((2, 4),)),
+          ("mtp", probe_drafter(target, TARGET, 3), GREEDY, 0, ((4, 2),)))
+  for name, drafter, sp, key, meshes in runs:
+    want = tree_speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
+                                     key=key)
+    for dp, tp in meshes:
+      got = tree_speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
+                                      key=key, mesh=make_mesh(dp, tp))
+      same(got, want, f"tree {name} dp={dp} tp={tp} {sp}")
+
+
+def check_compiles_once():
+  target, draft = models()
+  mesh = make_mesh(2, 4)
+  spec = SpecConfig(gamma=3, max_new_tokens=8)
+  drafter = ModelDrafter(draft, DRAFT)
+  generate(target, TARGET, PROMPTS, max_new_tokens=8, mesh=mesh)
+  speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, mesh=mesh)
+  with CompileCounter() as counter:
+    for shift, temp in ((1, 0.0), (2, 1.0)):
+      prompts = [[(t + shift) % 256 for t in p] for p in PROMPTS]
+      sp = SamplingParams(temperature=temp)
+      jax.block_until_ready(generate(target, TARGET, prompts, max_new_tokens=8, sampling=sp,
+                                     mesh=mesh, key=shift))
+      jax.block_until_ready(speculative_generate(target, TARGET, drafter, prompts, spec=spec,
+                                                 sampling=sp, mesh=mesh, key=shift))
+  assert counter.compiles == 0, counter.compiles
+
+
+def check_communication():
+  """The decode step under tp communicates what Megatron's split needs and nothing more: two
+  all-reduces of [B/dp, 1, E] a layer plus one for the embedding lookup (vocabulary-sharded
+  table), scalars for the greedy pick; under dp alone only the loop's exit test."""
+  target, _ = models()
+  for dp, tp in ((2, 4), (8, 1), (1, 8)):
+    b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
+                      cache_size=None)
+    placed, b, placement = on_mesh(target, TARGET, b, make_mesh(dp, tp))
+    wq = placed.layers[0].wq  # [E, H, D]: heads over tp, one shard a device
+    assert wq.sharding.spec == PartitionSpec(None, "tp", None), wq.sharding
+    assert {s.data.shape for s in wq.addressable_shards} == {(64, 8 // tp, 8)}
+    kv_split = tp if TARGET.num_kv_heads % tp == 0 else 1  # fewer KV heads than tp: replicated
+    assert placed.layers[0].wk.addressable_shards[0].data.shape == (64, 2 // kv_split, 8)
+    hlo = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
+        "max_new_tokens", "cache_size", "placement")).lower(
+            placed, TARGET, b.tokens, b.lengths, b.key, b.sampling, max_new_tokens=8,
+            cache_size=b.cache_size, placement=placement).compile().as_text()
+    step = decode_loop_collectives(hlo, dp * tp)
+    big = [c for c in step if not c.in_branch and c.bytes > 64]
+    rows = len(PROMPTS) // dp
+    if tp == 1:
+      assert not big, (dp, tp, big)
+    else:
+      assert sorted({(c.op, c.bytes) for c in big}) == [("all-reduce", rows * 64 * 4)], big
+      assert len(big) == 2 * TARGET.num_layers + 1, (len(big), summarize(step))
+    assert not any(c.op == "all-gather" and c.bytes >= rows * 256 * 4 // max(tp, 2)
+                   for c in step if not c.in_branch), ("logits gathered", summarize(step))
+
+
+GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
+          "compiles": check_compiles_once, "communication": check_communication}
+
+if __name__ == "__main__":
+  assert len(jax.devices()) == 8, jax.devices()
+  for group in sys.argv[1:]:
+    GROUPS[group]()
+    print(f"{group}-OK", flush=True)
