@@ -32,6 +32,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "int8 target with a q4 drafter: the drafter only proposes, so its format "
                       "changes speed and acceptance, never the output)")
   p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--mesh", default=None, metavar="MESH",
+                 help="devices to run on as a ('dp', 'tp') mesh, e.g. dp=2,tp=4 (batch over dp; "
+                      "heads, MLP and vocabulary over tp) or 'none' for one device; default: every "
+                      "local device on dp when the prompts divide over them, else one device. "
+                      "float32 weights run XLA's dot on a mesh; int8/q4 do not shard")
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -123,6 +128,15 @@ def _sampling(args):
   return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
 
 
+def _mesh(args, batch: int):
+  """The mesh of --mesh (checked before anything loads): its text, 'none', or (unset) every local
+  device on dp when `batch` divides over them."""
+  from jspec.sharding import default_mesh, mesh_from
+  if args.mesh is None:
+    return default_mesh(batch)
+  return None if args.mesh == "none" else mesh_from(args.mesh)
+
+
 def cmd_generate(args) -> int:
   import jax
   from jspec.bench.profiling import CompileCounter
@@ -131,8 +145,12 @@ def cmd_generate(args) -> int:
 
   sampling = _sampling(args)
   kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
+  mesh = _mesh(args, len(args.prompt))
+  if mesh is not None and len(args.prompt) % mesh.shape["dp"]:
+    raise ValueError(f"{len(args.prompt)} prompts do not divide over --mesh dp={mesh.shape['dp']}:"
+                     f" pass a multiple of {mesh.shape['dp']} prompts, or a smaller dp")
   start = time.perf_counter()
-  model = load(args.model, args.dtype)
+  model = load(args.model, args.dtype, mesh=mesh)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   load_s = time.perf_counter() - start
   prompts = args.prompt
@@ -151,7 +169,9 @@ def cmd_generate(args) -> int:
       print(f"### {prompt}")
     print(model.tokenizer.decode(seq))
   n = int(out.lengths.sum())
-  print(f"[jspec] {model.source}: load {load_s:.1f}s, compile {compiled.seconds:.1f}s "
+  where = (f" on {dict(model.mesh.shape)} {model.mesh.devices.flat[0].platform} devices"
+           if model.mesh is not None else "")
+  print(f"[jspec] {model.source}{where}: load {load_s:.1f}s, compile {compiled.seconds:.1f}s "
         f"({compiled.built} XLA programs built, {compiled.cache_hits} loaded from cache), "
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
@@ -193,7 +213,12 @@ def cmd_bench(args) -> int:
   from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
-  model = load(args.model, args.dtype)
+  mesh = _mesh(args, 1)  # one prompt at a time: tp (or a dp of 1)
+  if mesh is not None and mesh.shape["dp"] > 1:
+    raise ValueError(f"jspec bench runs one prompt at a time, which cannot split over --mesh "
+                     f"dp={mesh.shape['dp']}. Fix: --mesh tp=N (or measure dp with "
+                     f"benchmarks/sharding.py)")
+  model = load(args.model, args.dtype, mesh=mesh)
   drafter_weights = args.drafter_weights or args.dtype
   drafters = [speed.NamedDrafter(name, load_drafter(name, model, drafter_weights))
               for name in args.drafter.split(",") if name != "none"]
@@ -383,6 +408,9 @@ def cmd_bench_tau(args) -> int:
 
   sampling = _sampling(args)
   trees = [t for text in args.tree for t in parse_trees(text)]
+  if args.mesh not in (None, "none"):
+    raise ValueError("bench-tau scores trees on one device (tau does not depend on the mesh): "
+                     "drop --mesh")
   model = load(args.model, args.dtype)
   check_tree_target(model.params)
   if args.drafter == "none":

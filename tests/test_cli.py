@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 pytest.importorskip("transformers")
@@ -396,3 +397,23 @@ def test_transformers_static_cache_run(tiny_model):
   static, extra = speed.bench_transformers(hf, model, prompts, 5, GREEDY, 0, cache="static")
   assert extra["cache"] == "static" and extra["torch_device"] == "cpu"
   assert static.outputs == dynamic.outputs and static.new_tokens == dynamic.new_tokens
+
+
+def test_mesh_settings_are_checked_before_loading(tiny_model, capsys):
+  """--mesh text, its size against the visible devices, the batch over dp and the weight formats
+  that cannot shard: each a one-line error (the runs themselves: tests/test_sharding.py)."""
+  n = len(jax.devices())
+  cases = [(["generate", "--prompt", "Hi", "--mesh", "dp=2,pp=2"], "expected axes dp and/or tp"),
+           (["generate", "--prompt", "Hi", "--mesh", f"tp={n + 1}"],
+            f"needs {n + 1} devices, but {n} are visible"),
+           (["generate", "--prompt", "Hi", "--mesh", "tp=1", "--weights", "int8"],
+            "cannot be sharded over a mesh"),
+           (["bench-tau", "--drafter", "self", "--tree", "fixed:2", "--mesh", "tp=1"],
+            "bench-tau scores trees on one device")]
+  for argv, message in cases:
+    assert main(argv + ["--model", str(tiny_model)]) == 2, argv
+    assert message in capsys.readouterr().err, argv
+  # A one-device mesh runs (XLA's float32 dot) and says where it ran.
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "4",
+               "--mesh", "dp=1,tp=1"]) == 0
+  assert "on {'dp': 1, 'tp': 1} cpu devices" in capsys.readouterr().err

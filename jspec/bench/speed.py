@@ -397,6 +397,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
+          "mesh": dict(model.mesh.shape) if getattr(model, "mesh", None) is not None else None,
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
           "int8_kernel": quant.int8_kernel(model.params),  # "native", "xla" or None
           # "native": jspec's CPU kernels (float32 or quantized weights), "xla": XLA's dots

@@ -34,9 +34,11 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
 from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
+from jspec.sharding import Placement
 from jspec.tree.structure import Tree
 
 Array = jax.Array
@@ -276,3 +278,25 @@ def valid_drafts(tokens: Array) -> tuple[Array, Array]:
   before each row's first -1)."""
   valid = jnp.cumprod((tokens >= 0).astype(jnp.int32), axis=1)
   return jnp.maximum(tokens, 0), jnp.sum(valid, axis=1).astype(jnp.int32)
+
+
+def place_drafter(drafter: Drafter, placement: Placement | None, target,
+                  placed_target) -> Drafter:
+  """Host-side: a drafter's arrays on the target's mesh. Arrays it shares with the target (a
+  layer-skip or probing drafter reads the target's own weights) take the target's placed copies;
+  arrays already on the mesh stay as they are; the rest (a draft model's weights: small beside
+  the target, and read every draft step) are replicated, so drafting needs no collective but the
+  batch's own split over dp."""
+  if placement is None:
+    return drafter
+  shared = {id(a): b for a, b in zip(jax.tree.leaves(target), jax.tree.leaves(placed_target))}
+  whole = NamedSharding(placement.mesh, PartitionSpec())
+
+  def put(x):
+    if id(x) in shared:
+      return shared[id(x)]
+    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == placement.mesh:
+      return x
+    return jax.device_put(x, whole)
+
+  return jax.tree.map(put, drafter)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Callable, Protocol
 
-from jspec.drafting.base import Drafter
+from jspec.drafting.base import Drafter, place_drafter
 from jspec.drafting.feature import eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.ngram import ngram_drafter
@@ -26,6 +26,7 @@ from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
 from jspec.models.llama import Params
+from jspec.sharding import model_placement
 
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
 DEFAULT_DRAFTER = Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct"
@@ -77,12 +78,31 @@ def drafter_help() -> str:
 def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter | None:
   """The drafter called `name` for `target`; None for "none". See drafter_help(). `NAME@P`:
   that drafter with adaptive draft length (`Drafter.with_stop(P)`: a chain ends before the first
-  draft it is less than P sure of; an n-gram lookup at its first miss)."""
+  draft it is less than P sure of; an n-gram lookup at its first miss).
+
+  A target loaded on a mesh (`jspec.model.load(..., mesh=)`) gets its drafter placed there once
+  (`place_drafter`), a draft model's weights in XLA's formats (jspec's CPU kernels do not shard).
+  """
+  mesh = getattr(target, "mesh", None)
+  if mesh is None:
+    return _load_drafter(name, target, dtype)
+  if dtype == "q4":
+    raise ValueError("--drafter-weights q4 runs jspec's CPU kernel, which cannot run on a mesh. "
+                     "Fix: --drafter-weights float32 or int8 with --mesh, or drop --mesh.")
+  drafter = _load_drafter(name, target, {"float32": "float32-xla", "int8": "int8-xla"}.get(
+      dtype, dtype))
+  if drafter is not None:
+    drafter = place_drafter(drafter, model_placement(target.cfg, mesh), target.params,
+                            target.params)
+  return drafter
+
+
+def _load_drafter(name: str, target: Target, dtype: str) -> Drafter | None:
   if name == "none":
     return None
   base, at, stop = name.rpartition("@")
   if at and re.fullmatch(r"[0-9.]+", stop):
-    drafter = load_drafter(base, target, dtype)
+    drafter = _load_drafter(base, target, dtype)
     if drafter is None:
       raise ValueError(f"drafter {name!r}: 'none' drafts nothing to stop")
     return drafter.with_stop(float(stop))
@@ -96,7 +116,7 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
     if not inner or inner == "none" or KINDS.get(inner.split(":")[0].split("+")[0]) is kind:
       raise ValueError(f"drafter {name!r}: after '+' name another kind of drafter (default, "
                        f"self, early-exit:K, model:PATH)")
-    fallback = load_drafter(inner, target, dtype)
+    fallback = _load_drafter(inner, target, dtype)
   if rest and not rest.startswith(":"):
     raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
   return kind.build(target, rest[1:] if rest else None, dtype, fallback)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import on_mesh, prepare_batch
-from jspec.drafting.base import Drafter, Features, valid_drafts
+from jspec.drafting.base import Drafter, Features, place_drafter, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
@@ -26,7 +26,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_shared_cache, initial_state, place_drafter)
+                                    check_shared_cache, initial_state)
 from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
 
 Array = jax.Array

@@ -10,7 +10,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.decode import PAD, is_stop, prefill, trimmed_rows
 from jspec.drafting.base import DraftState, Drafter, Features
@@ -213,24 +212,3 @@ def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> Non
     raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
                      "evict under them: drop --kv-budget / kv=, or use another drafter")
 
-
-def place_drafter(drafter: Drafter, placement: Placement | None, target: Params,
-                  placed_target: Params) -> Drafter:
-  """Host-side: a drafter's arrays on the target's mesh. Arrays it shares with the target (a
-  layer-skip or probing drafter reads the target's own weights) take the target's placed copies;
-  arrays already on the mesh stay as they are; the rest (a draft model's weights: small beside
-  the target, and read every draft step) are replicated, so drafting needs no collective but the
-  batch's own split over dp."""
-  if placement is None:
-    return drafter
-  shared = {id(a): b for a, b in zip(jax.tree.leaves(target), jax.tree.leaves(placed_target))}
-  whole = NamedSharding(placement.mesh, PartitionSpec())
-
-  def put(x):
-    if id(x) in shared:
-      return shared[id(x)]
-    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == placement.mesh:
-      return x
-    return jax.device_put(x, whole)
-
-  return jax.tree.map(put, drafter)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import on_mesh, prepare_batch
-from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.drafting.base import DraftState, Drafter, Features, place_drafter
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy
@@ -39,8 +39,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_shared_cache, check_tree_target, initial_state,
-                                    place_drafter)
+                                    check_shared_cache, check_tree_target, initial_state)
 from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
