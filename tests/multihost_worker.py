@@ -1,0 +1,39 @@
+"""One process of the two-process test of jax.distributed (tests/test_multihost.py): 2 CPU devices
+here, 2 in the other, one (dp=2, tp=2) mesh over all 4. Prints the sharded run's tokens and this
+process's one-device run's tokens, as JSON lines the test compares."""
+
+import json
+import os
+import sys
+
+process_id, port = int(sys.argv[1]), int(sys.argv[2])
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                           process_id=process_id)
+
+from jspec.drafting.model import ModelDrafter  # noqa: E402
+from jspec.generate import generate  # noqa: E402
+from jspec.sharding import make_mesh  # noqa: E402
+from jspec.speculative.chain import SpecConfig, speculative_generate  # noqa: E402
+from tests.sharding_checks import DRAFT, PROMPTS, SAMPLED, TARGET, models  # noqa: E402
+
+assert jax.process_count() == 2 and len(jax.devices()) == 4 and jax.local_device_count() == 2
+target, draft = models()
+mesh = make_mesh(dp=2, tp=2)  # each dp row one process's 2 devices; tp's all-reduces stay local
+drafter = ModelDrafter(draft, DRAFT)
+spec = SpecConfig(gamma=3, max_new_tokens=10)
+runs = {
+    "generate": lambda m: generate(target, TARGET, PROMPTS, max_new_tokens=10, mesh=m),
+    "sampled": lambda m: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=SAMPLED,
+                                  key=4, mesh=m),
+    "chain": lambda m: speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, mesh=m),
+}
+for name, run in runs.items():
+  print(json.dumps({"run": name, "process": process_id, "sharded": run(mesh).sequences(),
+                    "local": run(None).sequences()}), flush=True)
+jax.distributed.shutdown()
