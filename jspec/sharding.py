@@ -41,7 +41,8 @@ class ArraySpec:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-  """Logical axis → mesh axis (None: replicated). Default: tensor parallel over `tp`, data over `dp`."""
+  """Logical axis → mesh axis (None: replicated). Default: tensor parallel over `tp`, data over
+  `dp`."""
 
   batch: str | None = "dp"
   layers: str | None = None
@@ -105,7 +106,8 @@ def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = N
   if dp * tp > len(devices):
     raise ValueError(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, but {len(devices)} are "
                      f"visible ({devices[0].platform}). Fix: a smaller mesh, or on CPU set "
-                     f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} before JAX starts.")
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} before JAX "
+                     f"starts.")
   return Mesh(np.array(devices[:dp * tp]).reshape(dp, tp), MESH_AXES)
 
 

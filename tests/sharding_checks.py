@@ -19,6 +19,7 @@ from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import skip_drafter
 from jspec.generate import generate, generate_tokens
+from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.processing import GREEDY, SamplingParams
@@ -58,6 +59,14 @@ def check_generate():
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
+  # A KV budget (chunked prefill, eviction scored per layer, row and KV head) on a mesh too.
+  for policy in (KVPolicy("keydiff", budget=8, sinks=2, chunk=4),
+                 KVPolicy("h2o", budget=8, sinks=2, chunk=4)):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy)
+    for dp, tp in ((2, 2), (1, 4)):
+      got = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy,
+                     mesh=make_mesh(dp, tp))
+      same(got, want, f"generate kv={policy.method} dp={dp} tp={tp}")
 
 
 def check_chains():

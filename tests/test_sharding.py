@@ -44,7 +44,8 @@ CFG = Config(arch="llama", vocab_size=96, hidden_size=32, intermediate_size=48, 
              num_heads=6, num_kv_heads=2, head_dim=8)
 
 
-@pytest.mark.parametrize("text, want", [("dp=2,tp=4", {"dp": 2, "tp": 4}), ("tp=8", {"dp": 1, "tp": 8}),
+@pytest.mark.parametrize("text, want", [("dp=2,tp=4", {"dp": 2, "tp": 4}),
+                                        ("tp=8", {"dp": 1, "tp": 8}),
                                         (" dp = 3 ", {"dp": 3, "tp": 1})])
 def test_parse_mesh(text, want):
   assert parse_mesh(text) == want

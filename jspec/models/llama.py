@@ -275,7 +275,7 @@ def write_slots(cache: Array, layer: int, slots: Array, new: Array, by_row: bool
   split over a mesh's `dp`, each device writes its own rows without gathering the others' new
   entries (one scatter over explicit row indices made XLA gather them: 4 all-gathers a layer).
   Weights on jspec's CPU kernels (never on a mesh) keep the one scatter: beside the native
-  attention XLA:CPU copied the vmapped write (decoding at 0.55x)."""
+  attention XLA:CPU decoded 0.68x as fast with the vmapped write; XLA's dot runs alike)."""
   if not by_row:
     rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
     return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
