@@ -17,9 +17,9 @@ from jspec.io.load import DEFAULT, QUANTIZED, load_checkpoint
 from jspec.io.tokenizer import Tokenizer
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import Params, place_params
+from jspec.models.llama import Params, place_params, repeat_kv_heads
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.sharding import Mesh, mesh_from, model_placement
+from jspec.sharding import Mesh, kv_repeats, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import TreeShape
@@ -85,8 +85,10 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
 
   mesh: a ("dp", "tp") `jax.sharding.Mesh` or its text ("dp=2,tp=4", jspec.sharding.make_mesh):
   params are placed on it by their logical axes (heads, MLP, vocabulary over tp) and every
-  generate of the model runs there. jspec's CPU kernels take whole weights, so on a mesh
-  "float32" means XLA's float32 dot ("float32-xla"); int8 and q4 are refused."""
+  generate of the model runs there; where tp is a multiple of the KV heads, each is repeated so
+  the KV cache splits tp ways (`cfg.num_kv_heads` then counts the copies). jspec's CPU kernels
+  take whole weights, so on a mesh "float32" means XLA's float32 dot ("float32-xla"); int8 and q4
+  are refused."""
   mesh = mesh_from(mesh)
   if mesh is not None:
     if dtype in QUANTIZED:
@@ -95,5 +97,7 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
     dtype = "float32-xla" if dtype == "float32" else dtype
   cfg, params, tokenizer, path = load_checkpoint(name_or_path, dtype)
   if mesh is not None:
+    # tp over more devices than KV heads: one KV head a device rather than all on every device.
+    params, cfg = repeat_kv_heads(params, cfg, kv_repeats(cfg, mesh))
     params = place_params(params, cfg, model_placement(cfg, mesh))
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path), mesh=mesh)

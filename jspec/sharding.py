@@ -7,11 +7,13 @@ shard by shard). `Placement` carries a mesh and its rules as one static, hashabl
 params, caches and inputs on the mesh and pins shardings inside the jitted engines, which XLA's
 SPMD partitioner then turns into one program per device.
 
-KV heads fewer than (or not divided by) `tp`: the K/V projections and the KV cache are replicated
-over `tp` (every device holds every KV head; query heads stay sharded). Sharding the cache's other
-axes instead (sequence, head_dim) would put a collective inside every attention; replicating costs
-memory (the cache is divided by dp only) and a little duplicated K/V projection, never a
-collective. Choose tp <= num_kv_heads to keep the cache sharded (see README "Sharded inference").
+KV heads fewer than `tp`: where tp is a multiple of them, `jspec.model.load(..., mesh=)` repeats
+each KV head tp / K times (`llama.repeat_kv_heads`: the same numbers), so every device holds the
+one KV head its query heads read and the cache still splits tp ways. Otherwise (tp not a multiple
+of K, or a cfg passed to the pure functions as it is) the K/V projections and the cache are
+replicated over tp: every device holds every KV head. Sharding the cache's other axes instead
+(sequence, head_dim) would put a collective inside every attention; replicating costs memory (the
+cache divided by dp only), never a collective.
 """
 
 from __future__ import annotations
@@ -172,6 +174,13 @@ class Placement:
       raise ValueError(f"a batch of {batch} prompts does not divide over the mesh's dp={self.dp} "
                        f"devices. Fix: a batch that is a multiple of {self.dp} (pad with copies of "
                        f"a prompt and drop their outputs), or a mesh with dp dividing {batch}.")
+
+
+def kv_repeats(cfg, mesh: Mesh) -> int:
+  """How many times `llama.repeat_kv_heads` should repeat the KV heads for `mesh`: tp / K where tp
+  is a multiple of K > 0 heads fewer than tp, else 1."""
+  tp, k = _axis_size(mesh, "tp"), cfg.num_kv_heads
+  return tp // k if tp > k and tp % k == 0 and cfg.num_heads % tp == 0 else 1
 
 
 def model_placement(cfg, mesh: Mesh, rules: ShardingRules | None = None) -> Placement:

@@ -21,9 +21,9 @@ from jspec.drafting.skip import skip_drafter
 from jspec.generate import generate, generate_tokens
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import init_params
+from jspec.models.llama import init_params, repeat_kv_heads
 from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.sharding import make_mesh
+from jspec.sharding import kv_repeats, make_mesh
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 
@@ -154,8 +154,38 @@ def check_communication():
                    for c in step if not c.in_branch), ("logits gathered", summarize(step))
 
 
+def check_repeated_kv_heads():
+  """tp over more devices than KV heads: each KV head repeated tp / K times (the same tokens on
+  one device), then one KV head and one cache shard a device, and still only Megatron's
+  collectives."""
+  target, _ = models()
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=10)
+  for dp, tp in ((1, 8), (2, 4)):
+    mesh = make_mesh(dp, tp)
+    params, cfg = repeat_kv_heads(target, TARGET, kv_repeats(TARGET, mesh))
+    assert cfg.num_kv_heads == tp
+    same(generate(params, cfg, PROMPTS, max_new_tokens=10), want, f"repeated x{tp // 2}")
+    b = prepare_batch(cfg, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
+                      cache_size=None)
+    placed, b, placement = on_mesh(params, cfg, b, mesh)
+    assert placement.rules.kv_heads == "tp"
+    assert {s.data.shape for s in placed.layers[0].wk.addressable_shards} == {(64, 1, 8)}
+    same(generate(placed, cfg, PROMPTS, max_new_tokens=10, mesh=mesh), want, f"dp={dp} tp={tp}")
+    drafter = skip_drafter(placed, cfg, (1,))  # reads the repeated, placed weights
+    got = speculative_generate(placed, cfg, drafter, PROMPTS, mesh=mesh,
+                               spec=SpecConfig(gamma=3, max_new_tokens=10))
+    same(got, want, f"skip chain, repeated KV heads, dp={dp} tp={tp}")
+    hlo = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
+        "max_new_tokens", "cache_size", "placement")).lower(
+            placed, cfg, b.tokens, b.lengths, b.key, b.sampling, max_new_tokens=8,
+            cache_size=b.cache_size, placement=placement).compile().as_text()
+    big = [c for c in decode_loop_collectives(hlo, dp * tp) if not c.in_branch and c.bytes > 64]
+    assert len(big) == 2 * cfg.num_layers + 1 and {c.op for c in big} == {"all-reduce"}, big
+
+
 GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
-          "compiles": check_compiles_once, "communication": check_communication}
+          "compiles": check_compiles_once, "communication": check_communication,
+          "repeat": check_repeated_kv_heads}
 
 if __name__ == "__main__":
   assert len(jax.devices()) == 8, jax.devices()

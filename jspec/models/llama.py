@@ -505,6 +505,21 @@ def place_params(params: Params, cfg: Config, placement: Placement | None) -> Pa
   return placement.put(params, param_layout(cfg))
 
 
+def repeat_kv_heads(params: Params, cfg: Config, times: int) -> tuple[Params, Config]:
+  """(params, cfg) with every KV head repeated `times` times in a row: query head h reads copy
+  h // (H / (K * times)) of KV head h // (H / K), the same numbers, so the outputs do not change.
+  What tensor parallelism over more devices than KV heads needs (tp = K * times): each device
+  then holds one KV head, the one its query heads read, and the KV cache splits tp ways instead of
+  being replicated (vLLM's choice too). `jspec.model.load(..., mesh=)` does it."""
+  if times == 1:
+    return params, cfg
+  rep = lambda w, axis: None if w is None else jnp.repeat(w, times, axis=axis)
+  layers = tuple(dataclasses.replace(lp, wk=rep(lp.wk, 1), wv=rep(lp.wv, 1), bk=rep(lp.bk, 0),
+                                     bv=rep(lp.bv, 0)) for lp in params.layers)
+  return (dataclasses.replace(params, layers=layers),
+          dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * times))
+
+
 def native_float_params(params: Params) -> Params:
   """Float32 params with every projection, the LM head and the embedding table in the layout of
   jspec's float32 CPU kernel (`quant.DenseWeight`): the same numbers, matmuls that cost about the
