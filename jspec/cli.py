@@ -131,9 +131,11 @@ def _sampling(args):
 def _mesh(args, batch: int):
   """The mesh of --mesh (checked before anything loads): its text, 'none', or (unset) every local
   device on dp when `batch` divides over them."""
+  from jspec.io.load import QUANTIZED
   from jspec.sharding import default_mesh, mesh_from
-  if args.mesh is None:
-    return default_mesh(batch)
+  if args.mesh is None:  # quantized weights are not placed on meshes: one device for them
+    quantized = {args.dtype, args.drafter_weights or args.dtype} & {*QUANTIZED}
+    return None if quantized else default_mesh(batch)
   return None if args.mesh == "none" else mesh_from(args.mesh)
 
 

@@ -73,6 +73,13 @@ class Model:
                                 sampling=sampling, key=key, precision=precision, kv=kv,
                                 draft_kv=draft_kv, mesh=self.mesh)
 
+  def off_mesh_for(self, batch: int) -> "Model":
+    """This model, or (when `batch` rows cannot split over its mesh's dp) the same weights run
+    without pinning a placement: internal one-prompt calls (calibrations) on a dp mesh."""
+    if self.mesh is None or batch % self.mesh.shape["dp"] == 0:
+      return self
+    return dataclasses.replace(self, mesh=None)
+
   def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt."""
     out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
@@ -92,8 +99,9 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   mesh = mesh_from(mesh)
   if mesh is not None:
     if dtype in QUANTIZED:
-      raise ValueError(f"--weights {dtype} runs jspec's CPU kernels, which cannot be sharded over "
-                       f"a mesh. Fix: --weights float32 or bfloat16 with --mesh, or drop --mesh.")
+      raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "
+                       f"which is not placed on a mesh. Fix: --weights float32 or bfloat16 with "
+                       f"--mesh, or drop --mesh.")
     dtype = "float32-xla" if dtype == "float32" else dtype
   cfg, params, tokenizer, path = load_checkpoint(name_or_path, dtype)
   if mesh is not None:

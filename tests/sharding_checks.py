@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from jspec.bench.collectives import decode_loop_collectives, summarize
 from jspec.bench.profiling import CompileCounter
 from jspec.decode import on_mesh, prepare_batch
+from jspec.drafting.base import place_drafter
 from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
@@ -24,7 +25,7 @@ from jspec.models.config import Config
 from jspec.models.llama import init_params, repeat_kv_heads
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sharding import kv_repeats, make_mesh
-from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 
 # 8 query heads, 2 KV heads: tp=2 shards the KV cache, tp=4 and tp=8 replicate it.
@@ -128,7 +129,7 @@ def check_communication():
   """The decode step under tp communicates what Megatron's split needs and nothing more: two
   all-reduces of [B/dp, 1, E] a layer plus one for the embedding lookup (vocabulary-sharded
   table), scalars for the greedy pick; under dp alone only the loop's exit test."""
-  target, _ = models()
+  target, draft = models()
   for dp, tp in ((2, 4), (8, 1), (1, 8)):
     b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
                       cache_size=None)
@@ -152,6 +153,21 @@ def check_communication():
       assert len(big) == 2 * TARGET.num_layers + 1, (len(big), summarize(step))
     assert not any(c.op == "all-gather" and c.bytes >= rows * 256 * 4 // max(tp, 2)
                    for c in step if not c.in_branch), ("logits gathered", summarize(step))
+    # A chain round: the verification's 2L + 1 all-reduces of [B/dp, gamma + 1, E]; the
+    # replicated draft model adds none. (Under dp the output buffer's row-indexed writes move a
+    # few hundred bytes of token ids; a gathered KV block would be >= 1 KB, logits 16 KB.)
+    spec = SpecConfig(gamma=3, max_new_tokens=8)
+    drafter = place_drafter(ModelDrafter(draft, DRAFT), placement, target, placed)
+    hlo = jax.jit(speculative_generate_tokens, static_argnums=1, static_argnames=(
+        "spec", "cache_size", "placement")).lower(
+            placed, TARGET, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
+            cache_size=b.cache_size + 8, placement=placement).compile().as_text()
+    big = [c for c in decode_loop_collectives(hlo, dp * tp) if not c.in_branch and c.bytes > 512]
+    if tp == 1:
+      assert not big, (dp, tp, big)
+    else:
+      assert sorted({(c.op, c.bytes) for c in big}) == [("all-reduce", rows * 4 * 64 * 4)], big
+      assert len(big) == 2 * TARGET.num_layers + 1, big
 
 
 def check_repeated_kv_heads():
@@ -171,8 +187,12 @@ def check_repeated_kv_heads():
     assert placement.rules.kv_heads == "tp"
     assert {s.data.shape for s in placed.layers[0].wk.addressable_shards} == {(64, 1, 8)}
     same(generate(placed, cfg, PROMPTS, max_new_tokens=10, mesh=mesh), want, f"dp={dp} tp={tp}")
-    drafter = skip_drafter(placed, cfg, (1,))  # reads the repeated, placed weights
-    got = speculative_generate(placed, cfg, drafter, PROMPTS, mesh=mesh,
+    # Attention-scored eviction: every copy of a KV head scores (and evicts) as the one head.
+    h2o = KVPolicy("h2o", budget=8, sinks=2, chunk=4)
+    same(generate(placed, cfg, PROMPTS, max_new_tokens=10, kv=h2o, mesh=mesh),
+         generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=h2o), f"h2o dp={dp} tp={tp}")
+    drafter = skip_drafter(params, cfg, (1,))  # unplaced: place_drafter maps it to `placed`
+    got = speculative_generate(params, cfg, drafter, PROMPTS, mesh=mesh,
                                spec=SpecConfig(gamma=3, max_new_tokens=10))
     same(got, want, f"skip chain, repeated KV heads, dp={dp} tp={tp}")
     hlo = jax.jit(generate_tokens, static_argnums=1, static_argnames=(

@@ -20,8 +20,8 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) (" + "|".join(COLLECTIVES)
                  + r")(?:-start)?\((.*)$")
 _SHAPE = re.compile(r"\b(pred|[sufb]f?\d+)\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
-                    r"=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_PREDICATED = re.compile(r"(?:true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
@@ -47,12 +47,14 @@ class Collective:
     return (n - 1) / n * self.bytes * (n if self.op == "reduce-scatter" else 1)
 
 
-def _shape_bytes(text: str) -> int:
-  total = 0
+def _shape_bytes(text: str, started: bool = False) -> int:
+  """Bytes of a result shape; tuples sum, except an async `-start`'s (operand, result, context)
+  tuple, which counts its largest element: the result."""
+  sizes = []
   for dtype, dims in _SHAPE.findall(text):
     size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    total += size * _BYTES.get(dtype, 4)
-  return total
+    sizes.append(size * _BYTES.get(dtype, 4))
+  return max(sizes, default=0) if started else sum(sizes)
 
 
 def _group_size(line: str, devices: int) -> int:
@@ -97,8 +99,9 @@ def _walk(comps, name, devices, in_branch, repeats, out, seen):
   for line in comps[name]:
     m = _OP.match(line)
     if m and "-done(" not in line:
-      out.append(Collective(m.group(2), _shape_bytes(m.group(1)), _group_size(line, devices),
-                            in_branch, repeats))
+      started = f"{m.group(2)}-start(" in line
+      out.append(Collective(m.group(2), _shape_bytes(m.group(1), started),
+                            _group_size(line, devices), in_branch, repeats))
     reps = repeats
     if " while(" in line:
       trip = _TRIP.search(line)
@@ -108,6 +111,8 @@ def _walk(comps, name, devices, in_branch, repeats, out, seen):
     for group in _BRANCHES.findall(line):
       for callee in re.findall(r"%?([\w.\-]+)", group):
         _walk(comps, callee, devices, True, repeats, out, seen)
+    for callee in _PREDICATED.findall(line):
+      _walk(comps, callee, devices, True, repeats, out, seen)
 
 
 def decode_loop_collectives(hlo: str, devices: int) -> list[Collective]:
@@ -138,9 +143,9 @@ def summarize(collectives: list[Collective]) -> dict:
   always = [c for c in collectives if not c.in_branch]
   branch = [c for c in collectives if c.in_branch]
   return {
-      "collectives": len(always), "bytes": total(always, "bytes"),
+      "collectives": sum(c.repeats for c in always), "bytes": total(always, "bytes"),
       "wire_bytes": round(total(always, "wire_bytes")),
       "by_op": {op: sum(c.repeats for c in always if c.op == op) for op in COLLECTIVES
                 if any(c.op == op for c in always)},
-      "branch_collectives": len(branch), "branch_bytes": total(branch, "bytes"),
+      "branch_collectives": sum(c.repeats for c in branch), "branch_bytes": total(branch, "bytes"),
   }

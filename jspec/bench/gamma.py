@@ -66,8 +66,9 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
                      f"pass a number, e.g. --gamma 4")
   if int(max_gamma) != max_gamma or max_gamma < 1:
     raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
-  out = model.generate_ids([prompt], max_new_tokens=calibration_tokens, sampling=sampling,
-                           key=key, stop=False, drafter=drafter, gamma=max_gamma)
+  out = model.off_mesh_for(1).generate_ids([prompt], max_new_tokens=calibration_tokens,
+                                           sampling=sampling, key=key, stop=False,
+                                           drafter=drafter, gamma=max_gamma)
   accepted_at = out.acceptance_rate  # [max_gamma]: P(draft i accepted)
   context = len(prompt) + calibration_tokens // 2
   _, cache_size = plan_cache(model.cfg, [len(prompt)], calibration_tokens, reserve=max_gamma + 1)

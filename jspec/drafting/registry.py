@@ -195,7 +195,8 @@ def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
                      f"{'skip' + ('' if arg is None else ':' + arg)!r}")
   calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
   prompts = [target.tokenizer.encode(text) for text in SKIP_CALIBRATION]
-  out = target.generate_ids(prompts, max_new_tokens=48).sequences()
+  runner = target.off_mesh_for(len(prompts)) if hasattr(target, "off_mesh_for") else target
+  out = runner.generate_ids(prompts, max_new_tokens=48).sequences()
   influence = sum(layer_influence(target.params, target.cfg, p + o) for p, o in zip(prompts, out))
   return skip_drafter(target.params, target.cfg, calibrated_layers(influence, int(arg)))
 

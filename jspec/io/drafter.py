@@ -217,7 +217,9 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   path, fmt = stored.path, stored.format
   if stored.kind != "feature":
     raise ValueError(f"{path} is not a feature-level drafter directory")
-  cfg = drafter_config(target_cfg, 1)
+  # A target whose KV heads were repeated for a mesh (Config.kv_repeats) is the same model.
+  cfg = drafter_config(dataclasses.replace(
+      target_cfg, num_kv_heads=target_cfg.num_kv_heads // target_cfg.kv_repeats, kv_repeats=1), 1)
   trained_for = {k: v for k, v in fmt["config"].items() if k in (
       "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")}
   mine = {k: getattr(cfg, k) for k in trained_for}

@@ -56,6 +56,9 @@ class Config:
   # How attention runs (not a property of the checkpoint): "xla" (jnp), "pallas" (the tree
   # attention kernel, GPU/TPU) or "pallas-interpret" (that kernel interpreted: CPU tests).
   attention_impl: str = "xla"
+  # Each KV head stored this many times in a row (llama.repeat_kv_heads: tensor parallelism over
+  # more devices than KV heads); num_kv_heads counts the copies.
+  kv_repeats: int = 1
 
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:

@@ -298,7 +298,7 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array
       q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
       k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    by_row = not isinstance(lp.wq, (quant.DenseWeight, quant.Int8Weight, quant.Q4Weight))
+    by_row = quant.attention_kernel(lp) != "native"
     k_cache = write_slots(k_cache, i, slots, k, by_row)
     v_cache = write_slots(v_cache, i, slots, v, by_row)
     out = attend(q, k_cache, v_cache, i)
@@ -365,7 +365,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           f"attention_impl='xla' gives (got {cfg.attention_impl!r}), and a cache with a mass "
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
     attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
-                                     mass_weights)
+                                     mass_weights, cfg.kv_repeats)
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended)
   if masses is not None:
     cache = dataclasses.replace(cache, mass=cache.mass + jnp.stack(masses))
@@ -412,25 +412,31 @@ def forward_layers(params: Params, cfg: Config, tokens: Array, positions: Array,
   return lm_head(params, hidden), cache
 
 
-def attention_mass(q: Array, k: Array, visible: Array, weights: Array) -> Array:
+def attention_mass(q: Array, k: Array, visible: Array, weights: Array, repeats: int = 1) -> Array:
   """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
   of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
-  visible [B, T, S]. weights [B, T, J] give [B, S, K, J]."""
+  visible [B, T, S]. weights [B, T, J] give [B, S, K, J]. repeats: KV heads stored that many
+  times in a row (Config.kv_repeats): each copy gets the mean over the original head's query
+  heads, so every copy scores, and evicts, as the one head would."""
   B, T, H, D = q.shape
   K = k.shape[2]
   scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
                       preferred_element_type=jnp.float32) * (D ** -0.5)
   probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
   spec = "bkgts,bt->bsk" if weights.ndim == 2 else "bkgts,btj->bskj"
-  return jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)
+  mass = jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)  # [B, S, K(, J)]
+  if repeats > 1:
+    grouped = mass.reshape(B, -1, K // repeats, repeats, *mass.shape[3:]).mean(axis=3)
+    mass = jnp.repeat(grouped, repeats, axis=2)
+  return mass
 
 
-def _recording_mass(attend: Callable, visible: Array, weights: Array):
+def _recording_mass(attend: Callable, visible: Array, weights: Array, repeats: int = 1):
   """attend as given, also appending each layer's `attention_mass` to the returned list."""
   masses = []
 
   def attend_and_record(q, k_all, v_all, i):
-    masses.append(attention_mass(q, k_all[i], visible, weights))
+    masses.append(attention_mass(q, k_all[i], visible, weights, repeats))
     return attend(q, k_all, v_all, i)
 
   return attend_and_record, masses
@@ -498,8 +504,8 @@ def place_params(params: Params, cfg: Config, placement: Placement | None) -> Pa
             if isinstance(x, kinds)]
   if custom:
     raise ValueError(
-        f"weights in {type(custom[0]).__name__} form run jspec's CPU kernels, which take whole "
-        f"weights on one device and cannot be sharded over a mesh. Fix: load the model with "
+        f"weights in {type(custom[0]).__name__} form (jspec's quantized or native-kernel storage) "
+        f"are not placed on a mesh. Fix: load the model with "
         f"--weights float32-xla or bfloat16 (jspec.model.load(..., mesh=...) picks float32-xla "
         f"for the default float32), or drop --mesh / mesh=.")
   return placement.put(params, param_layout(cfg))
@@ -517,7 +523,8 @@ def repeat_kv_heads(params: Params, cfg: Config, times: int) -> tuple[Params, Co
   layers = tuple(dataclasses.replace(lp, wk=rep(lp.wk, 1), wv=rep(lp.wv, 1), bk=rep(lp.bk, 0),
                                      bv=rep(lp.bv, 0)) for lp in params.layers)
   return (dataclasses.replace(params, layers=layers),
-          dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * times))
+          dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * times,
+                              kv_repeats=cfg.kv_repeats * times))
 
 
 def native_float_params(params: Params) -> Params:
