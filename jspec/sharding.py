@@ -65,10 +65,6 @@ class ShardingRules:
     return PartitionSpec(*names)
 
 
-# A drafter far smaller than its target: every weight replicated, only the batch split.
-DATA_ONLY = ShardingRules(vocab=None, heads=None, kv_heads=None, mlp=None)
-
-
 def is_spec(x: Any) -> bool:
   return isinstance(x, ArraySpec)
 
