@@ -144,13 +144,13 @@ def cmd_generate(args) -> int:
   from jspec.bench.profiling import CompileCounter
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
+  from jspec.sharding import Placement
 
   sampling = _sampling(args)
   kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   mesh = _mesh(args, len(args.prompt))
-  if mesh is not None and len(args.prompt) % mesh.shape["dp"]:
-    raise ValueError(f"{len(args.prompt)} prompts do not divide over --mesh dp={mesh.shape['dp']}:"
-                     f" pass a multiple of {mesh.shape['dp']} prompts, or a smaller dp")
+  if mesh is not None:  # before loading anything
+    Placement(mesh).check_batch(len(args.prompt))
   start = time.perf_counter()
   model = load(args.model, args.dtype, mesh=mesh)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)

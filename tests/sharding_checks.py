@@ -125,6 +125,14 @@ def check_compiles_once():
   assert counter.compiles == 0, counter.compiles
 
 
+def decode_step(fn, placement, *args, **static):
+  """The collectives of one decode-loop iteration of engine `fn` (args: params, cfg, ...; the
+  keywords static), compiled for `placement`."""
+  hlo = jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
+      *args, placement=placement, **static).compile().as_text()
+  return decode_loop_collectives(hlo, placement.mesh.size)
+
+
 def check_communication():
   """The decode step under tp communicates what Megatron's split needs and nothing more: two
   all-reduces of [B/dp, 1, E] a layer plus one for the embedding lookup (vocabulary-sharded
@@ -139,11 +147,8 @@ def check_communication():
     assert {s.data.shape for s in wq.addressable_shards} == {(64, 8 // tp, 8)}
     kv_split = tp if TARGET.num_kv_heads % tp == 0 else 1  # fewer KV heads than tp: replicated
     assert placed.layers[0].wk.addressable_shards[0].data.shape == (64, 2 // kv_split, 8)
-    hlo = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
-        "max_new_tokens", "cache_size", "placement")).lower(
-            placed, TARGET, b.tokens, b.lengths, b.key, b.sampling, max_new_tokens=8,
-            cache_size=b.cache_size, placement=placement).compile().as_text()
-    step = decode_loop_collectives(hlo, dp * tp)
+    step = decode_step(generate_tokens, placement, placed, TARGET, b.tokens, b.lengths, b.key,
+                       b.sampling, max_new_tokens=8, cache_size=b.cache_size)
     big = [c for c in step if not c.in_branch and c.bytes > 64]
     rows = len(PROMPTS) // dp
     if tp == 1:
@@ -158,11 +163,9 @@ def check_communication():
     # few hundred bytes of token ids; a gathered KV block would be >= 1 KB, logits 16 KB.)
     spec = SpecConfig(gamma=3, max_new_tokens=8)
     drafter = place_drafter(ModelDrafter(draft, DRAFT), placement, target, placed)
-    hlo = jax.jit(speculative_generate_tokens, static_argnums=1, static_argnames=(
-        "spec", "cache_size", "placement")).lower(
-            placed, TARGET, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-            cache_size=b.cache_size + 8, placement=placement).compile().as_text()
-    big = [c for c in decode_loop_collectives(hlo, dp * tp) if not c.in_branch and c.bytes > 512]
+    step = decode_step(speculative_generate_tokens, placement, placed, TARGET, drafter, b.tokens,
+                       b.lengths, b.key, b.sampling, spec=spec, cache_size=b.cache_size + 8)
+    big = [c for c in step if not c.in_branch and c.bytes > 512]
     if tp == 1:
       assert not big, (dp, tp, big)
     else:
@@ -195,11 +198,9 @@ def check_repeated_kv_heads():
     got = speculative_generate(params, cfg, drafter, PROMPTS, mesh=mesh,
                                spec=SpecConfig(gamma=3, max_new_tokens=10))
     same(got, want, f"skip chain, repeated KV heads, dp={dp} tp={tp}")
-    hlo = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
-        "max_new_tokens", "cache_size", "placement")).lower(
-            placed, cfg, b.tokens, b.lengths, b.key, b.sampling, max_new_tokens=8,
-            cache_size=b.cache_size, placement=placement).compile().as_text()
-    big = [c for c in decode_loop_collectives(hlo, dp * tp) if not c.in_branch and c.bytes > 64]
+    step = decode_step(generate_tokens, placement, placed, cfg, b.tokens, b.lengths, b.key,
+                       b.sampling, max_new_tokens=8, cache_size=b.cache_size)
+    big = [c for c in step if not c.in_branch and c.bytes > 64]
     assert len(big) == 2 * cfg.num_layers + 1 and {c.op for c in big} == {"all-reduce"}, big
 
 
