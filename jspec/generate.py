@@ -21,7 +21,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
-from jspec.sharding import Mesh, Placement
+from jspec.sharding import Mesh, Placement, traced_under_placement
 
 Array = jax.Array
 
@@ -67,6 +67,7 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
   return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
+@traced_under_placement
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                     sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
                     stop_ids: tuple[int, ...] = (), cache_dtype=None,

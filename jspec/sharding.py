@@ -18,9 +18,12 @@ cache divided by dp only), never a collective.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -200,3 +203,50 @@ def model_placement(cfg, mesh: Mesh, rules: ShardingRules | None = None) -> Plac
     if rules.kv_heads == "tp" and cfg.num_kv_heads % tp:
       rules = dataclasses.replace(rules, kv_heads=None)
   return Placement(mesh, rules)
+
+
+# The placement an engine is being traced under (set from its static `placement` argument, so a
+# jit cache entry and the value read here always agree). Code far from the engine's signature
+# (sampling's top-k/top-p) reads it to line its work up with the vocabulary's shards.
+_TRACING: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("placement", default=None)
+
+
+def traced_under_placement(engine: Callable) -> Callable:
+  """Decorator for an engine taking `placement=` (static): its body is traced with that placement
+  active (`vocab_split`)."""
+
+  @functools.wraps(engine)
+  def run(*args, placement: Placement | None = None, **kwargs):
+    token = _TRACING.set(placement)
+    try:
+      return engine(*args, placement=placement, **kwargs)
+    finally:
+      _TRACING.reset(token)
+
+  return run
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSplit:
+  """How the engine being traced splits its logits [B, ..., V]: the vocabulary over mesh axis
+  `vocab` (`shards` ways), the batch over `batch` (None: not split)."""
+
+  mesh: Mesh
+  vocab: str
+  shards: int
+  batch: str | None
+
+
+def vocab_split(vocab_size: int) -> VocabSplit | None:
+  """The vocabulary split of the engine being traced (`traced_under_placement`); None off a mesh,
+  where the vocabulary is not split, or where the split does not divide `vocab_size`."""
+  placement = _TRACING.get()
+  if placement is None:
+    return None
+  mesh, rules = placement.mesh, placement.rules
+  if rules.vocab not in mesh.axis_names or mesh.shape[rules.vocab] == 1:
+    return None
+  if vocab_size % mesh.shape[rules.vocab]:
+    return None
+  batch = rules.batch if rules.batch in mesh.axis_names else None
+  return VocabSplit(mesh, rules.vocab, mesh.shape[rules.vocab], batch)

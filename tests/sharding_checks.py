@@ -9,9 +9,9 @@ import sys
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jspec.bench.collectives import decode_loop_collectives, summarize
+from jspec.bench.collectives import decode_loop_collectives, program_collectives, summarize
 from jspec.bench.profiling import CompileCounter
 from jspec.decode import on_mesh, prepare_batch
 from jspec.drafting.base import place_drafter
@@ -23,8 +23,9 @@ from jspec.generate import generate, generate_tokens
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import init_params, repeat_kv_heads
-from jspec.sampling.processing import GREEDY, SamplingParams
-from jspec.sharding import kv_repeats, make_mesh
+from jspec.sampling import processing
+from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
+from jspec.sharding import Placement, kv_repeats, make_mesh, traced_under_placement
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 
@@ -39,6 +40,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [3, 3, 3, 3, 3, 3, 3], [20
 MESHES = ((8, 1), (1, 8), (2, 4), (4, 2))  # (dp, tp)
 SAMPLED = SamplingParams(temperature=1.0)
 FILTERED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+NUCLEUS = SamplingParams(temperature=1.5, top_p=0.9)
 
 
 def models():
@@ -60,6 +62,23 @@ def check_generate():
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
+  # Few candidates (8 of 256: each of tp's shards gives its top 8): top-k 5 always fits in them,
+  # top-k 40 never (the full sort runs), a hot nucleus sometimes; the tokens stay those of the
+  # 256-candidate runs on one device.
+  few = (SamplingParams(temperature=0.8, top_k=5, top_p=0.9), FILTERED, NUCLEUS)
+  want = {sp: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9)
+          for sp in few}
+  processing.CANDIDATES = 8
+  jax.clear_caches()  # the constant is read when a program is traced
+  try:
+    for sp in few:
+      for dp, tp in (None, None), (2, 4), (1, 8):
+        got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9,
+                       mesh=None if dp is None else make_mesh(dp, tp))
+        same(got, want[sp], f"generate, 8 candidates, dp={dp} tp={tp} {sp}")
+  finally:
+    processing.CANDIDATES = 256
+    jax.clear_caches()
   # A KV budget (chunked prefill, eviction scored per layer, row and KV head) on a mesh too.
   for policy in (KVPolicy("keydiff", budget=8, sinks=2, chunk=4),
                  KVPolicy("h2o", budget=8, sinks=2, chunk=4)):
@@ -173,6 +192,27 @@ def check_communication():
       assert len(big) == 2 * TARGET.num_layers + 1, big
 
 
+def check_filtered_sampling_moves_candidates():
+  """top-k/top-p on vocabulary-sharded logits: each device takes the top CANDIDATES of its own
+  shard, so the threshold moves tp * CANDIDATES values a row, not the V logits (the control:
+  off an engine's placement, XLA gathers whole rows to run top_k)."""
+  mesh = make_mesh(2, 4)
+  rows, V = 8, 8192
+  x = jax.device_put(np.random.default_rng(0).normal(size=(rows, V)).astype(np.float32),
+                     NamedSharding(mesh, PartitionSpec("dp", "tp")))
+  k, p = np.full((rows, 1), 40, np.int32), np.full((rows, 1), 0.9, np.float32)
+  threshold = traced_under_placement(lambda x, k, p, placement=None: candidate_threshold(x, k, p))
+  moved = {}
+  for placement in (Placement(mesh), None):
+    hlo = jax.jit(threshold, static_argnames="placement").lower(
+        x, k, p, placement=placement).compile().as_text()
+    moved[placement is not None] = max(
+        (c.bytes for c in program_collectives(hlo, mesh.size) if c.op != "all-reduce"), default=0)
+  local_rows = rows // 2
+  assert 0 < moved[True] <= local_rows * 4 * processing.CANDIDATES * 4, moved
+  assert moved[False] >= local_rows * V * 4, moved  # the control
+
+
 def check_repeated_kv_heads():
   """tp over more devices than KV heads: each KV head repeated tp / K times (the same tokens on
   one device), then one KV head and one cache shard a device, and still only Megatron's
@@ -206,7 +246,7 @@ def check_repeated_kv_heads():
 
 GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
           "compiles": check_compiles_once, "communication": check_communication,
-          "repeat": check_repeated_kv_heads}
+          "repeat": check_repeated_kv_heads, "filters": check_filtered_sampling_moves_candidates}
 
 if __name__ == "__main__":
   assert len(jax.devices()) == 8, jax.devices()

@@ -12,6 +12,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
+from jspec.sampling import processing
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -95,6 +96,27 @@ def test_processed_distribution(t, k, p):
   for row in range(3):
     np.testing.assert_allclose(got[row], numpy_processed(logits[row].astype(np.float64), t, k, p),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("t,k,p", [(0.3, 5, 1.0), (0.3, 0, 0.6), (1.0, 0, 0.95), (0.7, 40, 0.9),
+                                   (1.0, 16, 1.0)],
+                         ids=["top-k", "small-nucleus", "nucleus-past-m", "k-past-m", "k-is-m"])
+def test_filters_use_the_largest_values_and_sort_only_past_them(monkeypatch, t, k, p):
+  """top-k/top-p look at the 16 largest logits here (CANDIDATES patched down): a filter that
+  fits in them (k <= 16, a nucleus of <= 16 tokens) is exact from them alone, one that reaches
+  past them (k = 40; a flat row's 0.95 nucleus) falls back to the sort, exact too."""
+  monkeypatch.setattr(processing, "CANDIDATES", 16)
+  logits = np.random.default_rng(1).normal(size=(4, 1000)).astype(np.float32) * 2
+  logits[1] *= 4  # a peaked row beside flat ones
+  got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), SamplingParams(t, k, p))))
+  for row in range(4):
+    want = numpy_processed(logits[row].astype(np.float64), t, k, p)
+    np.testing.assert_allclose(got[row], want, atol=1e-5)
+  x = jnp.asarray(logits) / t
+  fits = np.asarray(processing.candidate_threshold(x, jnp.full((4, 1), k), jnp.full((4, 1), p))[1])
+  assert fits.all() == (k <= 16 and (k > 0 or p < 0.9)), fits  # the sort ran only past them
+  if (k, p) == (0, 0.95):  # the flat rows' nuclei really are larger than the candidates
+    assert min((got[row] > 0).sum() for row in (0, 2, 3)) > 16
 
 
 def test_first_token_follows_processed_distribution(params):

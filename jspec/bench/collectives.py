@@ -136,6 +136,15 @@ def decode_loop_collectives(hlo: str, devices: int) -> list[Collective]:
   return out
 
 
+def program_collectives(hlo: str, devices: int) -> list[Collective]:
+  """Every collective of a whole program (ENTRY and what it calls), loops counted by their known
+  trip counts."""
+  comps, entry = parse_computations(hlo)
+  out: list[Collective] = []
+  _walk(comps, entry, devices, False, 1, out, set())
+  return out
+
+
 def summarize(collectives: list[Collective]) -> dict:
   """Counts and bytes per step: always (outside any branch) and in branches (upper bound)."""
   def total(cs, field):

@@ -12,6 +12,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec
+
+from jspec.sharding import vocab_split
+
 Array = jax.Array
 
 
@@ -60,19 +64,80 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   return jax.nn.log_softmax(filtered, axis=-1)
 
 
+# How many of the largest logits a row's top-k/top-p filter looks at before falling back to a full
+# sort of the vocabulary: top-k up to this many, and top-p whenever the nucleus is no larger.
+CANDIDATES = 256
+
+
 def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
-  """Mask with -inf what top-k (k > 0) and then top-p keep out of the scaled logits x [..., V]."""
-  V = x.shape[-1]
-  desc = -jnp.sort(-x, axis=-1)  # [..., V], largest first
-  desc = jnp.where((k > 0) & (jnp.arange(V) >= k), -jnp.inf, desc)
-  # top-p over what top-k left: keep a token while the mass strictly before it is < top_p.
-  probs = jax.nn.softmax(desc, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  keep = (mass_before < top_p) & (desc > -jnp.inf)
+  """Mask with -inf what top-k (k > 0) and then top-p keep out of the scaled logits x [..., V].
+
+  Both filters need only the largest values: the threshold is the smallest kept one. So the
+  exact top-m values (m = CANDIDATES) are found first, each device taking the top m of its own
+  vocabulary shard on a mesh (`vocab_split`; only S*m candidates a row move, not V logits); a
+  full sort runs instead (lax.cond, for all rows at once) only when the filter may reach past
+  them: top-k with k > m, or a nucleus holding more than m tokens. The mask then applies shard by
+  shard. On one CPU this is also ~50x cheaper than sorting a 49k vocabulary (0.6 vs 36 ms for 4
+  rows).
+  """
+  k = jnp.broadcast_to(k, x.shape[:-1])[..., None]  # [..., 1]
+  top_p = jnp.broadcast_to(top_p, x.shape[:-1])[..., None]
+  threshold, fits, log_z_all = candidate_threshold(x, k, top_p)
+  threshold = jax.lax.cond(
+      jnp.all(fits), lambda: threshold,
+      lambda: _threshold(-jnp.sort(-x, axis=-1), k, top_p, log_z_all)[0])
+  return jnp.where(x < threshold, -jnp.inf, x)
+
+
+def candidate_threshold(x: Array, k: Array, top_p: Array) -> tuple[Array, Array, Array]:
+  """(threshold, fits, log_z_all), each [..., 1]: the filters' threshold read from the top
+  CANDIDATES values of x [..., V] alone, whether it is exact (the filter fits in them), and the
+  log normalizer over the whole vocabulary (k, top_p: [..., 1])."""
+  m = min(x.shape[-1], CANDIDATES)
+  # top-p reads the distribution top-k leaves, whose normalizer over all V logits (k = 0) is a
+  # sum reduced shard by shard; over the top k (k > 0) it needs only the sorted values.
+  log_z_all = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [..., 1]
+  threshold, mass = _threshold(_largest(x, m), k, top_p, log_z_all)
+  fits = (k <= m) & ((k > 0) | (mass >= top_p) | (top_p >= 1))
+  return threshold, fits, log_z_all
+
+
+def _largest(x: Array, m: int) -> Array:
+  """The m largest values of x [..., V] along the last axis, largest first. On a mesh that splits
+  the vocabulary, each device takes the top m of its own shard and only those move (XLA would
+  gather whole rows to run top_k on a sharded axis)."""
+  split = vocab_split(x.shape[-1])
+  if split is None:
+    return jax.lax.top_k(x, m)[0]
+  batch = split.batch if x.ndim > 1 and x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 \
+      else None
+  lead = (batch,) + (None,) * (x.ndim - 2) if x.ndim > 1 else ()
+
+  def on_shard(block: Array) -> Array:  # [b, ..., V/S], one device's vocabulary shard
+    top = jax.lax.top_k(block, min(m, block.shape[-1]))[0]  # [b, ..., m']
+    candidates = jax.lax.all_gather(top, split.vocab, axis=top.ndim - 1, tiled=True)
+    return jax.lax.top_k(candidates, m)[0]  # [b, ..., m], the same on every shard (so
+    # replicated over the vocabulary axis, which shard_map cannot infer through top_k)
+
+  return jax.shard_map(on_shard, mesh=split.mesh, in_specs=PartitionSpec(*lead, split.vocab),
+                       out_specs=PartitionSpec(*lead, None), check_vma=False)(x)
+
+
+def _threshold(desc: Array, k: Array, top_p: Array, log_z_all: Array) -> tuple[Array, Array]:
+  """(threshold [..., 1], mass [..., 1]) from a row's largest values `desc` [..., n] (largest
+  first): the smallest value top-k and top-p keep (ties kept, as transformers does), and the
+  probability `desc` holds under the top-k distribution (the nucleus fits in `desc` when that is
+  at least top_p)."""
+  n = desc.shape[-1]
+  desc = jnp.where((k > 0) & (jnp.arange(n) >= k), -jnp.inf, desc)
+  log_z = jnp.where(k > 0, jax.nn.logsumexp(desc, axis=-1, keepdims=True), log_z_all)
+  probs = jnp.exp(desc - log_z)
+  mass = jnp.cumsum(probs, axis=-1)
+  # keep a token while the mass strictly before it is < top_p (top_p = 1: top-k alone).
+  keep = ((mass - probs < top_p) | (top_p >= 1)) & (desc > -jnp.inf)
   keep = keep.at[..., 0].set(True)
   n_keep = jnp.sum(keep, axis=-1, keepdims=True)
-  threshold = jnp.take_along_axis(desc, n_keep - 1, axis=-1)  # smallest kept value
-  return jnp.where(x < threshold, -jnp.inf, x)
+  return jnp.take_along_axis(desc, n_keep - 1, axis=-1), mass[..., -1:]
 
 
 def argmax(logits: Array) -> Array:

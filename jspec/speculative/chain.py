@@ -24,7 +24,7 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
-from jspec.sharding import Mesh, Placement
+from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, initial_state)
 from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
@@ -135,6 +135,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
+@traced_under_placement
 def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                 prompt_lengths: Array, key: Array,
                                 sampling: SamplingParams = GREEDY, *, spec: SpecConfig,

@@ -37,7 +37,7 @@ from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
-from jspec.sharding import Mesh, Placement
+from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, check_tree_target, initial_state)
 from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
@@ -220,6 +220,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 
+@traced_under_placement
 def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                      prompt_lengths: Array, key: Array,
                                      sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig,
