@@ -101,10 +101,10 @@ def test_processed_distribution(t, k, p):
 @pytest.mark.parametrize("t,k,p", [(0.3, 5, 1.0), (0.3, 0, 0.6), (1.0, 0, 0.95), (0.7, 40, 0.9),
                                    (1.0, 16, 1.0)],
                          ids=["top-k", "small-nucleus", "nucleus-past-m", "k-past-m", "k-is-m"])
-def test_filters_use_the_largest_values_and_sort_only_past_them(monkeypatch, t, k, p):
+def test_filters_use_the_largest_values_and_bisect_only_past_them(monkeypatch, t, k, p):
   """top-k/top-p look at the 16 largest logits here (CANDIDATES patched down): a filter that
   fits in them (k <= 16, a nucleus of <= 16 tokens) is exact from them alone, one that reaches
-  past them (k = 40; a flat row's 0.95 nucleus) falls back to the sort, exact too."""
+  past them (k = 40; a flat row's 0.95 nucleus) falls back to the bisection, exact too."""
   monkeypatch.setattr(processing, "CANDIDATES", 16)
   logits = np.random.default_rng(1).normal(size=(4, 1000)).astype(np.float32) * 2
   logits[1] *= 4  # a peaked row beside flat ones
@@ -114,9 +114,53 @@ def test_filters_use_the_largest_values_and_sort_only_past_them(monkeypatch, t, 
     np.testing.assert_allclose(got[row], want, atol=1e-5)
   x = jnp.asarray(logits) / t
   fits = np.asarray(processing.candidate_threshold(x, jnp.full((4, 1), k), jnp.full((4, 1), p))[1])
-  assert fits.all() == (k <= 16 and (k > 0 or p < 0.9)), fits  # the sort ran only past them
+  assert fits.all() == (k <= 16 and (k > 0 or p < 0.9)), fits  # bisected only past them
   if (k, p) == (0, 0.95):  # the flat rows' nuclei really are larger than the candidates
     assert min((got[row] > 0).sum() for row in (0, 2, 3)) > 16
+
+
+def kept_by_sorting(x, k, p):
+  """float64 reference of the filters' kept set (ties kept) and, per row, how far the nucleus's
+  last decision lies from p (a float32 sum may decide a token that close either way)."""
+  keep, margin = np.zeros(x.shape, bool), np.full(x.shape[0], np.inf)
+  for r, row in enumerate(x.astype(np.float64)):
+    finite = row[np.isfinite(row)]
+    desc = np.sort(finite)[::-1][: k or None]
+    probs = np.exp(desc - desc.max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    n = max(1, int((before < p).sum())) if p < 1 else len(desc)
+    keep[r] = np.isfinite(row) & (row >= desc[n - 1])
+    if p < 1:
+      margin[r] = np.abs(before - p).min()
+  return keep, margin
+
+
+@pytest.mark.parametrize("case", ["flat", "peaked", "ties", "masked"])
+def test_bisected_threshold_keeps_what_sorting_keeps(case):
+  """The fallback past the candidates bisects the float range for the threshold instead of
+  sorting: the same kept set as sorting in float64 on rows with ties, -inf entries (masked
+  vocabulary), k past the vocabulary and top-p 1; a row may differ only where the nucleus's edge
+  lies within float32 rounding of p."""
+  rng = np.random.default_rng(["flat", "peaked", "ties", "masked"].index(case))
+  x = rng.normal(size=(8, 700)) * {"flat": 0.3, "peaked": 6.0}.get(case, 2.0)
+  if case == "ties":
+    x = np.round(x * 2) / 2
+  if case == "masked":
+    x[:, rng.choice(700, 300, replace=False)] = -np.inf
+  x = x.astype(np.float32)
+  log_z = jax.nn.logsumexp(jnp.asarray(x), axis=-1, keepdims=True)
+  bisect = jax.jit(processing.bisected_threshold)
+  for k in (0, 1, 3, 40, 700, 705):
+    for p in (0.05, 0.5, 0.9, 1.0):
+      if (k, p) == (0, 1.0):
+        continue
+      threshold = bisect(jnp.asarray(x), jnp.full((8, 1), k), jnp.full((8, 1), p, jnp.float32),
+                         log_z)
+      got = np.isfinite(x) & (x >= np.asarray(threshold))
+      want, margin = kept_by_sorting(x, k, p)
+      differ = (got != want).any(axis=-1)
+      assert (margin[differ] < 1e-5).all(), (k, p, np.flatnonzero(differ), margin[differ])
 
 
 def test_first_token_follows_processed_distribution(params):

@@ -33,6 +33,7 @@ class Collective:
   group: int  # devices taking part in one group
   in_branch: bool  # inside a lax.cond branch (runs only when that branch is taken)
   repeats: int  # times per decode step (nested loops with a known trip count)
+  depth: int = 0  # how many lax.cond branches it is nested in
 
   @property
   def wire_bytes(self) -> float:
@@ -92,27 +93,27 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
-def _walk(comps, name, devices, in_branch, repeats, out, seen):
-  if (name, in_branch) in seen or name not in comps:
+def _walk(comps, name, devices, depth, repeats, out, seen):
+  if (name, depth) in seen or name not in comps:
     return
-  seen.add((name, in_branch))
+  seen.add((name, depth))
   for line in comps[name]:
     m = _OP.match(line)
     if m and "-done(" not in line:
       started = f"{m.group(2)}-start(" in line
       out.append(Collective(m.group(2), _shape_bytes(m.group(1), started),
-                            _group_size(line, devices), in_branch, repeats))
+                            _group_size(line, devices), depth > 0, repeats, depth))
     reps = repeats
     if " while(" in line:
       trip = _TRIP.search(line)
       reps = repeats * (int(trip.group(1)) if trip else 1)
     for callee in _CALLS.findall(line):
-      _walk(comps, callee, devices, in_branch, reps, out, seen)
+      _walk(comps, callee, devices, depth, reps, out, seen)
     for group in _BRANCHES.findall(line):
       for callee in re.findall(r"%?([\w.\-]+)", group):
-        _walk(comps, callee, devices, True, repeats, out, seen)
+        _walk(comps, callee, devices, depth + 1, repeats, out, seen)
     for callee in _PREDICATED.findall(line):
-      _walk(comps, callee, devices, True, repeats, out, seen)
+      _walk(comps, callee, devices, depth + 1, repeats, out, seen)
 
 
 def decode_loop_collectives(hlo: str, devices: int) -> list[Collective]:
@@ -132,7 +133,7 @@ def decode_loop_collectives(hlo: str, devices: int) -> list[Collective]:
   _, body, cond = max(loops)
   seen: set = set()
   for name in (cond, body):  # the exit test (e.g. "every row done?" over dp) runs each step too
-    _walk(comps, name, devices, False, 1, out, seen)
+    _walk(comps, name, devices, 0, 1, out, seen)
   return out
 
 
@@ -141,7 +142,7 @@ def program_collectives(hlo: str, devices: int) -> list[Collective]:
   trip counts."""
   comps, entry = parse_computations(hlo)
   out: list[Collective] = []
-  _walk(comps, entry, devices, False, 1, out, set())
+  _walk(comps, entry, devices, 0, 1, out, set())
   return out
 
 
