@@ -175,6 +175,15 @@ class Placement:
                        f"a prompt and drop their outputs), or a mesh with dp dividing {batch}.")
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+  """x's whole value as a numpy array, also where x spans devices of other processes
+  (jax.distributed: np.asarray refuses those; the value is gathered from every process)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def kv_repeats(cfg, mesh: Mesh) -> int:
   """How many times `llama.repeat_kv_heads` should repeat the KV heads for `mesh`: tp / K where tp
   is a multiple of K > 0 heads fewer than tp, else 1."""

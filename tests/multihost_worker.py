@@ -2,6 +2,7 @@
 here, 2 in the other, one (dp=2, tp=2) mesh over all 4. Prints the sharded run's tokens and this
 process's one-device run's tokens, as JSON lines the test compares."""
 
+import hashlib
 import json
 import os
 import sys
@@ -18,7 +19,11 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 
 from jspec.drafting.model import ModelDrafter  # noqa: E402
 from jspec.generate import generate  # noqa: E402
-from jspec.sharding import make_mesh  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jspec.models.llama import param_layout  # noqa: E402
+from jspec.models.vocab_trim import output_table  # noqa: E402
+from jspec.sharding import make_mesh, model_placement, to_host  # noqa: E402
 from jspec.speculative.chain import SpecConfig, speculative_generate  # noqa: E402
 from tests.sharding_checks import DRAFT, PROMPTS, SAMPLED, TARGET, models  # noqa: E402
 
@@ -36,4 +41,11 @@ runs = {
 for name, run in runs.items():
   print(json.dumps({"run": name, "process": process_id, "sharded": run(mesh).sequences(),
                     "local": run(None).sequences()}), flush=True)
+# A host copy of a placed weight (what loading a compact drafter reads from the target): the
+# output table split over tp and replicated over dp spans both processes.
+placed = model_placement(TARGET, mesh).put(target, param_layout(TARGET))
+digest = lambda a: hashlib.sha256(np.ascontiguousarray(a, np.float32).tobytes()).hexdigest()
+print(json.dumps({"run": "to_host", "process": process_id,
+                  "sharded": digest(to_host(output_table(placed))),
+                  "local": digest(np.asarray(output_table(target)))}), flush=True)
 jax.distributed.shutdown()

@@ -34,7 +34,7 @@ def test_two_processes_give_the_single_process_tokens():
   finally:
     for p in procs:
       p.kill()
-  assert [len(o) for o in outs] == [3, 3], outs
+  assert [len(o) for o in outs] == [4, 4], outs
   for records in zip(*outs):
     assert len({r["run"] for r in records}) == 1
     for r in records:

@@ -37,6 +37,7 @@ from jspec.models.drafter import drafter_config
 from jspec.models.eagle import EagleParams
 from jspec.models.llama import LayerParams, Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
+from jspec.sharding import to_host
 
 FORMAT_KEY = "drafter_format"
 FEATURE_KIND = "eagle"  # the format record's "kind" of a feature-level drafter
@@ -155,7 +156,7 @@ def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_par
   if keep is not None:
     keep = check_keep_ids(keep, cfg.vocab_size)
   if fmt["shares_target_embedding"]:
-    table = np.asarray(output_table(target_params), np.float32)
+    table = to_host(output_table(target_params)).astype(np.float32)  # a mesh's too
     if table.shape != (cfg.vocab_size, cfg.hidden_size):
       raise ValueError(
           f"{path} borrows its embedding from the target, but the target's table is "
