@@ -43,6 +43,9 @@ class Target(Protocol):
   def generate_ids(self, prompts, max_new_tokens: int):
     """Greedy continuations (what `skip:N` calibrates on)."""
 
+  def off_mesh_for(self, batch: int) -> "Target":
+    """This target, or the same weights off its mesh where `batch` rows cannot split over dp."""
+
 
 # build(target, arg, dtype, fallback) -> a drafter; arg is the text after "KIND:" (None without
 # one), fallback the drafter named after "+" (kinds with `takes_fallback` only).
@@ -195,8 +198,7 @@ def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
                      f"{'skip' + ('' if arg is None else ':' + arg)!r}")
   calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
   prompts = [target.tokenizer.encode(text) for text in SKIP_CALIBRATION]
-  runner = target.off_mesh_for(len(prompts)) if hasattr(target, "off_mesh_for") else target
-  out = runner.generate_ids(prompts, max_new_tokens=48).sequences()
+  out = target.off_mesh_for(len(prompts)).generate_ids(prompts, max_new_tokens=48).sequences()
   influence = sum(layer_influence(target.params, target.cfg, p + o) for p, o in zip(prompts, out))
   return skip_drafter(target.params, target.cfg, calibrated_layers(influence, int(arg)))
 
