@@ -37,12 +37,13 @@ def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
 
 
 def prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
-            cache: KVCache) -> tuple[Array, Array, KVCache]:
-  """Run padded prompts [B, P] through an empty cache; logits [B, V] at each row's last token."""
+            cache: KVCache, taps: tuple[int, ...] = ()) -> tuple[Array, Array, KVCache]:
+  """Run padded prompts [B, P] through an empty cache; logits [B, V] at each row's last token,
+  hidden states (or `taps`, as `forward` gives them) [B, P, ...]."""
   B, P = prompt.shape
   positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   logits, hidden, cache = forward(params, cfg, prompt, positions, cache.with_lengths(
-      jnp.zeros((B,), jnp.int32)), logits_indices=(prompt_lengths - 1)[:, None])
+      jnp.zeros((B,), jnp.int32)), logits_indices=(prompt_lengths - 1)[:, None], taps=taps)
   return logits[:, 0], hidden, cache.with_lengths(prompt_lengths)
 
 

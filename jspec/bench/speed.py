@@ -155,7 +155,8 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
   prompt = jnp.ones((1, prompt_len), jnp.int32)
   # The state's values do not matter for timing, only its shapes.
   state = drafter.init(prompt, lengths, cache_size, Features(
-      hidden=jnp.zeros((1, prompt_len, cfg.hidden_size), params.embed.dtype), tokens=prompt,
+      hidden=jnp.zeros((1, prompt_len, cfg.hidden_size * max(1, len(drafter.feature_layers))),
+                       params.embed.dtype), tokens=prompt,
       start=jnp.zeros((1,), jnp.int32)))
   cache = KVCache.init(cfg, 1, cache_size, params.embed.dtype).with_lengths(lengths)
   seq_len = lengths + 1
@@ -170,7 +171,8 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
       drafts, q, state = drafter.propose(state, jnp.ones((1, 2), jnp.int32), seq_len,
                                          jax.random.fold_in(key, i), sampling, gamma)
       block = jnp.concatenate([jnp.ones((1, 1), jnp.int32), drafts], axis=1)
-      logits, hidden, cache = forward(params, cfg, block, positions, cache)
+      logits, hidden, cache = forward(params, cfg, block, positions, cache,
+                                      taps=drafter.feature_layers)
       # The drafter reads the verified block as in a round that accepted all of it.
       state = drafter.update(state, seq_len + gamma + 1,
                              Features(hidden=hidden, tokens=block, start=seq_len - 1))

@@ -49,8 +49,8 @@ Pick = Callable[[Array, Array, Array, Array], tuple[Array, Array]]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Features:
-  """The target's view of tokens that just became known: `hidden` [B, W, E] (final-normed) at
-  positions start + i, and `tokens` [B, W], the token that follows position start + i. Entries
+  """The target's view of tokens that just became known: `hidden` [B, W, E] (final-normed; or
+  [B, W, n E], the drafter's `feature_layers`) at positions start + i, and `tokens` [B, W], the token that follows position start + i. Entries
   i < seq_len - 1 - start are known (seq_len: the row's new length); the rest are padding."""
 
   hidden: Array  # [B, W, E]
@@ -113,6 +113,9 @@ class Drafter(abc.ABC):
   # Mask positions the target's verification forward appends after every block token for this
   # drafter (jspec.drafting.probe): 0 for drafters that run their own model or lookup.
   probe_masks: int = 0
+  # The target layers whose input residual stream `Features.hidden` carries, concatenated
+  # (EAGLE-3's fused features); () : the final-normed hidden state.
+  feature_layers: tuple[int, ...] = ()
   # Adaptive draft length: `propose` may end a row's chain early (drafts -1 from there on); the
   # chain engine then verifies only the drafts before it, and a round with no draft in any row
   # runs a one-token target forward instead of the full block.

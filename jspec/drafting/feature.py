@@ -1,5 +1,9 @@
-"""The feature-level drafter (EAGLE, arXiv 2401.15077): one decoder layer that reads the target's
-hidden states (the network: jspec.models.eagle).
+"""The feature-level drafters: one decoder layer that reads the target's hidden states. EAGLE
+(arXiv 2401.15077; the network: jspec.models.eagle) reads the final-normed state and predicts the
+next one, scored by the target's head; EAGLE-3 (arXiv 2503.01840; jspec.models.eagle3) reads three
+layers' states fused into one (`feature_layers`: the engines' verification forward returns them)
+and predicts tokens with its own head, feeding its layer's output forward. One drafter class
+serves both: only the network functions differ (`_forward`, `_logits`, `_target_feats`).
 
 Its cache holds pair j = (f_j, t_{j+1}) at slot j for every position whose target feature is known
 (lengths = seq_len - 1); `next_feat` is f̂ at the last known position, which scores the next token.
@@ -21,7 +25,9 @@ from jspec.drafting.base import DraftState, Features, HeadDrafter, Pick, draft_c
 from jspec.drafting.frontier import KVFrontierFeeder
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
+from jspec.models import eagle3
 from jspec.models.eagle import EagleParams, eagle_forward, head_logits
+from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
 from jspec.sampling.processing import SamplingParams
@@ -43,11 +49,33 @@ class EagleDrafter(HeadDrafter):
   """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table,
   `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd)."""
 
-  params: EagleParams
+  params: EagleParams | Eagle3Params
   embed: Array
   head: Array
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    return self.params.taps if isinstance(self.params, Eagle3Params) else ()
+
+  def _forward(self, tokens, feats, positions, cache, slots=None, visible=None):
+    """Pairs (feats [B, T, E], tokens [B, T]) -> (the features the next pairs read, cache)."""
+    fn = eagle3.eagle3_forward if isinstance(self.params, Eagle3Params) else eagle_forward
+    return fn(self.params, self.cfg, self.embed, tokens, feats, positions, cache, slots=slots,
+              visible=visible)
+
+  def _logits(self, feats: Array) -> Array:
+    """Head logits [..., M] from what `_forward` returned."""
+    if isinstance(self.params, Eagle3Params):
+      return eagle3.logits(self.params, self.cfg, feats)
+    return head_logits(self.head, feats)
+
+  def _target_feats(self, hidden: Array) -> Array:
+    """The target's `Features.hidden` as the pairs read it: EAGLE-3 fuses its three layers."""
+    if isinstance(self.params, Eagle3Params):
+      return eagle3.fuse(self.params, hidden)
+    return hidden.astype(self.params.fc.dtype)
 
   def _pairs(self, state: EagleState, features: Features, known: Array) -> EagleState:
     """Pairs (features.hidden[:, i], features.tokens[:, i]) at positions start + i written over
@@ -56,8 +84,8 @@ class EagleDrafter(HeadDrafter):
     start = features.start
     cache = state.cache.with_lengths(start)
     positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)
-    pred, cache = eagle_forward(self.params, self.cfg, self.embed, features.tokens,
-                                features.hidden.astype(self.params.fc.dtype), positions, cache)
+    pred, cache = self._forward(features.tokens, self._target_feats(features.hidden), positions,
+                                cache)
     last = jnp.take_along_axis(pred, jnp.maximum(known - 1, 0)[:, None, None], axis=1)[:, 0]
     kept = known > 0
     return EagleState(cache=cache.with_lengths(jnp.where(kept, start + known,
@@ -68,7 +96,7 @@ class EagleDrafter(HeadDrafter):
            features: Features) -> EagleState:
     """Ingest pairs (f_j, t_{j+1}) for j < P (t_P = the target's first sampled token)."""
     B = prompt.shape[0]
-    cache = KVCache.init(self.cfg, B, cache_size, self.params.fc.dtype)
+    cache = KVCache.init(self.cfg, B, cache_size, self.params.fc.dtype)  # K/V read [2E]: same
     empty = EagleState(cache=cache.with_lengths(jnp.zeros((B,), jnp.int32)),
                        next_feat=jnp.zeros((B, self.cfg.hidden_size), self.params.fc.dtype))
     return self._pairs(empty, features, prompt_lengths)
@@ -79,12 +107,11 @@ class EagleDrafter(HeadDrafter):
 
     def step(carry, prev: Array):
       feat, cache = carry
-      pred, cache = eagle_forward(self.params, self.cfg, self.embed, prev[:, None],
-                                  feat[:, None], cache.lengths[:, None], cache)
+      pred, cache = self._forward(prev[:, None], feat[:, None], cache.lengths[:, None], cache)
       feat = pred[:, 0]
-      return head_logits(self.head, feat), (feat, cache.commit(1))
+      return self._logits(feat), (feat, cache.commit(1))
 
-    tokens, probs, (_, cache) = draft_chain(key, gamma, head_logits(self.head, state.next_feat),
+    tokens, probs, (_, cache) = draft_chain(key, gamma, self._logits(state.next_feat),
                                             (state.next_feat, cache), step,
                                             self.sampler(sampling), pick)
     return tokens, probs, EagleState(cache=cache, next_feat=state.next_feat)
@@ -99,7 +126,7 @@ class EagleDrafter(HeadDrafter):
     seq_len - 2 + d; the root's children are scored by next_feat. The cache's committed prefix is
     seq_len - 1."""
     B = seq_len.shape[0]
-    full = lambda feats: self.full_logits(head_logits(self.head, feats))
+    full = lambda feats: self.full_logits(self._logits(feats))
     node_feat = None  # [B, N, E] f̂ of every node once it is fed
 
     def run(tree: Tree, frontier: Array, slots: Array, visible: Array, cache: KVCache):
@@ -110,8 +137,8 @@ class EagleDrafter(HeadDrafter):
       feats = jnp.where((parent >= 0)[..., None], take(node_feat, parent),
                         state.next_feat[:, None])  # [B, W, E]
       positions = seq_len[:, None] - 2 + take(tree.depth, frontier)
-      pred, cache = eagle_forward(self.params, self.cfg, self.embed, take(tree.tokens, frontier),
-                                  feats, positions, cache, slots=slots, visible=visible)
+      pred, cache = self._forward(take(tree.tokens, frontier), feats, positions, cache,
+                                  slots=slots, visible=visible)
       rows = jnp.arange(B)[:, None]
       node_feat = node_feat.at[rows, frontier].set(pred, mode="drop")
       return full(pred), cache
@@ -137,4 +164,25 @@ def eagle_drafter(params: EagleParams, cfg: Config, target_params: Params,
     return EagleDrafter(params=params, embed=embed, head=table, cfg=cfg)
   keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
   return EagleDrafter(params=params, embed=embed, head=table[jnp.asarray(keep)], cfg=cfg,
+                      keep_ids=jnp.asarray(keep))
+
+
+def eagle3_drafter(params: Eagle3Params, cfg: Config, keep_ids=None,
+                   embed: Array | None = None, target_params: Params | None = None
+                   ) -> EagleDrafter:
+  """An EAGLE-3 drafter over the target's input table (`embed`, or `target_params.embed`); its head
+  is its own, over the draft vocabulary `keep_ids` (None: the target's whole vocabulary)."""
+  if embed is None:
+    embed = target_params.embed
+  dtype = params.fc.dtype
+  M = params.head.shape[0]
+  if keep_ids is None:
+    if M != cfg.vocab_size:
+      raise ValueError(f"an EAGLE-3 head of {M} rows needs its keep_ids (the target ids of its "
+                       f"draft vocabulary); the target has {cfg.vocab_size}")
+    return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=params.head, cfg=cfg)
+  keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
+  if len(keep) != M:
+    raise ValueError(f"keep_ids name {len(keep)} ids but the EAGLE-3 head has {M} rows")
+  return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=params.head, cfg=cfg,
                       keep_ids=jnp.asarray(keep))

@@ -208,6 +208,10 @@ class NgramDrafter(Drafter):
     return tokens, found
 
   @property
+  def feature_layers(self) -> tuple[int, ...]:
+    return () if self.fallback is None else self.fallback.feature_layers
+
+  @property
   def probe_masks(self) -> int:
     """A probing fallback's masks (the engine appends them whatever the lookup finds)."""
     return 0 if self.fallback is None else self.fallback.probe_masks

@@ -15,14 +15,15 @@ Array = jax.Array
 
 
 def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
-                    cache: KVCache, policy: KVPolicy, *, keep_hidden: bool = False
-                    ) -> tuple[Array, KVCache, Array, Array | None]:
+                    cache: KVCache, policy: KVPolicy, *, keep_hidden: bool = False,
+                    taps: tuple[int, ...] = ()) -> tuple[Array, KVCache, Array, Array | None]:
   """Run right-padded prompts [B, P] through an empty cache of `policy.slots` slots, `policy.chunk`
   tokens at a time, evicting down to the budget after each chunk.
 
   Returns (logits [B, V] at each row's last prompt token, cache, evicted [B]: entries dropped per
   row, so the next token's RoPE position is cache.lengths + evicted, and with keep_hidden the final
-  hidden states of every prompt position [B, P, E] (what feature drafters start from), else None).
+  hidden states of every prompt position [B, P, E] (what feature drafters start from; with
+  `taps`, those layers' inputs instead, as `forward` gives them), else None).
   """
   B, P = prompt.shape
   C = policy.chunk
@@ -39,7 +40,8 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     n_new = jnp.clip(prompt_lengths - start, 0, C)  # [B]
     cache, weights = before_forward(policy, cache, n_new, C)
     chunk_logits, chunk_hidden, cache = forward(params, cfg, tokens, positions, cache,
-                                                logits_indices=index, mass_weights=weights)
+                                                logits_indices=index, mass_weights=weights,
+                                                taps=taps)
     if keep_hidden:
       hidden = jax.lax.dynamic_update_slice(hidden, chunk_hidden,
                                             (0, start, 0))
@@ -52,10 +54,11 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   cache = with_mass(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
   # The head's width: the vocabulary, or a VocabTrim'd drafter's kept ids.
   out_logits, out_hidden = jax.eval_shape(
-      lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache)[:2])
+      lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache,
+                      taps=taps)[:2])
   logits = jnp.zeros((B, out_logits.shape[-1]), jnp.float32)
   hidden_dtype = out_hidden.dtype
-  hidden = jnp.zeros((B, n_chunks * C if keep_hidden else 0, cfg.hidden_size), hidden_dtype)
+  hidden = jnp.zeros((B, n_chunks * C if keep_hidden else 0, out_hidden.shape[-1]), hidden_dtype)
   cache, evicted, logits, hidden = jax.lax.fori_loop(
       0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits, hidden))
   return logits, cache, evicted, (hidden[:, :P] if keep_hidden else None)

@@ -284,11 +284,13 @@ def write_slots(cache: Array, layer: int, slots: Array, new: Array, by_row: bool
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
-                  v_cache: Array, cos: Array, sin: Array, slots: Array, attend: Callable):
-  """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`."""
+                  v_cache: Array, cos: Array, sin: Array, slots: Array, attend: Callable,
+                  attn_in: Optional[Array] = None):
+  """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`. attn_in: what the
+  Q/K/V projections read instead of the normed residual x (EAGLE-3: [embedding; feature])."""
   B, T, _ = x.shape
   with jax.named_scope("attention"):
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps) if attn_in is None else attn_in
     q = quant.einsum("bte,ehd->bthd", h, lp.wq)  # [B, T, H, D]
     k = quant.einsum("bte,ekd->btkd", h, lp.wk)  # [B, T, K, D]
     v = quant.einsum("bte,ekd->btkd", h, lp.wv)  # [B, T, K, D]
@@ -331,7 +333,8 @@ def lm_head(params: Params, hidden: Array) -> Array:
 
 def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
             mask: Optional[Array] = None, *, logits_indices: Optional[Array] = None,
-            mass_weights: Optional[Array] = None, appended: Optional[Array] = None):
+            mass_weights: Optional[Array] = None, appended: Optional[Array] = None,
+            taps: tuple[int, ...] = ()):
   """Run T new tokens per row through the decoder.
 
   Args:
@@ -348,9 +351,12 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
       probabilities are recomputed beside the attention, which stays as it is.
     appended: optional [B, M, E] input embeddings run after the T tokens as M more positions
       (mask-token probing, jspec.drafting.probe); positions and mask then cover T + M.
+    taps: static; layers whose input residual stream to return as `hidden` instead, [B, T,
+      len(taps) * E] in the order given (EAGLE-3's fused features: `Drafter.feature_layers`).
 
   Returns:
-    (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm, cache with new entries).
+    (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm (or the taps), cache
+    with new entries).
   """
   B, T = tokens.shape
   if appended is not None:
@@ -366,12 +372,16 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
     attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
                                      mass_weights, cfg.kv_repeats)
-  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended)
+  tapped = {}
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended,
+                           tapped=tapped if taps else None)
   if masses is not None:
     cache = dataclasses.replace(cache, mass=cache.mass + jnp.stack(masses))
   picked = hidden
   if logits_indices is not None:
     picked = jnp.take_along_axis(hidden, logits_indices[..., None], axis=1)  # [B, N, E]
+  if taps:
+    hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)  # [B, T, len(taps) E]
   return lm_head(params, picked), hidden, cache
 
 
@@ -444,16 +454,19 @@ def _recording_mass(attend: Callable, visible: Array, weights: Array, repeats: i
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
              slots: Array, attend: Callable, appended: Optional[Array] = None,
-             layers: Optional[tuple[int, ...]] = None) -> tuple[Array, KVCache]:
+             layers: Optional[tuple[int, ...]] = None,
+             tapped: Optional[dict] = None) -> tuple[Array, KVCache]:
   """Embedding (then the `appended` embeddings), every layer (or only those in `layers`; the
   residual stream passes the others unchanged) with new K/V written at `slots` [B, T], final
-  norm → hidden [B, T, E]."""
+  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   if appended is not None:
     x = jnp.concatenate([x, appended.astype(x.dtype)], axis=1)
   cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
   for i, lp in enumerate(params.layers):
+    if tapped is not None:
+      tapped[i] = x
     if layers is not None and i not in layers:
       continue
     with jax.named_scope(f"layer_{i}"):

@@ -89,13 +89,15 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       cache_in = s.cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
         cache_in, weights = block_mass(s.cache, G + 1)
+    taps = drafter.feature_layers
     wide = lambda: forward(params, cfg, block, positions, cache_in, mask, mass_weights=weights,
-                           appended=masks, logits_indices=heads)
+                           appended=masks, logits_indices=heads, taps=taps)
     if cut is not None and weights is None and not k:
       # No row drafted anything: a one-token step (outputs padded to the block) costs what
       # autoregressive decoding does instead of a (G + 1)-token forward.
       def narrow():
-        logits, hidden, cache = forward(params, cfg, block[:, :1], positions[:, :1], cache_in)
+        logits, hidden, cache = forward(params, cfg, block[:, :1], positions[:, :1], cache_in,
+                                        taps=taps)
         pad = lambda x: jnp.pad(x, ((0, 0), (0, G), (0, 0)))
         return pad(logits), pad(hidden), cache
       target_logits, hidden, cache = jax.lax.cond(jnp.all(cut == 0), narrow, wide)

@@ -113,11 +113,13 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     cache = cache.with_lengths(prompt_lengths)
   elif kv is None:
     cache = KVCache.init(cfg, B, cache_size, params.embed.dtype).placed(placement)
-    logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
+    logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache,
+                                    taps=drafter.feature_layers)
   else:
     cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype).placed(placement)
     logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
-                                                     kv, keep_hidden=True)
+                                                     kv, keep_hidden=True,
+                                                     taps=drafter.feature_layers)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   # The token after each prompt position: the prompt shifted by one, then the first sample.

@@ -141,7 +141,8 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
     cache_in, weights = block_mass(s.cache, T)
   target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in, mask,
                                          mass_weights=weights, appended=masks,
-                                         logits_indices=heads)  # [B, N + 1, V]
+                                         logits_indices=heads,
+                                         taps=drafter.feature_layers)  # [B, N + 1, V]
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden[:, :T],
                    probed=hidden if k else None, path=path, n_acc=n_acc, next_token=nxt,

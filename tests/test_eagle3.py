@@ -1,0 +1,184 @@
+"""EAGLE-3's drafter (jspec.models.eagle3 through jspec.drafting.feature): the target's taps are
+the residual stream entering the fused layers, the drafter's incremental state matches a
+from-scratch teacher-forced pass (target features fused for known positions, its own outputs
+past them), speculative output stays exactly the target's (greedy chains and trees, sampled
+distribution), one compiled program."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.bench.profiling import CompileCounter
+from jspec.drafting.base import Features
+from jspec.drafting.feature import eagle3_drafter
+from jspec.generate import generate
+from jspec.models import eagle3
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.llama import decoder_layer, forward, init_params, rope_tables
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from tests.test_speculative import PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
+    sample_sequences
+
+# Six layers: the taps are layers 1, 3, 5 (2, L/2, L-3 coincide on so few).
+TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=6,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+TINY = Config(arch="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=4,
+              num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+
+
+def noisy_eagle3(target_params, cfg, key=3, amount=0.3, keep_ids=None):
+  """init_eagle3 plus random weights, so every part of the network matters in every check."""
+  params, dcfg = eagle3.init_eagle3(target_params, cfg, jax.random.key(0), keep_ids)
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(key), len(leaves))
+  leaves = [x + amount * jax.random.normal(k, x.shape) if x.ndim > 1 else x
+            for x, k in zip(leaves, keys)]
+  return eagle3_drafter(jax.tree.unflatten(tree, leaves), dcfg, keep_ids,
+                        target_params=target_params)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return init_params(TARGET, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+  # Little noise: an untrained drafter agrees with the target rarely, and the greedy checks want
+  # rounds that accept drafts as well as rounds that reject them.
+  return noisy_eagle3(target, TARGET, amount=0.02)
+
+
+def test_fusion_taps():
+  assert eagle3.fusion_taps(32) == (2, 16, 29)  # Llama-3.1-8B, as the reference code taps
+  assert eagle3.fusion_taps(30) == (2, 15, 27)  # the default model
+  assert eagle3.fusion_taps(6) == (1, 3, 5)
+  with pytest.raises(ValueError, match="too few"):
+    eagle3.fusion_taps(3)
+
+
+def test_taps_are_the_residual_stream_entering_the_layers(target):
+  seq = jnp.asarray([[5, 17, 3, 44, 2]])
+  positions = jnp.arange(5)[None]
+  cache = KVCache.init(TARGET, 1, 8)
+  _, hidden, _ = forward(target, TARGET, seq, positions, cache, taps=(1, 3, 5))
+  # By hand: the embedding through the layers, the stream kept before layers 1, 3 and 5.
+  x = target.embed[seq]
+  cos, sin = rope_tables(TARGET, positions)
+  from jspec.models.llama import attention_fn
+  attend = attention_fn(TARGET, cache.lengths, cache.size, None, 5)
+  slots = jnp.arange(5)[None]
+  want, k, v = [], cache.k, cache.v
+  for i, lp in enumerate(target.layers):
+    if i in (1, 3, 5):
+      want.append(x)
+    x, k, v = decoder_layer(TARGET, x, lp, i, k, v, cos, sin, slots, attend)
+  np.testing.assert_allclose(hidden, jnp.concatenate(want, axis=-1), atol=1e-5)
+  assert hidden.shape == (1, 5, 3 * TARGET.hidden_size)
+
+
+def target_taps(params, cfg, seq, taps):
+  n = len(seq)
+  _, hidden, _ = forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
+                         KVCache.init(cfg, 1, n), taps=taps)
+  return hidden  # [1, n, 3E]
+
+
+def teacher_forced(drafter, seq, feats):
+  """h of every pair (feats[j], seq[j + 1]) from scratch, feats already fused: [1, n - 1, E]."""
+  n = len(seq)
+  cache = KVCache.init(drafter.cfg, 1, n)
+  h, _ = eagle3.eagle3_forward(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq[1:]]),
+                               feats[:, : n - 1], jnp.arange(n - 1)[None], cache)
+  return h
+
+
+def test_incremental_state_matches_teacher_forcing(target, drafter):
+  seq = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]
+  P, gamma = 6, 4
+  taps = target_taps(target, TARGET, seq, drafter.feature_layers)
+  fused = eagle3.fuse(drafter.params, taps)  # [1, n, E]
+  want = teacher_forced(drafter, seq, fused)
+  prompt = jnp.asarray([seq[:P] + [0, 0]])
+  state = drafter.init(prompt, jnp.asarray([P]), 32, Features(
+      hidden=jnp.pad(taps[:, :P], ((0, 0), (0, 2), (0, 0))),
+      tokens=jnp.asarray([seq[1:P + 1] + [0, 0]]), start=jnp.asarray([0])))
+  np.testing.assert_allclose(state.next_feat, want[:, P - 1], rtol=1e-5, atol=1e-4)
+  L = P + 1
+  _, _, drafted = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, gamma)
+  count = 3  # verification keeps seq[P+1 .. P+3]
+  state = drafter.update(drafted, jnp.asarray([L + count]), Features(
+      hidden=taps[:, L - 1: L + gamma], tokens=jnp.asarray([seq[L: L + gamma + 1]]),
+      start=jnp.asarray([L - 1])))
+  L += count
+  assert int(state.cache.lengths[0]) == L - 1
+  np.testing.assert_allclose(state.next_feat, want[:, L - 2], rtol=1e-5, atol=1e-4)
+  # Draft 1 from h at the last known position; draft 2 reads the drafter's own h (no fc), the
+  # training-time-test case.
+  tokens, _, _ = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, 2)
+  score = lambda h: int(jnp.argmax(eagle3.logits(drafter.params, drafter.cfg, h)))
+  d1 = score(want[0, L - 2])
+  feats = fused.at[:, L - 1].set(want[:, L - 2])
+  d2 = score(teacher_forced(drafter, seq[:L] + [d1], feats)[0, L - 1])
+  assert tokens.tolist() == [[d1, d2]]
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_chain_identical_to_autoregressive(target, drafter, gamma):
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=20).sequences()
+  out = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=gamma, max_new_tokens=20))
+  assert out.sequences() == want
+  hist = np.asarray(out.accept_hist)
+  assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+
+
+def test_greedy_tree_and_trimmed_vocabulary_identical(target):
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=16).sequences()
+  trimmed = noisy_eagle3(target, TARGET, keep_ids=np.arange(0, TARGET.vocab_size, 2))
+  for d in (noisy_eagle3(target, TARGET), trimmed):
+    out = tree_speculative_generate(target, TARGET, d, PROMPTS,
+                                    spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=16))
+    assert out.sequences() == want
+  out = speculative_generate(target, TARGET, trimmed, PROMPTS,
+                             spec=SpecConfig(gamma=3, max_new_tokens=16))
+  assert out.sequences() == want
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  return init_params(TINY, jax.random.key(10), scale=0.8)
+
+
+@pytest.mark.parametrize("keep", [None, [0, 1, 3, 7, 8, 12]], ids=["full", "trimmed"])
+def test_sampling_is_lossless(tiny_target, keep):
+  drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=keep)
+  sp = SAMPLINGS["t1"]
+  stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2, cfg=TINY),
+                             exact_distribution(tiny_target, sp, cfg=TINY))
+  assert ok, (keep, stat, dof)
+
+
+def test_one_program_no_recompile(target, drafter):
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
+      jax.block_until_ready(speculative_generate(
+          target, TARGET, drafter, [prompt], spec=spec,
+          sampling=SamplingParams(temperature=temp), key=3))
+  assert counter.compiles == 0
+
+
+def test_a_head_without_its_vocabulary_is_refused(target):
+  params, dcfg = eagle3.init_eagle3(target, TARGET, jax.random.key(0), np.arange(10))
+  with pytest.raises(ValueError, match="keep_ids"):
+    eagle3_drafter(params, dcfg, target_params=target)
+  with pytest.raises(ValueError, match="12 ids"):
+    eagle3_drafter(params, dcfg, np.arange(12), target_params=target)
