@@ -182,3 +182,24 @@ def test_a_head_without_its_vocabulary_is_refused(target):
     eagle3_drafter(params, dcfg, target_params=target)
   with pytest.raises(ValueError, match="12 ids"):
     eagle3_drafter(params, dcfg, np.arange(12), target_params=target)
+
+
+def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter):
+  """Pass s of the training-time test at index j is the (s + 1)-th draft of a chain that starts
+  after pair j, drafted with the true tokens fed: the same distribution `propose` gives."""
+  from jspec.train.eagle3 import ttt_logits
+  seq = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]
+  steps = 4
+  taps = target_taps(target, TARGET, seq, drafter.feature_layers)
+  passes = ttt_logits(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq]), taps, steps)
+  for j in (0, 3, 7):
+    P = j + 1  # prompt t_0 .. t_j: pairs 0 .. j hold target features
+    state = drafter.init(jnp.asarray([seq[:P]]), jnp.asarray([P]), 32, Features(
+        hidden=taps[:, :P], tokens=jnp.asarray([seq[1:P + 1]]), start=jnp.asarray([0])))
+    truth = jnp.asarray(seq[P + 1: P + 1 + steps])
+    force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs)
+    _, q, _ = drafter.propose(state, None, jnp.asarray([P + 1]), jax.random.key(0),
+                              SamplingParams(temperature=1.0), steps, pick=force)
+    for s in range(steps):
+      np.testing.assert_allclose(q[0, s], jax.nn.softmax(passes[s][0, j]), atol=2e-5,
+                                 err_msg=f"chain after pair {j}, draft {s + 1}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from jspec.drafting.base import Drafter, place_drafter
-from jspec.drafting.feature import eagle_drafter
+from jspec.drafting.feature import eagle3_drafter, eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
@@ -25,6 +25,7 @@ from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_
                            resolve_path)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
+from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import Params
 from jspec.sharding import model_placement
 
@@ -223,6 +224,8 @@ def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
 
 def _feature_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
   cfg, params, keep = load_feature(stored, target.cfg, dtype_by_name(dtype))
+  if isinstance(params, Eagle3Params):
+    return eagle3_drafter(params, cfg, keep, target_params=target.params)
   return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype
 
 

@@ -35,6 +35,7 @@ from jspec.io.save import config_to_hf, params_to_hf, save_hf, save_tokenizer
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config
 from jspec.models.eagle import EagleParams
+from jspec.models.eagle3 import Eagle3Params, fusion_taps
 from jspec.models.llama import LayerParams, Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
 from jspec.sharding import to_host
@@ -181,7 +182,8 @@ def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_par
 def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[str, Any], *,
                keep_ids: np.ndarray | None = None, dtype: str = "float16") -> Path:
   """A feature-level drafter (jspec.models.eagle): its own weights only (`fc`, `layer.*`, `norm`,
-  `jspec.keep_ids`); it borrows the target's embedding and output table at load time."""
+  `jspec.keep_ids`); it borrows the target's embedding and output table at load time. An EAGLE-3
+  drafter (jspec.models.eagle3) also stores its `head` and `hidden_norm`, and its taps."""
   import safetensors.numpy
 
   if dtype not in DTYPES:
@@ -190,6 +192,9 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
   path.mkdir(parents=True, exist_ok=True)
   cast = lambda x: np.asarray(jnp.asarray(x, DTYPES[dtype]))
   tensors = {"fc": cast(params.fc), "norm": cast(params.norm)}
+  eagle3 = isinstance(params, Eagle3Params)
+  if eagle3:  # its own head over the draft vocabulary, and the feature's norm
+    tensors.update(head=cast(params.head), hidden_norm=cast(params.hidden_norm))
   for f in dataclasses.fields(params.layer):
     value = getattr(params.layer, f.name)
     if value is not None:
@@ -201,14 +206,17 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
   if tokenizer is not None:
     save_tokenizer(path, tokenizer)
   fmt = {"kind": FEATURE_KIND, "config": dataclasses.asdict(cfg),
-         "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype}
+         "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype,
+         "network": "eagle3" if eagle3 else "eagle"}
+  if eagle3:
+    fmt["taps"] = list(params.taps)
   (path / "jspec.json").write_text(json.dumps({**metadata, FORMAT_KEY: fmt}, indent=2,
                                               default=str) + "\n")
   return path
 
 
 def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.float32
-                 ) -> tuple[Config, EagleParams, np.ndarray | None]:
+                 ) -> tuple[Config, EagleParams | Eagle3Params, np.ndarray | None]:
   """(cfg, params, keep_ids or None) of a feature-level drafter directory (a path, or what
   read_drafter_dir read of it); it borrows the target's tables when it is built
   (jspec.drafting.feature.eagle_drafter)."""
@@ -239,14 +247,32 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
   layer = {k.split(".", 1)[1]: jnp.asarray(v, dtype) for k, v in tensors.items()
            if k.startswith("layer.") and k.split(".", 1)[1] in layer_fields}
+  eagle3 = fmt.get("network", "eagle") == "eagle3"
   try:
-    params = EagleParams(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
-                         norm=jnp.asarray(tensors["norm"], dtype))
+    if eagle3:
+      taps = tuple(fmt["taps"])
+      if taps != fusion_taps(target_cfg.num_layers):
+        raise ValueError(f"{path} fuses target layers {taps}, but this target's are "
+                         f"{fusion_taps(target_cfg.num_layers)}: it was trained for another "
+                         f"target model")
+      params = Eagle3Params(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
+                            norm=jnp.asarray(tensors["norm"], dtype),
+                            hidden_norm=jnp.asarray(tensors["hidden_norm"], dtype),
+                            head=jnp.asarray(tensors["head"], dtype), taps=taps)
+    else:
+      params = EagleParams(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
+                           norm=jnp.asarray(tensors["norm"], dtype))
   except (KeyError, TypeError) as e:
     raise ValueError(f"{file} lacks drafter weights ({e}): not a complete feature "
                      f"drafter") from e
   E = cfg.hidden_size
-  if params.fc.shape != (2 * E, E) or params.layer.wq.shape[0] != E:
+  wide = (3 if eagle3 else 2) * E, 2 * E if eagle3 else E  # fc rows, the projections' input
+  if eagle3:
+    rows = cfg.vocab_size if keep is None else len(keep)
+    if params.head.shape != (rows, E):
+      raise ValueError(f"{file}: head {params.head.shape}, expected {(rows, E)} (the draft "
+                       f"vocabulary by the target's width)")
+  if params.fc.shape != (wide[0], E) or params.layer.wq.shape[0] != wide[1]:
     raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
                      f"not fit the target's width {E}")
   return cfg, params, keep

@@ -386,13 +386,15 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
 
 
 def forward_rows(params: Params, cfg: Config, tokens: Array,
-                 logits_indices: Optional[Array] = None) -> tuple[Array, Array]:
+                 logits_indices: Optional[Array] = None,
+                 taps: tuple[int, ...] = ()) -> tuple[Array, Array]:
   """(logits, hidden) of whole rows tokens [B, S] read from position 0 with a fresh cache: the
   teacher-forced pass training uses, through the same `forward` decoding runs."""
   B, S = tokens.shape
   cache = KVCache.init(cfg, B, S, params.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-  logits, hidden, _ = forward(params, cfg, tokens, positions, cache, logits_indices=logits_indices)
+  logits, hidden, _ = forward(params, cfg, tokens, positions, cache, logits_indices=logits_indices,
+                              taps=taps)
   return logits, hidden
 
 

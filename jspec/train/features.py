@@ -22,25 +22,29 @@ from jspec.models.llama import Params, forward_rows
 Array = jax.Array
 
 
-def hidden_states(params: Params, cfg: Config, tokens: Array) -> Array:
+def hidden_states(params: Params, cfg: Config, tokens: Array, taps: tuple[int, ...] = ()) -> Array:
   """[B, S, E] final-normed target hidden states of teacher-forced rows `tokens` [B, S] (the same
-  `forward` decoding runs, so training sees the states verification will hand the drafter)."""
+  `forward` decoding runs, so training sees the states verification will hand the drafter); with
+  `taps`, [B, S, len(taps) E]: the residual stream entering those layers (EAGLE-3)."""
   # One logit row keeps the LM head cheap; only the hidden states are wanted.
-  return forward_rows(params, cfg, tokens, jnp.zeros((tokens.shape[0], 1), jnp.int32))[1]
+  return forward_rows(params, cfg, tokens, jnp.zeros((tokens.shape[0], 1), jnp.int32),
+                      taps=taps)[1]
 
 
-_hidden_jit = jax.jit(hidden_states, static_argnums=(1,))
+_hidden_jit = jax.jit(hidden_states, static_argnums=(1, 3))
 
 
 def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str | Path,
-                    batch_size: int = 8, progress: bool = True) -> np.ndarray:
-  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S], computed into `path` (.npy,
-  memory-mapped) batch by batch; rerunning resumes. The rows' hash is recorded so a cache made
-  for other rows is refused instead of silently reused."""
+                    batch_size: int = 8, progress: bool = True,
+                    taps: tuple[int, ...] = ()) -> np.ndarray:
+  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S] (with `taps`: [N, S,
+  len(taps) E], `hidden_states`), computed into `path` (.npy, memory-mapped) batch by batch;
+  rerunning resumes. The rows' hash is recorded so a cache made for other rows is refused
+  instead of silently reused."""
   path = Path(path)
   N, S = tokens.shape
-  E = cfg.hidden_size
-  digest = _rows_digest(tokens, cfg)
+  E = cfg.hidden_size * max(1, len(taps))
+  digest = _rows_digest(tokens, cfg, taps)
   meta_file = path.with_suffix(".json")
   meta = json.loads(meta_file.read_text()) if meta_file.exists() and path.exists() else None
   if meta is not None and meta["rows_sha256"] != digest:
@@ -58,7 +62,7 @@ def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str |
     meta["rows_done"] = done
     meta_file.write_text(json.dumps(meta))
 
-  _fill(params, cfg, tokens, out, meta["rows_done"], batch_size, progress, saved)
+  _fill(params, cfg, tokens, out, meta["rows_done"], batch_size, progress, saved, taps)
   return np.load(path, mmap_mode="r")
 
 
@@ -70,7 +74,7 @@ def features(params: Params, cfg: Config, tokens: np.ndarray, batch_size: int = 
   return out
 
 
-def _fill(params, cfg, tokens, out, done, batch_size, progress, saved) -> None:
+def _fill(params, cfg, tokens, out, done, batch_size, progress, saved, taps=()) -> None:
   """Rows done.. of `out` from the target, batch by batch (the last batch padded to keep one
   compiled shape); `saved(rows_done)` after each."""
   N = tokens.shape[0]
@@ -78,7 +82,7 @@ def _fill(params, cfg, tokens, out, done, batch_size, progress, saved) -> None:
   while done < N:
     idx = np.arange(done, min(done + batch_size, N))
     batch = tokens[np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])]
-    out[idx] = np.asarray(_hidden_jit(params, cfg, jnp.asarray(batch)))[: len(idx)].astype(
+    out[idx] = np.asarray(_hidden_jit(params, cfg, jnp.asarray(batch), taps))[: len(idx)].astype(
         np.float16)
     done += len(idx)
     saved(done)
@@ -86,8 +90,10 @@ def _fill(params, cfg, tokens, out, done, batch_size, progress, saved) -> None:
   bar.close()
 
 
-def _rows_digest(tokens: np.ndarray, cfg: Config) -> str:
+def _rows_digest(tokens: np.ndarray, cfg: Config, taps: tuple[int, ...] = ()) -> str:
   import hashlib
   h = hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes())
   h.update(repr(cfg).encode())
+  if taps:
+    h.update(repr(tuple(taps)).encode())
   return h.hexdigest()

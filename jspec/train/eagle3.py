@@ -1,0 +1,232 @@
+"""Training EAGLE-3's drafter (jspec.models.eagle3) with its training-time test.
+
+Row position j holds token t_j and the target's taps at j (the residual stream entering layers
+2, L/2, L-3: jspec.train.features with `taps`). Pair j is (g_j, t_{j+1}) and predicts t_{j+2}.
+
+Training-time test (arXiv 2503.01840, the reference's `length = 7`): `steps` unrolled passes in
+which pass s is exactly the (s + 1)-th draft of a chain started at every row position at once.
+For a chain started at j, pass 0 reads the fused target taps g_j; pass s >= 1 reads the drafter's
+own output h from pass s - 1 at the same index (the pair at position j + s, fed the true token
+t_{j+s+1}, as the reference does). Its query sees what decoding's would: the pairs made from
+target features at positions <= j (pass 0's keys, causal) and its own chain's pairs, one per
+earlier pass at the same index (the "diagonal"). `ttt_logits` is therefore what `propose` computes
+draft by draft (a test checks it).
+
+The loss is token prediction only (no feature regression): pass s's forward KL from the target's
+stored top-k distribution of t_{j+s+2} to the drafter's head, weighted decay**s (0.8 in the
+reference), with VocabTrim's draft vocabulary as the head's support (teacher ids outside it are
+padding, so its mass is renormalised over the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.models import eagle3
+from jspec.models.cache import KVCache
+from jspec.models.config import Config
+from jspec.models.eagle3 import Eagle3Params
+from jspec.models.llama import decoder_layer, rms_norm, rope_tables
+from jspec.train.losses import forward_kl
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Loss:
+  steps: int = 7  # training-time-test passes: drafts 1 .. steps of a chain
+  decay: float = 0.8  # pass s weighs decay ** s
+
+  def __post_init__(self):
+    if self.steps < 1 or not 0 < self.decay <= 1:
+      raise ValueError(f"steps must be >= 1 and decay in (0, 1], got {self.steps}, {self.decay}")
+
+
+def _diagonal_attention(T: int, passes: int) -> Callable:
+  """attend(q, k_all, v_all, layer) for a pass whose cache holds `passes` blocks of T slots (block
+  s: pass s's pairs): query t sees block 0's slots <= t and slot t of blocks 1 .. passes - 1."""
+
+  def attend(q: Array, k_all: Array, v_all: Array, i: int) -> Array:
+    k, v = k_all[i].astype(q.dtype), v_all[i].astype(q.dtype)  # [B, passes T, K, D]
+    B, _, H, D = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, H // K, D)
+    k0, v0 = k[:, :T], v[:, :T]
+    scores0 = jnp.einsum("btkgd,bskd->btkgs", qg, k0, preferred_element_type=jnp.float32)
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]  # [T, S]
+    scores0 = jnp.where(causal[None, :, None, None], scores0, -jnp.inf)
+    kd = k[:, T:passes * T].reshape(B, passes - 1, T, K, D)  # the chain's own pairs, a pass each
+    vd = v[:, T:passes * T].reshape(B, passes - 1, T, K, D)
+    scores_d = jnp.einsum("btkgd,bptkd->btkgp", qg, kd, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(jnp.concatenate([scores0, scores_d], axis=-1) * D ** -0.5, axis=-1)
+    probs = probs.astype(v.dtype)
+    out = (jnp.einsum("btkgs,bskd->btkgd", probs[..., :T], v0)
+           + jnp.einsum("btkgp,bptkd->btkgd", probs[..., T:], vd))
+    return out.reshape(B, T, H, D)
+
+  return attend
+
+
+def ttt_logits(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, taps: Array,
+               steps: int) -> list[Array]:
+  """Head logits [B, S - 1, M] of passes 0 .. steps - 1 over rows tokens [B, S] with the target's
+  taps [B, S, 3E]: entry j of pass s is the (s + 1)-th draft of a chain started at pair j (it
+  scores t_{j+s+2}; entries with j + s + 2 >= S read padding)."""
+  B, S = tokens.shape
+  T = S - 1
+  lp = params.layer
+  K, D = cfg.num_kv_heads, cfg.head_dim
+  dtype = params.fc.dtype
+  k_all = jnp.zeros((1, B, steps * T, K, D), dtype)
+  v_all = jnp.zeros_like(k_all)
+  feats = eagle3.fuse(params, taps[:, :-1])  # [B, T, E]: g_j
+  out = []
+  for s in range(steps):
+    # Pass s at index j: the pair at position j + s, token t_{j+s+1} (padding past the row).
+    toks = jnp.pad(tokens[:, 1 + s:], ((0, 0), (0, s)))  # [B, T]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + s, (B, T))
+    emb = rms_norm(embed[toks].astype(dtype), lp.attn_norm, cfg.rms_norm_eps)
+    attn_in = jnp.concatenate([emb, rms_norm(feats, params.hidden_norm, cfg.rms_norm_eps)], -1)
+    cos, sin = rope_tables(cfg, positions)
+    slots = jnp.broadcast_to(s * T + jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, k_all, v_all = decoder_layer(cfg, feats, lp, 0, k_all, v_all, cos, sin, slots,
+                                    _diagonal_attention(T, s + 1), attn_in=attn_in)
+    out.append(eagle3.logits(params, cfg, h))
+    feats = h  # the next pass reads the drafter's own output at the same index
+  return out
+
+
+def _shifted(x: Array, s: int, fill) -> Array:
+  """x [B, S, ...] from position 1 + s on, padded with `fill` to S - 1 entries (pass s's
+  targets: the teacher's distribution at position j + s + 1 scores t_{j+s+2})."""
+  tail = x[:, 1 + s:]
+  pad = [(0, 0), (0, s)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(tail, pad, constant_values=fill)
+
+
+def eagle3_objective(cfg: Config, loss: Eagle3Loss) -> Callable:
+  def objective(params: Eagle3Params, batch: dict, key: Array | None = None) -> Array:
+    passes = ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"], loss.steps)
+    total = 0.0
+    for s, logits in enumerate(passes):
+      mask = _shifted(batch["mask"], s, 0.0)
+      ids = _shifted(batch["top_ids"], s, -1)
+      lps = _shifted(batch["top_logprobs"], s, 0.0)
+      total = total + loss.decay ** s * forward_kl(logits, ids, lps, mask)
+    return total
+  return objective
+
+
+def eagle3_eval(cfg: Config, loss: Eagle3Loss) -> Callable:
+  """Jitted sums (sampled overlap, greedy hits) per pass, and the scored positions per pass: pass
+  s estimates the acceptance of a chain's (s + 1)-th draft given the s before it were accepted."""
+  @jax.jit
+  def evaluate(params, batch):
+    passes = ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"], loss.steps)
+    sums = []
+    for s, logits in enumerate(passes):
+      ids = _shifted(batch["top_ids"], s, -1)
+      w = _shifted(batch["mask"], s, 0.0)
+      p = jnp.where(ids >= 0, jnp.exp(_shifted(batch["top_logprobs"], s, 0.0)), 0.0)
+      q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
+      overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
+      greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
+      sums += [jnp.sum(overlap * w), jnp.sum(greedy * w), jnp.sum(w)]
+    return jnp.stack(sums)
+  return evaluate
+
+
+def evaluate_by_step(params: Eagle3Params, cfg: Config, rows, loss: Eagle3Loss,
+                     batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
+  """Held-out acceptance of drafts 1 .. steps (each given the ones before it accepted)."""
+  fn = eval_fn or eagle3_eval(cfg, loss)
+  sums = None
+  for i in range(0, len(rows), batch_size):
+    real = np.arange(i, min(i + batch_size, len(rows)))
+    batch = rows.take(np.concatenate([real, np.full(batch_size - len(real), i)]))
+    batch["mask"][len(real):] = 0.0
+    s = fn(params, batch)
+    sums = s if sums is None else sums + s
+  sums = np.asarray(sums, np.float64).reshape(loss.steps, 3)
+  out = {"positions": int(sums[0, 2])}
+  for s in range(loss.steps):
+    w = max(sums[s, 2], 1.0)
+    out[f"alpha_sampled_draft{s + 1}"] = sums[s, 0] / w
+    out[f"alpha_greedy_draft{s + 1}"] = sums[s, 1] / w
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Recipe:
+  data_dirs: tuple[str, ...]  # distillation sets ("DIR", "DIR:N", "DIR:A-B"), as train-drafter's
+  vocab_trim: int = 8192  # the draft vocabulary (0: the target's whole vocabulary)
+  loss: Eagle3Loss = Eagle3Loss()
+  train: "object" = None  # jspec.train.trainer.TrainConfig
+  save_dtype: str = "float16"
+
+
+def train_eagle3(target, out, recipe: Eagle3Recipe, *, progress: bool = True,
+                 command: str = "") -> Path:
+  """The target's taps on the distillation rows (cached under out/features), a drafter from
+  `init_eagle3`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
+  out/drafter that `--drafter model:DIR` loads."""
+  from jspec.io.drafter import save_eagle
+  from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids
+  from jspec.train import distill, trainer
+  from jspec.train.eagle import with_features
+  from jspec.train.features import cached_features
+
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  tc = recipe.train
+  if not recipe.data_dirs:
+    raise ValueError("EAGLE-3 trains on existing distillation data: pass --data DIR (make it "
+                     "with `jspec distill-data`)")
+  examples, data_record = distill.load_examples(
+      [distill.parse_data_dir(d) for d in recipe.data_dirs])
+  n_eval = max(1, int(len(examples) * distill.HELD_OUT))
+  keep, vocab_map = None, None
+  if recipe.vocab_trim:
+    counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)
+    keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
+    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
+  rows = trainer.make_rows(examples, tc.seq_len, vocab_map)
+  taps = eagle3.fusion_taps(target.cfg.num_layers)
+  t0 = time.perf_counter()
+  feats = cached_features(target.params, target.cfg, rows.tokens, out / "features" / "taps.npy",
+                          progress=progress, taps=taps)
+  features_s = time.perf_counter() - t0
+  embed = jnp.asarray(target.params.embed, jnp.float32)
+  params, cfg = eagle3.init_eagle3(target.params, target.cfg, jax.random.key(tc.seed), keep)
+  n = len(rows)
+  sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
+                                               rows.top_logprobs[idx]), feats[idx], embed, None)
+  train_rows, eval_rows = sub(slice(0, n - n_eval)), sub(slice(n - n_eval, n))
+  eval_fn = eagle3_eval(cfg, recipe.loss)
+  t1 = time.perf_counter()
+  params, _ = trainer.train(params, cfg, train_rows, tc, out / "work", progress=progress,
+                            objective=eagle3_objective(cfg, recipe.loss),
+                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss,
+                                                                 eval_fn=eval_fn))
+  train_s = time.perf_counter() - t1
+  tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
+  metadata = {
+      "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
+      "command": command, "target": target.source, "data": data_record, "network": "eagle3",
+      "taps": list(taps), "train_examples": n - n_eval, "eval_examples": n_eval,
+      "train_tokens_per_epoch": int(train_rows.mask.sum()),
+      "tokens_trained": int(tc.steps * tc.grad_accum * tc.batch_size * tokens_per_row),
+      "features_seconds_this_run": features_s, "train_seconds_this_run": train_s,
+      "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+      **trainer.run_summary(out / "work"),
+  }
+  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=keep,
+                    dtype=recipe.save_dtype)
