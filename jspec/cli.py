@@ -283,16 +283,24 @@ def cmd_train_eagle(args) -> int:
   from jspec.train import trainer
   from jspec.train.eagle import EagleLoss, EagleRecipe, train_eagle
 
+  from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, train_eagle3
+
   target = load(args.target, "float32-xla")  # batched training work: XLA's dot
-  recipe = EagleRecipe(
-      data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
-      loss=EagleLoss(cls_weight=args.cls_weight, unroll=args.unroll, noise=args.noise),
-      train=trainer.TrainConfig(loss="eagle", seq_len=args.seq_len, batch_size=args.batch_size,
-                                grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
-                                warmup_steps=min(args.warmup_steps, args.steps),
-                                seed=args.seed, eval_every=args.eval_every,
-                                checkpoint_every=args.checkpoint_every))
-  out = train_eagle(target, args.out, recipe, command=_command())
+  tc = trainer.TrainConfig(loss=args.network, seq_len=args.seq_len, batch_size=args.batch_size,
+                           grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
+                           warmup_steps=min(args.warmup_steps, args.steps), seed=args.seed,
+                           eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+  if args.network == "eagle3":
+    recipe = Eagle3Recipe(data_dirs=tuple(args.data), vocab_trim=args.vocab_trim,
+                          save_dtype=args.save_dtype, train=tc,
+                          loss=Eagle3Loss(steps=args.ttt_steps, decay=args.ttt_decay))
+    out = train_eagle3(target, args.out, recipe, command=_command())
+  else:
+    recipe = EagleRecipe(
+        data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
+        loss=EagleLoss(cls_weight=args.cls_weight, unroll=args.unroll, noise=args.noise),
+        train=tc)
+    out = train_eagle(target, args.out, recipe, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
 
@@ -577,8 +585,17 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--seed", type=int, default=0)
   t.set_defaults(fn=cmd_train_drafter)
   g = sub.add_parser("train-eagle", help="train a feature-level drafter (EAGLE: one layer over "
-                                         "the target's hidden states) on distillation data")
+                                         "the target's hidden states; EAGLE-3: over three "
+                                         "layers', with training-time test) on distillation "
+                                         "data")
   g.add_argument("--target", default="default", help="target model (as --model)")
+  g.add_argument("--network", choices=["eagle", "eagle3"], default="eagle",
+                 help="eagle: EAGLE-1 (final hidden state, feature regression + KL); eagle3: "
+                      "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head)")
+  g.add_argument("--ttt-steps", type=int, default=7,
+                 help="eagle3: training-time-test passes (drafts 1..N of a chain)")
+  g.add_argument("--ttt-decay", type=float, default=0.8,
+                 help="eagle3: pass s weighs decay**s")
   g.add_argument("--out", type=Path, required=True,
                  help="output directory: features/ (the target's hidden states), work/ "
                       "(checkpoints) and drafter/; rerunning the same command resumes")
@@ -587,9 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--vocab-trim", type=int, default=8192, metavar="M",
                  help="head over the M ids the target generates most (0: the full table)")
   g.add_argument("--cls-weight", type=float, default=0.1,
-                 help="weight of the KL term next to the feature regression")
+                 help="eagle: weight of the KL term next to the feature regression")
   g.add_argument("--unroll", type=int, choices=[1, 2], default=2,
-                 help="2: also train on the drafter's own predicted features (later drafts)")
+                 help="eagle: 2 also trains on the drafter's own predicted features")
   g.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
   g.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
   g.add_argument("--seq-len", type=int, default=384)

@@ -430,3 +430,69 @@ def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_d
   (out / "model.safetensors").write_bytes(b"garbage")
   with pytest.raises(ValueError, match="corrupt"):
     load_drafter(f"model:{out}", target)
+
+
+@pytest.fixture(scope="module")
+def target6(tmp_path_factory):
+  """A 6-layer target: EAGLE-3 fuses three distinct layers (1, 3, 5 here)."""
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("target6"), "llama",
+                                        max_position_embeddings=1024, num_hidden_layers=6)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return load(d)
+
+
+def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
+  from jspec.drafting.feature import EagleDrafter
+  from jspec.drafting.registry import load_drafter
+  from jspec.generate import generate
+  from jspec.models.eagle3 import Eagle3Params, init_eagle3
+  from jspec.models.vocab_trim import full_to_trimmed
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  from jspec.train.eagle import with_features
+  from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, eagle3_objective, train_eagle3
+  from jspec.train.features import cached_features
+
+  cfg = distill.DataConfig(num_prompts=12, max_prompt_tokens=64, max_new_tokens=24, batch_size=4,
+                           top_k=8, temperatures=(0.0, 1.0))
+  path = distill.build_dataset(target6, TEXTS, tmp_path / "data", cfg, progress=False)
+  tc = trainer.TrainConfig(loss="eagle3", seq_len=48, batch_size=4, steps=24, lr=3e-3,
+                           warmup_steps=1, eval_every=12, checkpoint_every=12)
+  recipe = Eagle3Recipe(data_dirs=(str(path),), vocab_trim=60, train=tc,
+                        loss=Eagle3Loss(steps=3))
+  out = train_eagle3(target6, tmp_path / "run", recipe, progress=False)
+  log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
+  assert [e["step"] for e in log] == [12, 24]
+  assert 0 <= log[-1]["alpha_greedy_draft3"] <= 1 and log[-1]["positions"] > 0
+  drafter = load_drafter(f"model:{out}", target6)
+  assert isinstance(drafter, EagleDrafter) and isinstance(drafter.params, Eagle3Params)
+  assert drafter.params.head.shape[0] == 60 and drafter.feature_layers == (1, 3, 5)
+  # Training lowered the objective on the training rows (the trained head is in the draft
+  # vocabulary the saved drafter names).
+  keep = np.asarray(drafter.keep_ids)
+  rows = trainer.make_rows(list(distill.iter_examples(path)), 48,
+                           full_to_trimmed(keep, target6.cfg.vocab_size))
+  feats = cached_features(target6.params, target6.cfg, rows.tokens,
+                          tmp_path / "run/features/taps.npy", progress=False,
+                          taps=drafter.feature_layers)
+  batch = with_features(rows, feats, target6.params.embed, None).take(np.arange(len(rows)))
+  objective = jax.jit(eagle3_objective(drafter.cfg, Eagle3Loss(steps=3)))
+  init, _ = init_eagle3(target6.params, target6.cfg, jax.random.key(0), keep)
+  trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drafter.params)
+  assert float(objective(trained, batch)) < 0.8 * float(objective(init, batch))
+  # Lossless greedy decoding with the trained drafter, chains and trees.
+  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
+  want = generate(target6.params, target6.cfg, prompts, max_new_tokens=12).sequences()
+  got = speculative_generate(target6.params, target6.cfg, drafter, prompts,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert got.sequences() == want
+  got = tree_speculative_generate(target6.params, target6.cfg, drafter, prompts,
+                                  spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
+  assert got.sequences() == want
+  # A drafter made for another target (other layers fused) is refused by name.
+  fmt_file = out / "jspec.json"
+  meta = json.loads(fmt_file.read_text())
+  meta["drafter_format"]["taps"] = [2, 3, 4]
+  fmt_file.write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match="fuses target layers"):
+    load_drafter(f"model:{out}", target6)
