@@ -489,6 +489,13 @@ def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   got = tree_speculative_generate(target6.params, target6.cfg, drafter, prompts,
                                   spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
   assert got.sequences() == want
+  # Held-out acceptance (jspec eval-drafter): every draft of the chain scored, tau from them.
+  from jspec.train.recipe import heldout_acceptance
+  [rec] = heldout_acceptance(target6, {"eagle3": drafter}, (str(path),), seq_len=48, gamma=3)
+  alphas = [rec[f"alpha_greedy_draft{i}"] for i in (1, 2, 3)]
+  assert all(0 <= a <= 1 for a in alphas) and rec["alpha_greedy"] == alphas[0]
+  want_tau = 1 + alphas[0] + alphas[0] * alphas[1] + alphas[0] * alphas[1] * alphas[2]
+  assert rec["tau_greedy_est"] == pytest.approx(want_tau)
   # A drafter made for another target (other layers fused) is refused by name.
   fmt_file = out / "jspec.json"
   meta = json.loads(fmt_file.read_text())

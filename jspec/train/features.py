@@ -67,10 +67,11 @@ def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str |
 
 
 def features(params: Params, cfg: Config, tokens: np.ndarray, batch_size: int = 8,
-             progress: bool = False) -> np.ndarray:
-  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S], in memory (held-out sets)."""
-  out = np.zeros(tokens.shape + (cfg.hidden_size,), np.float16)
-  _fill(params, cfg, tokens, out, 0, batch_size, progress, lambda done: None)
+             progress: bool = False, taps: tuple[int, ...] = ()) -> np.ndarray:
+  """Target hidden states [N, S, E] float16 of rows `tokens` [N, S] (with `taps`: [N, S,
+  len(taps) E]), in memory (held-out sets)."""
+  out = np.zeros(tokens.shape + (cfg.hidden_size * max(1, len(taps)),), np.float16)
+  _fill(params, cfg, tokens, out, 0, batch_size, progress, lambda done: None, taps)
   return out
 
 

@@ -21,11 +21,14 @@ from jspec.io.drafter import FORMAT_KEY, read_drafter_dir, save_drafter, shares_
 from jspec.io.load import resolve_path
 from jspec.model import Model
 from jspec.models.drafter import drafter_config
+from jspec.models.eagle3 import Eagle3Params
 from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
 from jspec.train import distill, trainer
 from jspec.train.distill import HELD_OUT, load_examples, parse_data_dir
 from jspec.train.drafter import init_drafter
 from jspec.train.eagle import EagleLoss, evaluate_by_step, with_features
+from jspec.train.eagle3 import Eagle3Loss
+from jspec.train.eagle3 import evaluate_by_step as eagle3_by_step
 from jspec.train.features import features
 from jspec.train.prompts import training_prompts
 
@@ -165,7 +168,7 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   tc = trainer.TrainConfig(seq_len=seq_len, gamma=gamma)
   rows_by_vocab: dict[bytes | None, trainer.Rows] = {}  # drafters with one head share their rows
   results = []
-  feats = None  # the target's hidden states of the rows, once, if a feature drafter needs them
+  feats = {}  # the target's hidden states (or taps) of the rows, once per kind a drafter needs
   for name, drafter in drafters.items():
     keep = None if drafter.keep_ids is None else np.asarray(drafter.keep_ids)
     vocab = None if keep is None else keep.tobytes()
@@ -174,10 +177,11 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
       rows_by_vocab[vocab] = trainer.make_rows(examples, seq_len, vocab_map)
     rows = rows_by_vocab[vocab]
     if isinstance(drafter, EagleDrafter):
-      if feats is None:
-        feats = features(target.params, target.cfg, rows.tokens, batch_size)
-      stats = eagle_stats(drafter, with_features(rows, feats, drafter.embed, drafter.head), gamma,
-                          batch_size)
+      taps = drafter.feature_layers
+      if taps not in feats:
+        feats[taps] = features(target.params, target.cfg, rows.tokens, batch_size, taps=taps)
+      stats = eagle_stats(drafter, with_features(rows, feats[taps], drafter.embed, drafter.head),
+                          gamma, batch_size)
     else:
       stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
     results.append({"drafter": name, "gamma": gamma, "draft_layers": drafter.cfg.num_layers,
@@ -190,7 +194,18 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
 def eagle_stats(drafter, rows, gamma: int, batch_size: int) -> dict:
   """heldout_acceptance's record for a feature drafter: the first draft's acceptance (from the
   target's own state) as alpha_*, the second's (from its own prediction) as alpha_*_draft2, and
-  the chain tau 1 + a1 (1 + a2 + ... + a2^(gamma-1)) they imply."""
+  the chain tau 1 + a1 (1 + a2 + ... + a2^(gamma-1)) they imply. EAGLE-3's training-time test
+  scores every draft of the chain: tau = 1 + a1 + a1 a2 + ... + a1 ... a_gamma, and its record
+  has alpha_*_draft1 .. gamma."""
+  if isinstance(drafter.params, Eagle3Params):
+    s = eagle3_by_step(drafter.params, drafter.cfg, rows, Eagle3Loss(steps=max(gamma, 2)),
+                       batch_size)
+    chain = lambda kind: 1 + sum(np.prod([s[f"alpha_{kind}_draft{i}"] for i in range(1, n + 1)])
+                                 for n in range(1, gamma + 1))
+    return {"alpha_sampled": s["alpha_sampled_draft1"], "alpha_greedy": s["alpha_greedy_draft1"],
+            **{k: v for k, v in s.items() if k.startswith("alpha_")},
+            "positions": s["positions"], "tau_sampled_est": chain("sampled"),
+            "tau_greedy_est": chain("greedy")}
   s = evaluate_by_step(drafter.params, drafter.cfg, rows, EagleLoss(unroll=2), batch_size)
   tau = lambda a1, a2: 1 + a1 * sum(a2 ** i for i in range(gamma))
   return {"alpha_sampled": s["alpha_sampled_draft1"], "alpha_greedy": s["alpha_greedy_draft1"],
