@@ -156,13 +156,15 @@ def tiny_target():
   return init_params(TINY, jax.random.key(10), scale=0.8)
 
 
-@pytest.mark.parametrize("keep", [None, [0, 1, 3, 7, 8, 12]], ids=["full", "trimmed"])
-def test_sampling_is_lossless(tiny_target, keep):
-  drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=keep)
+def test_sampling_is_lossless(tiny_target):
+  # A trimmed draft vocabulary (most target tokens ones the drafter cannot propose): the
+  # statistical check covers the head's map back to target ids too. (The sampled verification
+  # itself is the engines' own, checked with controls that must fail in test_speculative.)
+  drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=[0, 1, 3, 7, 8, 12])
   sp = SAMPLINGS["t1"]
   stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2, cfg=TINY),
                              exact_distribution(tiny_target, sp, cfg=TINY))
-  assert ok, (keep, stat, dof)
+  assert ok, (stat, dof)
 
 
 def test_one_program_no_recompile(target, drafter):
