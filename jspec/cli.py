@@ -285,6 +285,13 @@ def cmd_train_eagle(args) -> int:
 
   from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, train_eagle3
 
+  other = ({"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
+            "--noise": args.noise != 0.0} if args.network == "eagle3" else
+           {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8})
+  ignored = [flag for flag, given in other.items() if given]
+  if ignored:
+    raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
+                     f"them, or pick the network they belong to")
   target = load(args.target, "float32-xla")  # batched training work: XLA's dot
   tc = trainer.TrainConfig(loss=args.network, seq_len=args.seq_len, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,

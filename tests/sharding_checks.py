@@ -63,7 +63,7 @@ def check_generate():
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
   # Few candidates (8 of 256: each of tp's shards gives its top 8): top-k 5 always fits in them,
-  # top-k 40 never (the full sort runs), a hot nucleus sometimes; the tokens stay those of the
+  # top-k 40 never (the bisection runs), a hot nucleus sometimes; the tokens stay those of the
   # 256-candidate runs on one device.
   few = (SamplingParams(temperature=0.8, top_k=5, top_p=0.9), FILTERED, NUCLEUS)
   want = {sp: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9)

@@ -25,8 +25,8 @@ from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from tests.test_speculative import PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
     sample_sequences
 
-# Six layers: the taps are layers 1, 3, 5 (2, L/2, L-3 coincide on so few).
-TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=6,
+# Four layers: the taps are layers 1, 2, 3 (2, L/2, L-3 coincide on so few).
+TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 TINY = Config(arch="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=4,
               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
@@ -59,6 +59,7 @@ def test_fusion_taps():
   assert eagle3.fusion_taps(32) == (2, 16, 29)  # Llama-3.1-8B, as the reference code taps
   assert eagle3.fusion_taps(30) == (2, 15, 27)  # the default model
   assert eagle3.fusion_taps(6) == (1, 3, 5)
+  assert eagle3.fusion_taps(4) == (1, 2, 3)
   with pytest.raises(ValueError, match="too few"):
     eagle3.fusion_taps(3)
 
@@ -67,20 +68,20 @@ def test_taps_are_the_residual_stream_entering_the_layers(target):
   seq = jnp.asarray([[5, 17, 3, 44, 2]])
   positions = jnp.arange(5)[None]
   cache = KVCache.init(TARGET, 1, 8)
-  _, hidden, _ = forward(target, TARGET, seq, positions, cache, taps=(1, 3, 5))
-  # By hand: the embedding through the layers, the stream kept before layers 1, 3 and 5.
+  _, hidden, _ = forward(target, TARGET, seq, positions, cache, taps=(3, 1))
+  # By hand: the embedding through the layers, the stream kept before layers 3 and 1 (in the
+  # order asked).
   x = target.embed[seq]
   cos, sin = rope_tables(TARGET, positions)
   from jspec.models.llama import attention_fn
   attend = attention_fn(TARGET, cache.lengths, cache.size, None, 5)
   slots = jnp.arange(5)[None]
-  want, k, v = [], cache.k, cache.v
+  want, k, v = {}, cache.k, cache.v
   for i, lp in enumerate(target.layers):
-    if i in (1, 3, 5):
-      want.append(x)
+    want[i] = x
     x, k, v = decoder_layer(TARGET, x, lp, i, k, v, cos, sin, slots, attend)
-  np.testing.assert_allclose(hidden, jnp.concatenate(want, axis=-1), atol=1e-5)
-  assert hidden.shape == (1, 5, 3 * TARGET.hidden_size)
+  np.testing.assert_allclose(hidden, jnp.concatenate([want[3], want[1]], axis=-1), atol=1e-5)
+  assert hidden.shape == (1, 5, 2 * TARGET.hidden_size)
 
 
 def target_taps(params, cfg, seq, taps):
@@ -129,11 +130,10 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   assert tokens.tolist() == [[d1, d2]]
 
 
-@pytest.mark.parametrize("gamma", [1, 3])
-def test_greedy_chain_identical_to_autoregressive(target, drafter, gamma):
+def test_greedy_chain_identical_to_autoregressive(target, drafter):
   want = generate(target, TARGET, PROMPTS, max_new_tokens=20).sequences()
   out = speculative_generate(target, TARGET, drafter, PROMPTS,
-                             spec=SpecConfig(gamma=gamma, max_new_tokens=20))
+                             spec=SpecConfig(gamma=3, max_new_tokens=20))
   assert out.sequences() == want
   hist = np.asarray(out.accept_hist)
   assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
@@ -141,14 +141,16 @@ def test_greedy_chain_identical_to_autoregressive(target, drafter, gamma):
 
 def test_greedy_tree_and_trimmed_vocabulary_identical(target):
   want = generate(target, TARGET, PROMPTS, max_new_tokens=16).sequences()
-  trimmed = noisy_eagle3(target, TARGET, keep_ids=np.arange(0, TARGET.vocab_size, 2))
-  for d in (noisy_eagle3(target, TARGET), trimmed):
-    out = tree_speculative_generate(target, TARGET, d, PROMPTS,
-                                    spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=16))
-    assert out.sequences() == want
+  trimmed = noisy_eagle3(target, TARGET, amount=0.02,
+                         keep_ids=np.arange(0, TARGET.vocab_size, 2))
+  out = tree_speculative_generate(target, TARGET, trimmed, PROMPTS,
+                                  spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=16))
+  assert out.sequences() == want
+  assert np.asarray(out.accept_hist)[1:].sum() > 0  # some tree paths were accepted
   out = speculative_generate(target, TARGET, trimmed, PROMPTS,
                              spec=SpecConfig(gamma=3, max_new_tokens=16))
   assert out.sequences() == want
+  assert np.asarray(out.accept_hist)[1:].sum() > 0  # some drafts were accepted
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +196,7 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
   steps = 4
   taps = target_taps(target, TARGET, seq, drafter.feature_layers)
   passes = ttt_logits(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq]), taps, steps)
-  for j in (0, 3, 7):
+  for j in (0, 6):
     P = j + 1  # prompt t_0 .. t_j: pairs 0 .. j hold target features
     state = drafter.init(jnp.asarray([seq[:P]]), jnp.asarray([P]), 32, Features(
         hidden=taps[:, :P], tokens=jnp.asarray([seq[1:P + 1]]), start=jnp.asarray([0])))

@@ -476,6 +476,15 @@ def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
                           tmp_path / "run/features/taps.npy", progress=False,
                           taps=drafter.feature_layers)
   batch = with_features(rows, feats, target6.params.embed, None).take(np.arange(len(rows)))
+  # Pass s at index j scores t_{j+s+2}: the teacher's top-1 there is that very token on the
+  # greedy (T=0) half of the rows and often on the sampled half; one position off, rarely.
+  from jspec.train.eagle3 import _shifted
+  for s_ in range(3):
+    top1 = np.asarray(_shifted(jnp.asarray(rows.top_ids), s_, -1))[..., 0]  # [N, S-1]
+    nxt = full_to_trimmed(keep, target6.cfg.vocab_size)[rows.tokens[:, 2 + s_:]]
+    m = np.asarray(_shifted(jnp.asarray(rows.mask), s_, 0.0))[:, :nxt.shape[1]] > 0
+    hits = (top1[:, :nxt.shape[1]] == nxt) & m & (nxt >= 0)
+    assert hits.sum() >= 0.4 * (m & (nxt >= 0)).sum(), (s_, hits.sum(), m.sum())
   objective = jax.jit(eagle3_objective(drafter.cfg, Eagle3Loss(steps=3)))
   init, _ = init_eagle3(target6.params, target6.cfg, jax.random.key(0), keep)
   trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drafter.params)

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from jspec.bench.profiling import CompileCounter, machine_info, memory_bandwidth
 from jspec.bench.round_split import round_split_s
 from jspec.decode import plan_cache, prompt_bucket
+from jspec.train.features import feature_width
 from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
 from jspec.io.load import resolve_path
@@ -155,7 +156,7 @@ def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: i
   prompt = jnp.ones((1, prompt_len), jnp.int32)
   # The state's values do not matter for timing, only its shapes.
   state = drafter.init(prompt, lengths, cache_size, Features(
-      hidden=jnp.zeros((1, prompt_len, cfg.hidden_size * max(1, len(drafter.feature_layers))),
+      hidden=jnp.zeros((1, prompt_len, feature_width(cfg, drafter.feature_layers)),
                        params.embed.dtype), tokens=prompt,
       start=jnp.zeros((1,), jnp.int32)))
   cache = KVCache.init(cfg, 1, cache_size, params.embed.dtype).with_lengths(lengths)

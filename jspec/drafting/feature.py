@@ -47,11 +47,12 @@ class EagleState(DraftState):
 @dataclasses.dataclass
 class EagleDrafter(HeadDrafter):
   """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table,
-  `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd)."""
+  `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd; None for EAGLE-3, whose
+  head is its own, in `params`)."""
 
   params: EagleParams | Eagle3Params
   embed: Array
-  head: Array
+  head: Array | None
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
 
@@ -180,9 +181,9 @@ def eagle3_drafter(params: Eagle3Params, cfg: Config, keep_ids=None,
     if M != cfg.vocab_size:
       raise ValueError(f"an EAGLE-3 head of {M} rows needs its keep_ids (the target ids of its "
                        f"draft vocabulary); the target has {cfg.vocab_size}")
-    return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=params.head, cfg=cfg)
+    return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=None, cfg=cfg)
   keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
   if len(keep) != M:
     raise ValueError(f"keep_ids name {len(keep)} ids but the EAGLE-3 head has {M} rows")
-  return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=params.head, cfg=cfg,
+  return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=None, cfg=cfg,
                       keep_ids=jnp.asarray(keep))

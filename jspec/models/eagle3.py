@@ -39,7 +39,7 @@ def fusion_taps(num_layers: int) -> tuple[int, int, int]:
   """The target layers whose input residual stream EAGLE-3 fuses: low, middle, high."""
   if num_layers < 4:
     raise ValueError(f"EAGLE-3 fuses three distinct layers (2, L/2, L-3); a target of "
-                     f"{num_layers} layers has too few. Fix: a target of >= 6 layers, or the "
+                     f"{num_layers} layers has too few. Fix: a target of >= 4 layers, or the "
                      f"EAGLE-1 feature drafter (eagle)")
   taps = (2, num_layers // 2, num_layers - 3)
   # Short targets (tests' tiny models) where those coincide: spread over the layers instead.
@@ -71,18 +71,21 @@ def eagle3_forward(params: Eagle3Params, cfg: Config, embed: Array, tokens: Arra
   it) and the cache with the pairs' K/V at `slots` (default lengths + t, causal; `visible`
   [B, T, S]: each pair sees exactly those slots, as tree drafting needs)."""
   B, T = tokens.shape
-  lp = params.layer
-  emb = rms_norm(embed[tokens].astype(feats.dtype), lp.attn_norm, cfg.rms_norm_eps)
-  attn_in = jnp.concatenate([emb, rms_norm(feats, params.hidden_norm, cfg.rms_norm_eps)],
-                            axis=-1)  # [B, T, 2E]
   if slots is None:
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   attend = (attention_fn(cfg, cache.lengths, cache.size, None, T) if visible is None
             else visible_attention(visible))
   cos, sin = rope_tables(cfg, positions)
-  h, k, v = decoder_layer(cfg, feats, lp, 0, cache.k, cache.v, cos, sin, slots, attend,
-                          attn_in=attn_in)
+  h, k, v = decoder_layer(cfg, feats, params.layer, 0, cache.k, cache.v, cos, sin, slots, attend,
+                          attn_in=attention_input(params, cfg, embed, tokens, feats))
   return h, dataclasses.replace(cache, k=k, v=v)
+
+
+def attention_input(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array,
+                    feats: Array) -> Array:
+  """What the layer's projections read: [normed embedding; normed feature] [B, T, 2E]."""
+  emb = rms_norm(embed[tokens].astype(feats.dtype), params.layer.attn_norm, cfg.rms_norm_eps)
+  return jnp.concatenate([emb, rms_norm(feats, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)
 
 
 def logits(params: Eagle3Params, cfg: Config, h: Array) -> Array:
@@ -104,12 +107,14 @@ def init_eagle3(target_params: Params, target_cfg: Config, key: Array,
   E = cfg.hidden_size
   taps = fusion_taps(target_cfg.num_layers)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
+  k_layer, k_q, k_k, k_v = jax.random.split(key, 4)
   if layers_copyable(cfg, target_cfg):
     layer = jax.tree.map(f32, target_params.layers[target_cfg.num_layers - 1])
   else:
-    layer = jax.tree.map(f32, init_params(cfg, key, jnp.float32).layers[0])
-  widen = lambda w: jnp.concatenate([w, 0.02 * jax.random.normal(key, w.shape)], axis=0)
-  layer = dataclasses.replace(layer, wq=widen(layer.wq), wk=widen(layer.wk), wv=widen(layer.wv))
+    layer = jax.tree.map(f32, init_params(cfg, k_layer, jnp.float32).layers[0])
+  widen = lambda w, k: jnp.concatenate([w, 0.02 * jax.random.normal(k, w.shape)], axis=0)
+  layer = dataclasses.replace(layer, wq=widen(layer.wq, k_q), wk=widen(layer.wk, k_k),
+                              wv=widen(layer.wv, k_v))
   fc = jnp.concatenate([jnp.eye(E) / 3.0] * 3, axis=0)
   table = f32(output_table(target_params))
   head = table if keep_ids is None else table[jnp.asarray(keep_ids)]

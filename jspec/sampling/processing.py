@@ -55,7 +55,7 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
 
   Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
   returns the temperature-1e-6 distribution; callers treat greedy separately with argmax. The
-  vocabulary sort the filters need is skipped (lax.cond) when both are off.
+  filters' threshold search is skipped (lax.cond) when both are off.
   """
   x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
   k = jnp.asarray(sp.top_k, jnp.int32)
@@ -64,8 +64,8 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   return jax.nn.log_softmax(filtered, axis=-1)
 
 
-# How many of the largest logits a row's top-k/top-p filter looks at before falling back to a full
-# sort of the vocabulary: top-k up to this many, and top-p whenever the nucleus is no larger.
+# How many of the largest logits a row's top-k/top-p filter looks at before falling back to
+# bisection over the vocabulary: top-k up to this many, and top-p whenever the nucleus is no larger.
 CANDIDATES = 256
 
 
@@ -79,7 +79,9 @@ def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
   row: lax.cond), the threshold is bisected instead: 32 halvings of the float range, each a
   masked sum over the vocabulary (shard by shard: a [B, 1] all-reduce, no row gathered). The
   mask then applies shard by shard. No sort of the vocabulary: on one CPU a sort of 4 rows of a
-  49k vocabulary takes 36 ms, the candidates 0.6.
+  49k vocabulary takes 36 ms, the candidates 0.6. Which of the two runs is decided for the whole
+  array at once; both are exact, but a token within float32 rounding of top_p's edge may fall
+  either side depending on which ran.
   """
   k = jnp.broadcast_to(k, x.shape[:-1])[..., None]  # [..., 1]
   top_p = jnp.broadcast_to(top_p, x.shape[:-1])[..., None]
@@ -98,7 +100,7 @@ def candidate_threshold(x: Array, k: Array, top_p: Array) -> tuple[Array, Array,
   # sum reduced shard by shard; over the top k (k > 0) it needs only the sorted values.
   log_z_all = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [..., 1]
   threshold, mass = _threshold(_largest(x, m), k, top_p, log_z_all)
-  fits = (k <= m) & ((k > 0) | (mass >= top_p) | (top_p >= 1))
+  fits = (k <= m) & ((k > 0) | (mass >= top_p) | (top_p >= 1)) | (m == x.shape[-1])
   return threshold, fits, log_z_all
 
 
@@ -106,6 +108,9 @@ def _largest(x: Array, m: int) -> Array:
   """The m largest values of x [..., V] along the last axis, largest first. On a mesh that splits
   the vocabulary, each device takes the top m of its own shard and only those move (XLA would
   gather whole rows to run top_k on a sharded axis)."""
+  # On a mesh every array of V logits is taken as split like the target's: a draft head that is
+  # replicated pays one small all-gather ([B, tp x m]) where it needed none; one that borrows the
+  # target's table (compact drafters) is split and would otherwise gather whole rows.
   split = vocab_split(x.shape[-1])
   if split is None:
     return jax.lax.top_k(x, m)[0]
@@ -129,20 +134,27 @@ def bisected_threshold(x: Array, k: Array, top_p: Array, log_z_all: Array) -> Ar
   with fewer than k values above it. top-p's is the smallest v (>= top-k's) whose mass strictly
   above it is < top_p under the top-k distribution; that mass is a step function of v, so the
   smallest such float is one of the values (ties kept, as in the sorted reading)."""
-  t_k = jnp.where(k > 0, _smallest_where(x, lambda v: jnp.sum(x > v, -1, keepdims=True) < k),
-                  _LOWEST)
+  lowest = jnp.full(k.shape, _LOWEST)
+  t_k = jax.lax.cond(  # skipped when no row asks for top-k
+      jnp.any(k > 0),
+      lambda: jnp.where(k > 0, _smallest_where(
+          x, lambda v: jnp.sum(x > v, -1, keepdims=True) < k), _LOWEST),
+      lambda: lowest)
+  p = jnp.exp(x - log_z_all)  # [..., V] under the whole vocabulary's normalizer
   # The top k of the sorted reading, ties at t_k counted only up to k.
   above = x > t_k
   n_above = jnp.sum(above, axis=-1, keepdims=True)
-  z_k = (jnp.sum(jnp.where(above, jnp.exp(x - log_z_all), 0), axis=-1, keepdims=True)
+  z_k = (jnp.sum(jnp.where(above, p, 0), axis=-1, keepdims=True)
          + (jnp.minimum(k, x.shape[-1]) - n_above) * jnp.exp(t_k - log_z_all))
-  z = jnp.where(k > 0, z_k, 1.0)  # in units of the whole vocabulary's normalizer
+  z = jnp.where(k > 0, z_k, 1.0)
 
   def nucleus_ends(v):
-    mass_above = jnp.sum(jnp.where(x > v, jnp.exp(x - log_z_all), 0), axis=-1, keepdims=True)
+    mass_above = jnp.sum(jnp.where(x > v, p, 0), axis=-1, keepdims=True)
     return (v >= t_k) & ((mass_above < top_p * z) | (top_p >= 1))
 
-  return _smallest_where(x, nucleus_ends)
+  # top_p = 1 everywhere: top-k alone, its threshold already found.
+  return jax.lax.cond(jnp.all(top_p >= 1), lambda: jnp.maximum(t_k, jnp.min(x, -1, keepdims=True)),
+                      lambda: _smallest_where(x, nucleus_ends))
 
 
 _LOWEST = jnp.finfo(jnp.float32).min

@@ -201,6 +201,14 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
     raise ValueError(
         f"draft vocabulary ({drafter.vocab_size} tokens) differs from the target's "
         f"({cfg.vocab_size}): speculative decoding needs a drafter with the target's tokenizer")
+  taps = drafter.feature_layers
+  if taps and not all(0 <= i < cfg.num_layers for i in taps):
+    raise ValueError(f"the drafter reads the target's layers {taps}, but the target has "
+                     f"{cfg.num_layers}: it was made for another target model")
+  if taps and drafter.probe_masks:
+    raise ValueError("a drafter cannot both read tapped layers (feature_layers) and probe with "
+                     "mask positions (probe_masks): the verification forward gives one or the "
+                     "other")
 
 
 def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> None:

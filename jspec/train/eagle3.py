@@ -34,7 +34,7 @@ from jspec.models import eagle3
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
-from jspec.models.llama import decoder_layer, rms_norm, rope_tables
+from jspec.models.llama import decoder_layer, rope_tables
 from jspec.train.losses import forward_kl
 
 Array = jax.Array
@@ -93,8 +93,7 @@ def ttt_logits(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, t
     # Pass s at index j: the pair at position j + s, token t_{j+s+1} (padding past the row).
     toks = jnp.pad(tokens[:, 1 + s:], ((0, 0), (0, s)))  # [B, T]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + s, (B, T))
-    emb = rms_norm(embed[toks].astype(dtype), lp.attn_norm, cfg.rms_norm_eps)
-    attn_in = jnp.concatenate([emb, rms_norm(feats, params.hidden_norm, cfg.rms_norm_eps)], -1)
+    attn_in = eagle3.attention_input(params, cfg, embed, toks, feats)
     cos, sin = rope_tables(cfg, positions)
     slots = jnp.broadcast_to(s * T + jnp.arange(T, dtype=jnp.int32), (B, T))
     h, k_all, v_all = decoder_layer(cfg, feats, lp, 0, k_all, v_all, cos, sin, slots,

@@ -34,16 +34,27 @@ def hidden_states(params: Params, cfg: Config, tokens: Array, taps: tuple[int, .
 _hidden_jit = jax.jit(hidden_states, static_argnums=(1, 3))
 
 
+def feature_width(cfg: Config, taps: tuple[int, ...] = ()) -> int:
+  """Width of a position's features: the hidden size, or one per tapped layer."""
+  return cfg.hidden_size * max(1, len(taps))
+
+
+def feature_dtype(taps: tuple[int, ...] = ()):
+  """float16 for final-normed states; float32 for taps, the raw residual stream, which is
+  unbounded (the default model's reaches 22,516, a third of float16's range)."""
+  return np.float32 if taps else np.float16
+
+
 def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str | Path,
                     batch_size: int = 8, progress: bool = True,
                     taps: tuple[int, ...] = ()) -> np.ndarray:
   """Target hidden states [N, S, E] float16 of rows `tokens` [N, S] (with `taps`: [N, S,
-  len(taps) E], `hidden_states`), computed into `path` (.npy, memory-mapped) batch by batch;
+  len(taps) E] float32, `hidden_states`), computed into `path` (.npy, memory-mapped) batch by batch;
   rerunning resumes. The rows' hash is recorded so a cache made for other rows is refused
   instead of silently reused."""
   path = Path(path)
   N, S = tokens.shape
-  E = cfg.hidden_size * max(1, len(taps))
+  E = feature_width(cfg, taps)
   digest = _rows_digest(tokens, cfg, taps)
   meta_file = path.with_suffix(".json")
   meta = json.loads(meta_file.read_text()) if meta_file.exists() and path.exists() else None
@@ -52,7 +63,7 @@ def cached_features(params: Params, cfg: Config, tokens: np.ndarray, path: str |
                      f"and {meta_file.name} to recompute")
   if meta is None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(N, S, E))
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=feature_dtype(taps), shape=(N, S, E))
     meta = {"rows_sha256": digest, "rows_done": 0, "shape": [N, S, E]}
     meta_file.write_text(json.dumps(meta))
   else:
@@ -70,7 +81,7 @@ def features(params: Params, cfg: Config, tokens: np.ndarray, batch_size: int = 
              progress: bool = False, taps: tuple[int, ...] = ()) -> np.ndarray:
   """Target hidden states [N, S, E] float16 of rows `tokens` [N, S] (with `taps`: [N, S,
   len(taps) E]), in memory (held-out sets)."""
-  out = np.zeros(tokens.shape + (cfg.hidden_size * max(1, len(taps)),), np.float16)
+  out = np.zeros(tokens.shape + (feature_width(cfg, taps),), feature_dtype(taps))
   _fill(params, cfg, tokens, out, 0, batch_size, progress, lambda done: None, taps)
   return out
 
@@ -84,7 +95,7 @@ def _fill(params, cfg, tokens, out, done, batch_size, progress, saved, taps=()) 
     idx = np.arange(done, min(done + batch_size, N))
     batch = tokens[np.concatenate([idx, np.full(batch_size - len(idx), idx[0])])]
     out[idx] = np.asarray(_hidden_jit(params, cfg, jnp.asarray(batch), taps))[: len(idx)].astype(
-        np.float16)
+        out.dtype)
     done += len(idx)
     saved(done)
     bar.update(len(idx))
