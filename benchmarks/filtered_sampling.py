@@ -46,7 +46,6 @@ def sort_filter(x, k, top_p):
 
 def speed(args) -> list[dict]:
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
   from jspec import data
@@ -88,7 +87,6 @@ def speed(args) -> list[dict]:
 
 def fit_fraction(model, prompts, answers, t, k, p) -> float:
   """Share of the generated positions whose filter the top 256 candidates decide alone."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
 

@@ -18,7 +18,6 @@ cache divided by dp only), never a collective.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools

@@ -4,7 +4,6 @@ from-scratch teacher-forced pass (target features fused for known positions, its
 past them), speculative output stays exactly the target's (greedy chains and trees, sampled
 distribution), one compiled program."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

