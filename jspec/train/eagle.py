@@ -124,10 +124,9 @@ def eagle_eval(cfg: Config, loss: EagleLoss) -> Callable:
   return evaluate
 
 
-def evaluate_by_step(params: EagleParams, cfg: Config, rows: FeatureRows, loss: EagleLoss,
-                     batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
-  """Held-out acceptance of draft 1 (true target state) and, with unroll 2, draft 2 (its own)."""
-  fn = eval_fn or eagle_eval(cfg, loss)
+def summed_over_rows(fn: Callable, params, rows: FeatureRows, batch_size: int) -> np.ndarray:
+  """fn(params, batch) (an array of sums) added over every row once, in batches of one shape (the
+  last padded with masked-out copies)."""
   sums = None
   for i in range(0, len(rows), batch_size):
     real = np.arange(i, min(i + batch_size, len(rows)))
@@ -135,7 +134,13 @@ def evaluate_by_step(params: EagleParams, cfg: Config, rows: FeatureRows, loss: 
     batch["mask"][len(real):] = 0.0
     s = fn(params, batch)
     sums = s if sums is None else sums + s
-  sums = np.asarray(sums, np.float64)
+  return np.asarray(sums, np.float64)
+
+
+def evaluate_by_step(params: EagleParams, cfg: Config, rows: FeatureRows, loss: EagleLoss,
+                     batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
+  """Held-out acceptance of draft 1 (true target state) and, with unroll 2, draft 2 (its own)."""
+  sums = summed_over_rows(eval_fn or eagle_eval(cfg, loss), params, rows, batch_size)
   w = max(sums[-1], 1.0)
   out = {"positions": int(sums[-1])}
   for u in range(loss.unroll):

@@ -27,7 +27,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jspec.models import eagle3
 from jspec.models.config import Config
@@ -144,15 +143,9 @@ def eagle3_eval(cfg: Config, loss: Eagle3Loss) -> Callable:
 def evaluate_by_step(params: Eagle3Params, cfg: Config, rows, loss: Eagle3Loss,
                      batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
   """Held-out acceptance of drafts 1 .. steps (each given the ones before it accepted)."""
-  fn = eval_fn or eagle3_eval(cfg, loss)
-  sums = None
-  for i in range(0, len(rows), batch_size):
-    real = np.arange(i, min(i + batch_size, len(rows)))
-    batch = rows.take(np.concatenate([real, np.full(batch_size - len(real), i)]))
-    batch["mask"][len(real):] = 0.0
-    s = fn(params, batch)
-    sums = s if sums is None else sums + s
-  sums = np.asarray(sums, np.float64).reshape(loss.steps, 3)
+  from jspec.train.eagle import summed_over_rows
+  sums = summed_over_rows(eval_fn or eagle3_eval(cfg, loss), params, rows,
+                          batch_size).reshape(loss.steps, 3)
   out = {"positions": int(sums[0, 2])}
   for s in range(loss.steps):
     w = max(sums[s, 2], 1.0)
