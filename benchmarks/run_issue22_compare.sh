@@ -19,9 +19,10 @@ jspec distill-data --target default --out $D/i22 --num-prompts 640 --max-new-tok
   --gen-batch-size 16
 for n in $SIZES; do
   for net in $NETS; do
+    extra=""; [ $net = eagle3 ] && extra="--ttt-steps 4"
     jspec train-eagle --network $net --target default --out $R/$net-$n --data $D/i22:$n \
       --vocab-trim 8192 --seq-len 256 --batch-size 8 --steps $STEPS --lr 1e-3 --warmup-steps 20 \
-      --eval-every 50 --checkpoint-every 25 --ttt-steps 4
+      --eval-every 50 --checkpoint-every 25 $extra
   done
 done
 drafters=""
