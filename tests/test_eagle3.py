@@ -12,7 +12,7 @@ import pytest
 
 from jspec.bench.profiling import CompileCounter
 from jspec.drafting.base import Features
-from jspec.drafting.feature import eagle3_drafter
+from jspec.drafting.feature import EagleDrafter, eagle3_drafter
 from jspec.generate import generate
 from jspec.models import eagle3
 from jspec.models.cache import KVCache
@@ -157,15 +157,26 @@ def tiny_target():
   return init_params(TINY, jax.random.key(10), scale=0.8)
 
 
-def test_sampling_is_lossless(tiny_target):
-  # A trimmed draft vocabulary (most target tokens ones the drafter cannot propose): the
-  # statistical check covers the head's map back to target ids too. (The sampled verification
-  # itself is the engines' own, checked with controls that must fail in test_speculative.)
-  drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=[0, 1, 3, 7, 8, 12])
+@pytest.mark.parametrize("q_reported", ["drawn from", "uniform (control)"])
+def test_sampling_is_lossless(tiny_target, monkeypatch, q_reported):
+  """A trimmed draft vocabulary (most target tokens ones the drafter cannot propose): the check
+  covers the head's map back to target ids too. The control reports a q other than the one the
+  drafts were drawn from, and the same test must catch it."""
+  keep = [0, 1, 3, 7, 8, 12]
+  drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=keep)
+  if q_reported != "drawn from":
+    real = EagleDrafter.sampler
+    uniform = jnp.zeros((TINY.vocab_size,)).at[jnp.asarray(keep)].set(1 / len(keep))
+
+    def misreported(self, sampling):
+      draw = real(self, sampling)
+      return lambda key, logits: (draw(key, logits)[0],
+                                  jnp.broadcast_to(uniform, (logits.shape[0], TINY.vocab_size)))
+    monkeypatch.setattr(EagleDrafter, "sampler", misreported)
   sp = SAMPLINGS["t1"]
   stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2, cfg=TINY),
                              exact_distribution(tiny_target, sp, cfg=TINY))
-  assert ok, (stat, dof)
+  assert ok == (q_reported == "drawn from"), (stat, dof)
 
 
 def test_one_program_no_recompile(target, drafter):
