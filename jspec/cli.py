@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from datetime import datetime, timezone
@@ -467,9 +468,32 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-k", type=int, default=32, help="teacher log-probs stored per position")
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+  """Each option's default in its help, unless the help already says it or there is none."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if (action.default in (None, False, argparse.SUPPRESS) or "default" in text
+        or action.option_strings == [] or isinstance(action.default, list)):
+      return text
+    return f"{text} (default: {action.default})" if text else f"default: {action.default}"
+
+
+def _version() -> str:
+  from importlib import metadata
+  try:
+    return metadata.version("jspec")
+  except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jspec", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
+  parser = argparse.ArgumentParser(prog="jspec", description=__doc__,
+                                   formatter_class=_DefaultsShown)
+  parser.add_argument("--version", action="version", version=f"jspec {_version()}")
+  sub = parser.add_subparsers(dest="command", required=True,
+                              parser_class=functools.partial(argparse.ArgumentParser,
+                                                             formatter_class=_DefaultsShown))
   g = sub.add_parser("generate", help="generate text from prompts")
   _add_model_args(g)
   _add_gamma_arg(g)

@@ -417,3 +417,21 @@ def test_mesh_settings_are_checked_before_loading(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--max-new-tokens", "4",
                "--mesh", "dp=1,tp=1"]) == 0
   assert "on {'dp': 1, 'tp': 1} cpu devices" in capsys.readouterr().err
+
+
+def test_version_and_defaults_in_help(capsys):
+  with pytest.raises(SystemExit) as done:
+    main(["--version"])
+  assert done.value.code == 0
+  assert capsys.readouterr().out.startswith("jspec ")
+  with pytest.raises(SystemExit):
+    main(["train-eagle", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert "(default: 7)" in text and "(default: eagle)" in text  # --ttt-steps, --network
+  assert "(default: None)" not in text
+
+
+def test_train_eagle_refuses_flags_of_the_other_network(capsys):
+  assert main(["train-eagle", "--out", "/nonexistent", "--data", "/nonexistent",
+               "--network", "eagle3", "--unroll", "1"]) == 2
+  assert "--unroll" in capsys.readouterr().err
