@@ -217,3 +217,12 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
     for s in range(steps):
       np.testing.assert_allclose(q[0, s], jax.nn.softmax(passes[s][0, j]), atol=2e-5,
                                  err_msg=f"chain after pair {j}, draft {s + 1}")
+
+
+def test_bench_round_components_time_an_eagle3_drafter(target, drafter):
+  import types
+  from jspec.bench.speed import round_components_s
+  model = types.SimpleNamespace(cfg=TARGET, params=target)
+  round_s, verify_s = round_components_s(model, drafter, gamma=3, prompt_len=8, cache_size=64,
+                                         repeats=2)
+  assert round_s > 0 and verify_s > 0
