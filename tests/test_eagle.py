@@ -10,13 +10,12 @@ import pytest
 from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
-from jspec.bench.profiling import CompileCounter
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import GREEDY
 from jspec.drafting.base import Features
 from jspec.drafting.feature import eagle_drafter
 from jspec.models.eagle import eagle_forward, head_logits, init_eagle
 from jspec.speculative.chain import SpecConfig, speculative_generate
-from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
+from tests.test_speculative import (assert_one_program, PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
                                     exact_distribution, sample_sequences)
 
 
@@ -133,14 +132,7 @@ def test_trimmed_sampling_is_lossless(tiny_target):
 
 
 def test_one_program_no_recompile(target, drafter):
-  spec = SpecConfig(gamma=3, max_new_tokens=12)
-  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
-  with CompileCounter() as counter:
-    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
-      jax.block_until_ready(speculative_generate(
-          target, TARGET, drafter, [prompt], spec=spec,
-          sampling=SamplingParams(temperature=temp), key=3))
-  assert counter.compiles == 0
+  assert_one_program(target, TARGET, drafter)
 
 
 def test_bench_round_components_time_a_feature_drafter(target, drafter):

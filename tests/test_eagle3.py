@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.bench.profiling import CompileCounter
 from jspec.drafting.base import Features
 from jspec.drafting.feature import EagleDrafter, eagle3_drafter
 from jspec.generate import generate
@@ -21,7 +20,7 @@ from jspec.models.llama import decoder_layer, forward, init_params, rope_tables
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
-from tests.test_speculative import PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
+from tests.test_speculative import assert_one_program, PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
     sample_sequences
 
 # Four layers: the taps are layers 1, 2, 3 (2, L/2, L-3 coincide on so few).
@@ -180,14 +179,7 @@ def test_sampling_is_lossless(tiny_target, monkeypatch, q_reported):
 
 
 def test_one_program_no_recompile(target, drafter):
-  spec = SpecConfig(gamma=3, max_new_tokens=12)
-  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
-  with CompileCounter() as counter:
-    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
-      jax.block_until_ready(speculative_generate(
-          target, TARGET, drafter, [prompt], spec=spec,
-          sampling=SamplingParams(temperature=temp), key=3))
-  assert counter.compiles == 0
+  assert_one_program(target, TARGET, drafter)
 
 
 def test_a_head_without_its_vocabulary_is_refused(target):

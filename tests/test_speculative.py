@@ -123,6 +123,18 @@ def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
   return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
 
 
+def assert_one_program(target, cfg: Config, drafter) -> None:
+  """New prompts (one bucket) and another temperature reuse the first call's compiled program."""
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  speculative_generate(target, cfg, drafter, [[1, 2, 3]], spec=spec)
+  with CompileCounter() as counter:
+    for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
+      jax.block_until_ready(speculative_generate(
+          target, cfg, drafter, [prompt], spec=spec,
+          sampling=SamplingParams(temperature=temp), key=3))
+  assert counter.compiles == 0
+
+
 def chi_square(codes: np.ndarray, probs: np.ndarray) -> tuple[float, int, bool]:
   """Pearson statistic with cells of expected count < 5 pooled; (stat, dof, passes)."""
   counts = np.bincount(codes, minlength=probs.size).astype(np.float64)
