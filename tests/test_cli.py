@@ -249,7 +249,7 @@ def test_ngram_drafter_names(tiny_model):
   assert (hybrid.n_min, hybrid.n_max) == (3, 5) and isinstance(hybrid.fallback, ModelDrafter)
   assert load_drafter("ngram+self", target).n_min == 2
   for bad, match in (("ngram:3", "ngram:N1-N2"), ("ngram:a-b", "ngram:N1-N2"),
-                     ("ngram:4-2", "n_min <= n_max"), ("ngram+", "after '\\+'"),
+                     ("ngram:4-2", "N1 <= N2"), ("ngram+", "after '\\+'"),
                      ("ngram+ngram", "after '\\+'"), ("ngram+bogus", "unknown drafter")):
     with pytest.raises(ValueError, match=match):
       load_drafter(bad, target)
@@ -431,7 +431,55 @@ def test_version_and_defaults_in_help(capsys):
   assert "(default: None)" not in text
 
 
-def test_train_eagle_refuses_flags_of_the_other_network(capsys):
-  assert main(["train-eagle", "--out", "/nonexistent", "--data", "/nonexistent",
+def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
+  assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
                "--network", "eagle3", "--unroll", "1"]) == 2
   assert "--unroll" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--drafter", "model:/nonexistent"], "drafter 'model:/nonexistent': no drafter at"),
+    (["generate", "--drafter", "ngram:3"], "ngram:N1-N2"),
+    (["generate", "--drafter", "early-exit:x"], "drafter 'early-exit:x': write early-exit:K"),
+    (["generate", "--drafter", "default@1.5"], "drafter 'default@1.5': @P takes a probability"),
+    (["generate", "--drafter", "bogus+ngram"], "unknown drafter"),
+    (["generate", "--prompt", "  "], "--prompt is empty"),
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--model", "/nonexistent.gguf"], "model '/nonexistent.gguf' not found"),
+    (["generate", "--drafter", "ngram", "--tree", "bogus:3"], "unknown tree method"),
+    (["generate", "--top-p", "0"], "top_p"),
+    (["bench", "--drafters", "ngram,mtp:9"], "mtp:K takes K = 1 .. 8"),
+    (["bench-tau", "--tree", "fixed:2", "--rounds", "0"], "--rounds must be at least 1"),
+    (["eval-drafter", "--drafters", "self,model:/nope", "--data", "."], "drafter 'model:/nope'"),
+    (["train-eagle", "--target", "default", "--out", "o", "--data", "/nonexistent:2"],
+     "--data /nonexistent:2: no directory '/nonexistent'"),
+    (["trim-vocab", "--drafter", "/nope", "--size", "4", "--out", "o"], "--drafter: model '/nope'"),
+])
+def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, message):
+  """Every argument a command can check without a model fails first, in one line naming the flag
+  (or the drafter), with no model loaded and nothing fetched (both patched to fail loudly)."""
+  import jspec.io.fetch
+  import jspec.model
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a model was loaded or fetched before the arguments were checked")
+  monkeypatch.setattr(jspec.model, "load", refuse)
+  monkeypatch.setattr(jspec.io.fetch, "fetch", refuse)
+  if argv[0] == "generate" and "--prompt" not in argv:
+    argv = argv + ["--prompt", "hello"]
+  assert main(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and err.count("\n") == 1, err
+
+
+def test_target_has_one_name_across_subcommands():
+  """--model everywhere, --target its alias (the training commands used to take only --target)."""
+  from jspec.cli import build_parser
+  parser = build_parser()
+  for argv in (["generate", "--prompt", "x"], ["bench"], ["bench-kv"], ["distill-data", "--out", "o"],
+               ["train-drafter", "--out", "o"], ["trim-vocab", "--drafter", "d", "--size", "2",
+                                                  "--out", "o"],
+               ["eval-drafter", "--drafters", "self", "--data", "d"],
+               ["train-eagle", "--out", "o", "--data", "d"]):
+    for flag in ("--model", "--target"):
+      assert parser.parse_args(argv + [flag, "m.gguf"]).model == "m.gguf", (argv, flag)

