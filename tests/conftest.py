@@ -32,3 +32,30 @@ def _free_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# `python -m pytest -m "not slow"`: the core checks in under 5 minutes on 2 cores (README): model
+# parity and loading, the engines' greedy identity (chains and trees), the verification rules and
+# their mutation controls, tree structure and attention, the kernels' reference parity, the CLI's
+# errors. Everything else is `slow` (the real default model, the statistical losslessness tests,
+# every drafter family's own file, KV budgets, multi-device runs, training, notebooks, benchmark
+# commands). CI runs everything.
+CORE_FILES = {"test_models.py", "test_generate.py", "test_speculative.py", "test_tree_engine.py",
+              "test_tree_verify.py", "test_tree_forward.py", "test_tree_attention.py",
+              "test_tree_structure.py", "test_verify.py", "test_key_similarity.py",
+              "test_losses.py", "test_gamma.py", "test_kernel_bench.py", "test_cli.py",
+              "test_numerics.py", "test_gguf_file.py", "test_ggufutil.py", "test_architecture.py",
+              "test_train_prompts.py", "test_data.py", "test_loading_errors.py",
+              "test_tokenizer.py", "test_bench.py"}
+SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_bench_",
+              "test_greedy_matches_reference", "test_int8_weights", "mask_token_probing",
+              "layer_skipping", "gamma_auto", "second_run_compiles_nothing", "a_tree_prints",
+              "under_a_kv_budget")
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    name = item.name.split("[")[0]
+    if (item.path.name not in CORE_FILES or any(part in name for part in SLOW_NAMES)
+        or item.name == "test_tree_forward_equals_path_forwards[8-xla]"):
+      item.add_marker(pytest.mark.slow)
