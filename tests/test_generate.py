@@ -25,12 +25,16 @@ def params():
 
 
 def reference_greedy(params, prompt, n):
-  """Greedy decoding by re-running the whole sequence each step (no cache reuse)."""
+  """Greedy decoding by re-running the whole sequence each step (no cache reuse). The sequence is
+  padded to its final length so one compiled forward serves every step: attention is causal, so
+  the padding after position t cannot change the logits at t."""
+  size = len(prompt) + n
+  run = jax.jit(lambda p, tokens: forward(p, CFG, tokens, jnp.arange(size)[None],
+                                          KVCache.init(CFG, 1, size))[0])
   seq = list(prompt)
   for _ in range(n):
-    cache = KVCache.init(CFG, 1, len(seq))
-    logits, _, _ = forward(params, CFG, jnp.asarray([seq]), jnp.arange(len(seq))[None], cache)
-    seq.append(int(jnp.argmax(logits[0, -1])))
+    logits = run(params, jnp.asarray([seq + [0] * (size - len(seq))]))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
   return seq[len(prompt):]
 
 

@@ -81,34 +81,3 @@ def test_03_trees_and_rsd():
   assert {t for t, *_ in taus} >= {"chain:4", "specinfer:3-2-1", "rsd-c:3-2-1", "rsd-s:3,5"}
   assert all(1.0 <= float(tau) <= 6.0 for _, tau, _ in taus)
   assert "rsd-c:3-2-1 minus specinfer:3-2-1" in text
-
-
-def test_04_train_a_drafter():
-  text = run("04_train_a_drafter.ipynb")
-  m = re.search(r"killed; checkpoints on disk at steps \[([\d, ]+)\] of (\d+)", text)
-  assert m, text
-  saved, steps = [int(s) for s in m.group(1).split(",")], int(m.group(2))
-  assert max(saved) < steps  # killed mid-way
-  m = re.search(r"resumed from step (\d+) -> finished at step (\d+)", text)
-  assert m and int(m.group(1)) == max(saved) and int(m.group(2)) == steps
-  assert "identical to plain decoding: True" in text
-
-
-def test_05_kv_cache_eviction():
-  text = run("05_kv_cache_eviction.ipynb")
-  budgeted = set(re.findall(r"keydiff budget \d+: ([\d.]+) MB", text))
-  assert len(budgeted) == 1  # the same memory for every prompt length
-  full = [float(x) for x in re.findall(r"full cache\s+([\d.]+) MB", text)]
-  assert full == sorted(full) and full[-1] > float(budgeted.pop())
-  assert re.search(r"a \d+-token prompt in \d+ cache slots", text)
-  assert re.search(r"passkey\s+keydiff\s+budget \d+\s+peak KV", text)
-  assert "identical to autoregressive under the same budget: True" in text
-
-
-def test_06_sharding():
-  text = run("06_sharding.ipynb")
-  assert "greedy       mesh == one device: True" in text
-  assert "ngram chain  mesh == one device: True" in text
-  assert "does not divide the model's attention heads" in text
-  m = re.search(r"'by_op': \{'all-reduce': (\d+)\}", text)
-  assert m and int(m.group(1)) == 2 * 30 + 1 + 1  # Megatron's 2L+1, plus the exit test
