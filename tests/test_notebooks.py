@@ -22,14 +22,8 @@ def run(name: str) -> str:
   first = "".join(nb.cells[1].source)
   assert "JSPEC_SOURCE" in first and "jax[tpu]" in first and "jax[cuda12]" in first
   env = {**os.environ, "JSPEC_NOTEBOOK_SMALL": "1", "JSPEC_COMPILATION_CACHE": "off"}
-  saved = dict(os.environ)
-  os.environ.update(env)  # the kernel inherits this process's environment
-  try:
-    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-  finally:
-    os.environ.clear()
-    os.environ.update(saved)
+  nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                          resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(env=env)
   text = []
   for cell in nb.cells:
     for out in cell.get("outputs", []):

@@ -21,9 +21,9 @@ from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
-from jspec.io.fetch import NAMED_MODELS, default_model_path
-from jspec.io.load import (DEFAULT, check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
-                           resolve_path)
+from jspec.io.fetch import default_model_path
+from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
+                           resolve_path, source_exists)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
@@ -206,14 +206,14 @@ def _self(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
 def _early_exit(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   if not 1 <= int(arg) < target.cfg.num_layers:
     raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got "
-                     f"{'early-exit' + ('' if arg is None else ':' + arg)!r}")
+                     f"'early-exit:{arg}'")
   return early_exit_drafter(target.params, target.cfg, int(arg))
 
 
 def _check_model_path(arg: str | None) -> None:
   if not arg:
     raise ValueError("model:PATH needs a path to a drafter (a .gguf file or a directory)")
-  if arg != DEFAULT and arg not in NAMED_MODELS and not Path(arg).expanduser().exists():
+  if not source_exists(arg):
     raise FileNotFoundError(f"no drafter at {arg!r} (no such file or directory). Fix: a .gguf "
                             f"file, an HF directory or a drafter directory written by jspec "
                             f"train-drafter / train-eagle (its drafter/ folder)")
@@ -223,14 +223,6 @@ def _check_model_path(arg: str | None) -> None:
                                  "the target's tokenizer", check=_check_model_path)
 def _model(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return load_model_drafter(arg, target, dtype)
-
-
-@register("ngram", "ngram[:N1-N2][+DRAFTER]",
-          "n-gram lookup on the context, longest suffix N2 down to N1, default 1-4; with "
-          "+DRAFTER the lookup where it matches and DRAFTER elsewhere, default 2-4, e.g. "
-          "ngram+default", takes_fallback=True, check=lambda arg: _ngram_sizes(arg))
-def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  return ngram_drafter(target.cfg.vocab_size, *_ngram_sizes(arg), fallback)
 
 
 def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
@@ -245,18 +237,26 @@ def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
   return int(lo), int(hi)
 
 
-@register("mtp", "mtp[:K]", "mask-token probing (ESP): the target's own logits at K mask "
-                           "positions after each verified token draft the next K tokens, in the "
-                           "same forward; no drafter model. K = 2 by default, chains of gamma <= K "
-                           "or trees at most K deep, e.g. --tree dynamic:8,2,1,4",
-          check=lambda arg: _mtp_masks(arg))
-def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
-  return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
+@register("ngram", "ngram[:N1-N2][+DRAFTER]",
+          "n-gram lookup on the context, longest suffix N2 down to N1, default 1-4; with "
+          "+DRAFTER the lookup where it matches and DRAFTER elsewhere, default 2-4, e.g. "
+          "ngram+default", takes_fallback=True, check=_ngram_sizes)
+def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  return ngram_drafter(target.cfg.vocab_size, *_ngram_sizes(arg), fallback)
 
 
 def _mtp_masks(arg: str | None) -> None:
   if arg is not None and not (arg.isdigit() and 1 <= int(arg) <= 8):
     raise ValueError(f"mtp:K takes K = 1 .. 8 mask positions per token, got 'mtp:{arg}'")
+
+
+@register("mtp", "mtp[:K]", "mask-token probing (ESP): the target's own logits at K mask "
+                           "positions after each verified token draft the next K tokens, in the "
+                           "same forward; no drafter model. K = 2 by default, chains of gamma <= K "
+                           "or trees at most K deep, e.g. --tree dynamic:8,2,1,4",
+          check=_mtp_masks)
+def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
 
 
 # What the target writes to calibrate a layer-skip draft on (its own greedy continuations).

