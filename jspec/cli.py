@@ -182,7 +182,8 @@ def cmd_generate(args) -> int:
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
         + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
-           + (f"tree {args.tree})" if args.tree else f"gamma {gamma})")
+           + (f"tree {args.tree or drafter.own_tree})"
+              if args.tree or drafter.own_tree is not None else f"gamma {gamma})")
            if drafter is not None else ")"), file=sys.stderr)
   return 0
 

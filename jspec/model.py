@@ -49,7 +49,8 @@ class Model:
                    precision: str = "fast", kv: KVPolicy | None = None,
                    draft_kv: KVPolicy | None = None) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
-    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"). precision:
+    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"; a drafter
+    with a tree of its own, lookahead's n-gram pool, grows that one). precision:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
     greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
     (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory; draft_kv: a
@@ -63,6 +64,7 @@ class Model:
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv,
                       mesh=self.mesh)
+    tree = drafter.own_tree if tree is None else tree  # a lookahead pool's n-gram tree
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,

@@ -421,12 +421,19 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
 
   specs = []
   for named, (run, extra) in zip(drafters, chain_runs):
-    spec = {"method": "jspec-speculative", "drafter": named.name, "gamma": gamma, **base,
-            **run.summary(), **extra, **_speculative_fields(run, gamma, ar_run, ar, sampling)}
+    own = named.drafter.own_tree  # a lookahead pool runs its own tree instead of a chain
+    shape = {"gamma": gamma} if own is None else {
+        "gamma": None, "tree": str(own), "tree_method": own.method,
+        "tree_nodes": own.num_nodes + 1, "tree_depth": own.max_depth,
+        "window_tokens": named.drafter.window_size}
+    spec = {"method": "jspec-speculative", "drafter": named.name, **shape, **base,
+            **run.summary(), **extra,
+            **_speculative_fields(run, gamma if own is None else own.max_depth, ar_run, ar,
+                                  sampling)}
     records.append(spec)
     specs.append((named, spec))
   for named, spec in specs:
-    for tree in trees:
+    for tree in trees if named.drafter.own_tree is None else ():  # lookahead: its own only
       # Each tree is its own program and is not run again: drop the compiled ones. A sweep of
       # ten large trees in one process otherwise ran out of memory maps in LLVM ("Cannot
       # allocate memory" with 20 GB free; vm.max_map_count is 65530 on the machine that hit it).
@@ -438,9 +445,10 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     if not (measure_overhead and measure_ttft):
       continue  # the overhead compares decode time per round, prefill timed apart
     d = named.drafter
-    if d.probe_masks or d.shares_target_cache or d.stops_early:
-      # Their rounds are not "propose gamma, then one (gamma + 1)-token forward": the masks ride
-      # in the verification, the draft runs in the target's cache, or the chain ends early.
+    if d.probe_masks or d.window_size or d.shares_target_cache or d.stops_early:
+      # Their rounds are not "propose gamma, then one (gamma + 1)-token forward": the masks or a
+      # lookahead window ride in the verification, the draft runs in the target's cache, or the
+      # chain ends early.
       continue
     # Engine overhead: a round's wall time against its model work alone.
     # Baseline at the median prompt's cache size, so attention costs the same in both.

@@ -60,6 +60,9 @@ class Features:
   # [B, k, E] at the k mask positions that followed the last accepted token (at prefill: the
   # last prompt token; None without a probe, e.g. a prefill under a KV budget).
   probe_hidden: Array | None = None
+  # Drafters with a lookahead window (Drafter.window_size = X > 0): the target's final-normed
+  # hidden states [B, X, E] at the window tokens of the round (None at prefill).
+  window_hidden: Array | None = None
 
 
 class DraftState:
@@ -113,6 +116,13 @@ class Drafter(abc.ABC):
   # Mask positions the target's verification forward appends after every block token for this
   # drafter (jspec.drafting.probe): 0 for drafters that run their own model or lookup.
   probe_masks: int = 0
+  # Tokens the target's verification forward runs after the block for this drafter, all
+  # following the root (a lookahead window, jspec.drafting.lookahead): `window_tokens(state)`
+  # [B, X] laid out by `window_pattern` (jspec.speculative.probing.window_layout); 0: none.
+  window_size: int = 0
+  # A tree shape the drafter grows by default (the engines use it when no tree or chain is
+  # asked for): a lookahead pool's n-grams.
+  own_tree = None
   # The target layers whose input residual stream `Features.hidden` carries, concatenated
   # (EAGLE-3's fused features); () : the final-normed hidden state.
   feature_layers: tuple[int, ...] = ()
@@ -148,6 +158,16 @@ class Drafter(abc.ABC):
   def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
     """[B, E]: the mask embedding of the masks the prefill appends (probing drafters only)."""
     raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
+
+  def window_tokens(self, state: DraftState) -> Array:
+    """[B, X]: the window tokens the next verification forward runs (window drafters only)."""
+    raise NotImplementedError(f"{type(self).__name__} has no lookahead window")
+
+  @property
+  def window_pattern(self):
+    """(visible [X, X] bool, offsets [X] int): which window tokens each sees, and its position
+    past the root's (numpy constants; window drafters only)."""
+    raise NotImplementedError(f"{type(self).__name__} has no lookahead window")
 
   def with_kv(self, policy, room: int) -> "Drafter":
     """This drafter with its KV cache under `policy` (a key-scored `jspec.kv.policy.KVPolicy`;

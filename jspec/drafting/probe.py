@@ -155,7 +155,11 @@ def probe_drafter(params: Params, cfg: Config, masks: int = 2) -> ProbeDrafter:
 def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
                       depth: int | None = None, kv=None) -> None:
   """Host-side: a chain of `gamma` drafts or a tree `depth` deep fits the probe's masks, and no
-  KV budget (masks would need the budget's slots and attention-mass bookkeeping)."""
+  KV budget (masks, or a lookahead window, would need the budget's slots and attention-mass
+  bookkeeping)."""
+  if drafter.window_size and kv is not None:
+    raise ValueError("lookahead decoding (--drafter lookahead) does not run under a KV budget: "
+                     "drop --kv-budget / kv=, or use a model or n-gram drafter")
   k = drafter.probe_masks
   if not k:
     return

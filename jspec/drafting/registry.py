@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 from jspec.drafting.base import Drafter, place_drafter
 from jspec.drafting.feature import eagle3_drafter, eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
+from jspec.drafting.lookahead import lookahead_drafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
@@ -257,6 +258,29 @@ def _mtp_masks(arg: str | None) -> None:
           check=_mtp_masks)
 def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return probe_drafter(target.params, target.cfg, 2 if arg is None else int(arg))
+
+
+def _lookahead_sizes(arg: str | None) -> tuple[int, int, int]:
+  if arg is None:
+    return 5, 4, 5
+  parts = arg.split(",")
+  if len(parts) != 3 or not all(p.isdigit() for p in parts):
+    raise ValueError(f"write lookahead:W,N,G (window, n-gram size, guess set), e.g. "
+                     f"lookahead:5,4,5; got 'lookahead:{arg}'")
+  width, ngram, guesses = (int(p) for p in parts)
+  if not (1 <= width <= 64 and 2 <= ngram <= 9 and 1 <= guesses <= 64):
+    raise ValueError(f"lookahead:W,N,G needs 1 <= W <= 64, 2 <= N <= 9, 1 <= G <= 64; got "
+                     f"'lookahead:{arg}'")
+  return width, ngram, guesses
+
+
+@register("lookahead", "lookahead[:W,N,G]",
+          "lookahead decoding (Jacobi iterations + an n-gram pool): the target's own window of "
+          "W columns x N - 1 levels runs in each verification forward, and up to G pooled "
+          "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5,4,5",
+          check=_lookahead_sizes)
+def _lookahead(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  return lookahead_drafter(target.params, target.cfg, *_lookahead_sizes(arg))
 
 
 # What the target writes to calibrate a layer-skip draft on (its own greedy continuations).

@@ -27,7 +27,8 @@ from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, initial_state)
-from jspec.speculative.probing import causal, mask_inputs, probe_hidden, probe_layout
+from jspec.speculative.probing import (causal, mask_inputs, probe_hidden, probe_layout,
+                                      window_layout)
 
 Array = jax.Array
 
@@ -84,15 +85,21 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       mask, positions = probe_layout(causal(B, G + 1), positions, k)
       masks = mask_inputs(drafter.probe_embedding(draft), G + 1, k)
       heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
+    X, tokens_in = drafter.window_size, block
+    if X:  # the drafter's lookahead window after the block, following the root
+      B = block.shape[0]
+      mask, positions = window_layout(causal(B, G + 1), positions, *drafter.window_pattern)
+      tokens_in = jnp.concatenate([block, drafter.window_tokens(draft)], axis=1)
+      heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
     cache_in, weights = target_cache.with_lengths(start), None
     if kv is not None:
       cache_in = s.cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
         cache_in, weights = block_mass(s.cache, G + 1)
     taps = drafter.feature_layers
-    wide = lambda: forward(params, cfg, block, positions, cache_in, mask, mass_weights=weights,
+    wide = lambda: forward(params, cfg, tokens_in, positions, cache_in, mask, mass_weights=weights,
                            appended=masks, logits_indices=heads, taps=taps)
-    if cut is not None and weights is None and not k:
+    if cut is not None and weights is None and not k and not X:
       # No row drafted anything: a one-token step (outputs padded to the block) costs what
       # autoregressive decoding does instead of a (G + 1)-token forward.
       def narrow():
@@ -132,7 +139,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     probes = probe_hidden(hidden, G + 1, k, n_acc) if k else None  # after the last accepted
     return dataclasses.replace(new, draft=drafter.update(
         draft, new.seq_len, Features(hidden=hidden[:, :G + 1], tokens=emitted, start=start,
-                                     probe_hidden=probes)))
+                                     probe_hidden=probes,
+                                     window_hidden=hidden[:, G + 1:] if X else None)))
 
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
@@ -196,10 +204,12 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks),
+                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks) + drafter.window_size,
                     reserve_for="gamma + 1 (the draft block"
-                                + (f" and its {drafter.probe_masks} masks a token)"
-                                   if drafter.probe_masks else ")"))
+                                + (f" and its {drafter.probe_masks} masks a token"
+                                   if drafter.probe_masks else "")
+                                + (f" and a lookahead window of {drafter.window_size}"
+                                   if drafter.window_size else "") + ")")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
   drafter = place_drafter(drafter, placement, params, placed)
   return _spec_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,

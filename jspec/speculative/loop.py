@@ -205,6 +205,10 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
   if taps and not all(0 <= i < cfg.num_layers for i in taps):
     raise ValueError(f"the drafter reads the target's layers {taps}, but the target has "
                      f"{cfg.num_layers}: it was made for another target model")
+  if drafter.window_size and (taps or drafter.probe_masks):
+    raise ValueError("a drafter with a lookahead window cannot also read tapped layers or probe "
+                     "with mask positions: the verification forward runs one kind of extra "
+                     "positions")
   if taps and drafter.probe_masks:
     raise ValueError("a drafter cannot both read tapped layers (feature_layers) and probe with "
                      "mask positions (probe_masks): the verification forward gives one or the "

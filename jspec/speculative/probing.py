@@ -1,4 +1,5 @@
-"""Mask positions in a verification forward, for probing drafters (jspec.drafting.probe).
+"""Positions a drafter has the verification forward run beside the block: mask positions for
+probing drafters (jspec.drafting.probe), a lookahead window (jspec.drafting.lookahead).
 
 A drafter with `probe_masks = k > 0` has the engine append k mask positions after EVERY token of
 the verification block (root and draft nodes; ESP, 2603.17942), so whichever token turns out to be
@@ -11,6 +12,10 @@ the last accepted one, the k masks that followed it were scored in the same forw
 No block token sees a mask, so the block's logits are exactly what they are without masks, and
 the masks' KV entries sit in the slots after the block's, which the engines never commit (a round
 commits accepted block tokens only and sets the cache length to them).
+
+A lookahead window (`window_layout`) is X more tokens after the block, all following the root:
+they see what the root sees and the root, and among themselves what the drafter's pattern says;
+like masks, no block token sees them and their KV entries are never committed.
 
 The prefill probes too (`prefill_layout`): k masks after each row's last prompt token, so the
 first round drafts from the prompt like every later one does from its last accepted token.
@@ -36,6 +41,22 @@ def probe_layout(block_mask: Array, positions: Array, k: int) -> tuple[Array, Ar
   bottom = jnp.concatenate([seen_block, jnp.broadcast_to(own, (B, T * k, T * k))], axis=2)
   mask = jnp.concatenate([top, bottom], axis=1)
   return mask, jnp.concatenate([positions, positions[:, owner] + step], axis=1)
+
+
+def window_layout(block_mask: Array, positions: Array, visible, offsets
+                  ) -> tuple[Array, Array]:
+  """(mask [B, T + X, T + X], positions [B, T + X]) of the block [B, T] (visibility
+  `block_mask` [B, T, T], RoPE `positions` [B, T]) followed by X window tokens: window token i
+  at the root's position + offsets[i] ([X] ints), seeing the root's view of the block and the
+  window tokens visible[i] ([X, X] bool) marks."""
+  B, T = positions.shape
+  visible, offsets = jnp.asarray(visible, bool), jnp.asarray(offsets, jnp.int32)
+  X = offsets.shape[0]
+  top = jnp.concatenate([block_mask, jnp.zeros((B, T, X), bool)], axis=2)
+  bottom = jnp.concatenate([jnp.broadcast_to(block_mask[:, :1], (B, X, T)),
+                            jnp.broadcast_to(visible, (B, X, X))], axis=2)
+  return (jnp.concatenate([top, bottom], axis=1),
+          jnp.concatenate([positions, positions[:, :1] + offsets[None]], axis=1))
 
 
 def causal(B: int, T: int) -> Array:

@@ -40,7 +40,7 @@ from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, check_tree_target, initial_state)
-from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout
+from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout, window_layout
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -113,6 +113,7 @@ class TreeRound:
   hidden: Array  # [B, N + 1, E] the target's hidden states over [root, nodes]
   # Probing drafters: [B, (N + 1)(1 + k), E], the block's and then the k masks of each block token
   probed: Array | None
+  window: Array | None  # window drafters: [B, X, E] at the lookahead window's tokens
   path: Array  # [B, D] the accepted path (node indices, -1 padded)
   n_acc: Array  # [B] its length
   next_token: Array  # [B] the target's token after it
@@ -136,16 +137,22 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
     mask, positions = probe_layout(mask, positions, k)
     masks = mask_inputs(drafter.probe_embedding(drafted), T, k)
     heads = jnp.broadcast_to(jnp.arange(T), (B, T))
+  X, tokens_in = drafter.window_size, block
+  if X:  # the drafter's lookahead window after the block, following the root
+    mask, positions = window_layout(mask, positions, *drafter.window_pattern)
+    tokens_in = jnp.concatenate([block, drafter.window_tokens(drafted)], axis=1)
+    heads = jnp.broadcast_to(jnp.arange(T), (B, T))
   cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
   if kv is not None and kv.needs_attention:
     cache_in, weights = block_mass(s.cache, T)
-  target_logits, hidden, cache = forward(params, cfg, block, positions, cache_in, mask,
+  target_logits, hidden, cache = forward(params, cfg, tokens_in, positions, cache_in, mask,
                                          mass_weights=weights, appended=masks,
                                          logits_indices=heads,
                                          taps=drafter.feature_layers)  # [B, N + 1, V]
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden[:, :T],
-                   probed=hidden if k else None, path=path, n_acc=n_acc, next_token=nxt,
+                   probed=hidden if k else None, window=hidden[:, T:] if X else None,
+                   path=path, n_acc=n_acc, next_token=nxt,
                    target_logits=target_logits)
 
 
@@ -214,7 +221,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
       end = jnp.take_along_axis(on_path, n_acc[:, None], axis=1)[:, 0]
       probes = probe_hidden(r.probed, spec.tree_nodes, drafter.probe_masks, end)
     features = Features(hidden=take(r.hidden, on_path), tokens=emitted, start=s.seq_len - 1,
-                        probe_hidden=probes)
+                        probe_hidden=probes, window_hidden=r.window)
     return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, n_acc,
                                                               s.seq_len, features))
 
@@ -286,10 +293,12 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k)),
+                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k) + drafter.window_size),
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round"
-                                + (f", {k} masks after each)" if k else ")"))
+                                + (f", {k} masks after each" if k else "")
+                                + (f", a lookahead window of {drafter.window_size}"
+                                   if drafter.window_size else "") + ")")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
   drafter = place_drafter(drafter, placement, params, placed)
   return _tree_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,

@@ -14,6 +14,8 @@
                      depth = clip(ceil(log2 N), 2, 8) and beam = top_k = clip(round(sqrt N), 2, 10)
                      (N = 60: depth 6, beam = top_k = 8, near the paper's 6 / 10 / 60);
                      `dynamic:N,D,B,K` sets depth D, beam B and top_k K.
+  pool:G,D           up to G n-grams of D tokens from a drafter's n-gram pool (lookahead
+                     decoding), merged into one tree; only such a drafter grows it
 
 Each shape is static and hashable and has `method`, `num_nodes` (N), `max_depth` (D), `fed_nodes`
 (nodes the drafter feeds per round: those it expands), `widest` (most distinct children asked of
@@ -186,9 +188,49 @@ class DynamicTree:
     return f"dynamic:{self.budget},{self.depth},{self.beam},{self.top_k}"
 
 
-TreeShape = BranchingTree | BeamTree | DynamicTree
+@dataclasses.dataclass(frozen=True)
+class PoolTree:
+  """Up to `candidates` n-grams of `depth` tokens that follow the root, taken from a drafter's
+  n-gram pool (lookahead decoding, jspec.drafting.lookahead) and merged into one tree: a drafter
+  that keeps such a pool draws it in its own `draft_tree`; no frontier is scored."""
+
+  candidates: int
+  depth: int
+  method = "pool"
+  greedy_variant = False
+  reindexes = True  # shared prefixes are merged after the n-grams are laid out
+
+  def __post_init__(self):
+    _positive_ints("pool candidates and depth", (self.candidates, self.depth))
+
+  @property
+  def num_nodes(self) -> int:
+    return self.candidates * self.depth
+
+  @property
+  def max_depth(self) -> int:
+    return self.depth
+
+  @property
+  def fed_nodes(self) -> int:
+    return 0
+
+  @property
+  def widest(self) -> int:
+    return self.candidates
+
+  def draft(self, key, next_logits, batch, vocab, sampling, *, greedy: bool) -> Tree:
+    raise ValueError(f"tree {self} holds n-grams from a pool: only a drafter that keeps one "
+                     f"(--drafter lookahead) drafts it")
+
+  def __str__(self) -> str:
+    return f"pool:{self.candidates},{self.depth}"
+
+
+TreeShape = BranchingTree | BeamTree | DynamicTree | PoolTree
 TREE_HELP = ("chain:D, fixed:B1-B2-..., specinfer:B1-B2-..., rsd-c:B1-B2-... (children per depth), "
-             "rsd-s:W,D (beam, depth), dynamic:N or dynamic:N,DEPTH,BEAM,TOP_K (node budget)")
+             "rsd-s:W,D (beam, depth), dynamic:N or dynamic:N,DEPTH,BEAM,TOP_K (node budget), "
+             "pool:G,D (G n-grams of D tokens: --drafter lookahead)")
 
 
 def parse_tree(text: str) -> TreeShape:
@@ -224,6 +266,11 @@ def parse_tree(text: str) -> TreeShape:
     if len(shape) != 4:
       raise ValueError(f"tree {text!r}: dynamic takes N or N,DEPTH,BEAM,TOP_K, e.g. dynamic:60")
     return DynamicTree(*shape)
+  if method == "pool":
+    shape = ints(",")
+    if len(shape) != 2:
+      raise ValueError(f"tree {text!r}: pool takes G,D (n-grams, their length), e.g. pool:5,3")
+    return PoolTree(*shape)
   raise ValueError(f"unknown tree method {method!r} in {text!r}; expected one of: {TREE_HELP}")
 
 

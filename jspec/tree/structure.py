@@ -161,22 +161,29 @@ def merge(a: Tree, b: Tree) -> Tree:
   the root q of `a`; a path present in both keeps a's node and q. Labelled Siblings.FIXED.
   """
   Na = a.num_nodes
-  tokens = jnp.concatenate([a.tokens, b.tokens], 1)  # [B, M]
-  parents = jnp.concatenate([a.parents, jnp.where(b.parents >= 0, b.parents + Na, -1)], 1)
-  depth = jnp.concatenate([a.depth, b.depth], 1)
-  valid = jnp.concatenate([a.valid, b.valid], 1)
-  cat = Tree(tokens=tokens, parents=parents, depth=depth, valid=valid,
+  cat = Tree(tokens=jnp.concatenate([a.tokens, b.tokens], 1),
+             parents=jnp.concatenate([a.parents, jnp.where(b.parents >= 0, b.parents + Na, -1)], 1),
+             depth=jnp.concatenate([a.depth, b.depth], 1),
+             valid=jnp.concatenate([a.valid, b.valid], 1),
              q=jnp.concatenate([a.q, b.q[:, 1:]], 1), max_depth=max(a.max_depth, b.max_depth),
              siblings=Siblings.FIXED)
-  # canon[i]: the lowest node with i's token path. Iteration t settles the nodes of depth <= t.
+  return dedupe(cat)
+
+
+def dedupe(tree: Tree) -> Tree:
+  """Each distinct root-to-node token path once: a node whose path an earlier node already has
+  is dropped and its children hang below that earlier node. The result keeps N slots (valid
+  nodes first, in topological order) and is labelled Siblings.FIXED."""
+  tokens, parents, depth, valid = tree.tokens, tree.parents, tree.depth, tree.valid
   M = tokens.shape[1]
   same = (valid[:, :, None] & valid[:, None, :] & (tokens[:, :, None] == tokens[:, None, :])
           & (depth[:, :, None] == depth[:, None, :]))  # [B, M, M]
+  # canon[i]: the lowest node with i's token path. Iteration t settles the nodes of depth <= t.
   canon = jnp.where(valid, jnp.arange(M, dtype=jnp.int32), -1)
-  for _ in range(cat.max_depth):
+  for _ in range(tree.max_depth):
     cpar = jnp.where(valid & (parents >= 0), take(canon, parents), -1)  # [B, M]
     canon = jnp.where(valid, jnp.argmax(same & (cpar[:, :, None] == cpar[:, None, :]), axis=-1),
                       -1).astype(jnp.int32)
   cpar = jnp.where(valid & (parents >= 0), take(canon, parents), -1)
   keep = valid & (canon == jnp.arange(M))
-  return _compact(cat, keep, cpar, M, Siblings.FIXED)
+  return _compact(tree, keep, cpar, M, Siblings.FIXED)
