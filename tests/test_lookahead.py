@@ -246,8 +246,8 @@ def test_one_program_no_recompile(target):
      "only a drafter that keeps one"),
     (lambda t: lookahead_drafter(t, TARGET, 0, 3, 2), "window W to be an integer >= 1"),
     (lambda t: lookahead_drafter(t, TARGET, 3, 1, 2), "n-gram size N to be an integer >= 2"),
-    (lambda t: parse_drafter("lookahead:5,4"), "write lookahead:W,N,G"),
-    (lambda t: parse_drafter("lookahead:5,12,5"), "2 <= N <= 9"),
+    (lambda t: parse_drafter("lookahead:5,4,5"), "write lookahead:W-N-G"),
+    (lambda t: parse_drafter("lookahead:5-12-5"), "2 <= N <= 9"),
 ])
 def test_bad_settings_are_refused(target, make, match):
   with pytest.raises(ValueError, match=match):

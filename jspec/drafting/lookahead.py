@@ -176,7 +176,7 @@ class LookaheadDrafter(Drafter):
     if gamma > self.levels:
       raise ValueError(f"a chain of {gamma} drafts needs n-grams of {gamma + 1} tokens; this "
                        f"lookahead keeps {self.ngram}. Fix: gamma <= {self.levels}, or "
-                       f"lookahead:{self.width},{gamma + 1},{self.guesses}")
+                       f"lookahead:{self.width}-{gamma + 1}-{self.guesses}")
     if pick is not None:
       raise ValueError("lookahead decoding cannot sit behind another drafter's lookup")
     grams, valid = candidates(state, last2[:, 1])

@@ -263,21 +263,21 @@ def _mtp(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
 def _lookahead_sizes(arg: str | None) -> tuple[int, int, int]:
   if arg is None:
     return 5, 4, 5
-  parts = arg.split(",")
+  parts = arg.split("-")
   if len(parts) != 3 or not all(p.isdigit() for p in parts):
-    raise ValueError(f"write lookahead:W,N,G (window, n-gram size, guess set), e.g. "
-                     f"lookahead:5,4,5; got 'lookahead:{arg}'")
+    raise ValueError(f"write lookahead:W-N-G (window, n-gram size, guess set), e.g. "
+                     f"lookahead:5-4-5; got 'lookahead:{arg}'")
   width, ngram, guesses = (int(p) for p in parts)
   if not (1 <= width <= 64 and 2 <= ngram <= 9 and 1 <= guesses <= 64):
-    raise ValueError(f"lookahead:W,N,G needs 1 <= W <= 64, 2 <= N <= 9, 1 <= G <= 64; got "
+    raise ValueError(f"lookahead:W-N-G needs 1 <= W <= 64, 2 <= N <= 9, 1 <= G <= 64; got "
                      f"'lookahead:{arg}'")
   return width, ngram, guesses
 
 
-@register("lookahead", "lookahead[:W,N,G]",
+@register("lookahead", "lookahead[:W-N-G]",
           "lookahead decoding (Jacobi iterations + an n-gram pool): the target's own window of "
           "W columns x N - 1 levels runs in each verification forward, and up to G pooled "
-          "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5,4,5",
+          "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5-4-5",
           check=_lookahead_sizes)
 def _lookahead(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return lookahead_drafter(target.params, target.cfg, *_lookahead_sizes(arg))
