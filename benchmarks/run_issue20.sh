@@ -54,3 +54,12 @@ for ds in mt-bench humaneval; do
     --tree dynamic:2,1,1,2,dynamic:4,1,1,4,dynamic:8,1,1,8,dynamic:16,1,1,16 \
     --json benchmarks/issue20_native_mtp_trees_${ds}_t0_cpu.json
 done
+# Session 25: lookahead decoding (its own pool tree), side by side with AR, the lookup and probing,
+# greedy and T=1 on both sets; three window shapes (W-N-G) beside the default 5-4-5.
+for ds in mt-bench humaneval; do
+  for t in 0 1; do
+    run --dataset $ds $COMMON --temperature $t \
+      --drafters ngram,mtp:3,lookahead:2-3-2,lookahead:3-3-3,lookahead,lookahead:7-5-7 \
+      --gamma 3 --json benchmarks/issue20_lookahead_${ds}_t${t}_cpu.json
+  done
+done
