@@ -244,6 +244,8 @@ def test_one_program_no_recompile(target):
                                          PROMPTS[:1],
                                          spec=TreeSpecConfig("pool:2,2", max_new_tokens=4)),
      "only a drafter that keeps one"),
+    (lambda t: ngram_drafter(TARGET.vocab_size, fallback=lookahead_drafter(t, TARGET)),
+     "cannot front lookahead decoding"),
     (lambda t: lookahead_drafter(t, TARGET, 0, 3, 2), "window W to be an integer >= 1"),
     (lambda t: lookahead_drafter(t, TARGET, 3, 1, 2), "n-gram size N to be an integer >= 2"),
     (lambda t: parse_drafter("lookahead:5,4,5"), "write lookahead:W-N-G"),

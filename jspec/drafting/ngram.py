@@ -141,6 +141,10 @@ class NgramDrafter(Drafter):
       raise ValueError(f"the n-gram lookup falls back to a drafter that is not itself a lookup "
                        f"(default, self, early-exit:K, model:DIR); got "
                        f"{type(self.fallback).__name__}")
+    if self.fallback is not None and self.fallback.window_size:
+      raise ValueError("the n-gram lookup cannot front lookahead decoding (its window rides in "
+                       "the target's verification forward, and its pool already holds n-grams): "
+                       "use --drafter lookahead alone")
 
   @property
   def vocab_size(self) -> int:
