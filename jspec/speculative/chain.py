@@ -27,8 +27,7 @@ from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, initial_state)
-from jspec.speculative.probing import (causal, mask_inputs, probe_hidden, probe_layout,
-                                      window_layout)
+from jspec.speculative.probing import probe_hidden, verification_inputs
 
 Array = jax.Array
 
@@ -79,18 +78,10 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     block = jnp.concatenate([s.last2[:, 1:], drafts], axis=1)  # [B, G + 1]
     start = s.seq_len - 1
     positions = start[:, None] + jnp.arange(G + 1, dtype=jnp.int32)
-    mask, masks, heads = None, None, None
-    if k:  # k masks after each block token; logits of the block only
-      B = block.shape[0]
-      mask, positions = probe_layout(causal(B, G + 1), positions, k)
-      masks = mask_inputs(drafter.probe_embedding(draft), G + 1, k)
-      heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
-    X, tokens_in = drafter.window_size, block
-    if X:  # the drafter's lookahead window after the block, following the root
-      B = block.shape[0]
-      mask, positions = window_layout(causal(B, G + 1), positions, *drafter.window_pattern)
-      tokens_in = jnp.concatenate([block, drafter.window_tokens(draft)], axis=1)
-      heads = jnp.broadcast_to(jnp.arange(G + 1), (B, G + 1))
+    # A probing drafter's masks after each block token, or a lookahead window after the root.
+    tokens_in, mask, positions, masks, heads = verification_inputs(drafter, draft, block, None,
+                                                                   positions)
+    X = drafter.window_size
     cache_in, weights = target_cache.with_lengths(start), None
     if kv is not None:
       cache_in = s.cache

@@ -59,6 +59,27 @@ def window_layout(block_mask: Array, positions: Array, visible, offsets
           jnp.concatenate([positions, positions[:, :1] + offsets[None]], axis=1))
 
 
+def verification_inputs(drafter, state, block: Array, block_mask: Array | None,
+                        positions: Array):
+  """(tokens, mask, positions, appended, logits_indices) of the verification forward over
+  `block` [B, T] (visibility `block_mask` [B, T, T], None: causal; RoPE `positions` [B, T]) with
+  what `drafter` (a jspec.drafting.base.Drafter, its loop state `state`) has ride along: k probe
+  masks after every block token (`appended` embeddings), or a lookahead window after the root
+  (more tokens). Logits are then read at the block only. Without either, the block as it is."""
+  B, T = block.shape
+  k, X = drafter.probe_masks, drafter.window_size
+  if not (k or X):
+    return block, block_mask, positions, None, None
+  block_mask = causal(B, T) if block_mask is None else block_mask
+  heads = jnp.broadcast_to(jnp.arange(T), (B, T))
+  if k:
+    mask, positions = probe_layout(block_mask, positions, k)
+    return block, mask, positions, mask_inputs(drafter.probe_embedding(state), T, k), heads
+  mask, positions = window_layout(block_mask, positions, *drafter.window_pattern)
+  return (jnp.concatenate([block, drafter.window_tokens(state)], axis=1), mask, positions, None,
+          heads)
+
+
 def causal(B: int, T: int) -> Array:
   """[B, T, T]: a chain block's visibility."""
   return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))

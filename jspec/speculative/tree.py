@@ -40,7 +40,7 @@ from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
                                     check_shared_cache, check_tree_target, initial_state)
-from jspec.speculative.probing import mask_inputs, probe_hidden, probe_layout, window_layout
+from jspec.speculative.probing import probe_hidden, verification_inputs
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -131,17 +131,11 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
   start = s.seq_len - 1
   positions = jnp.concatenate([start[:, None], node_positions(tree, s.seq_len)], axis=1)
-  mask, masks, heads, k = verification_mask(tree), None, None, drafter.probe_masks
-  B, T = block.shape
-  if k:  # k masks after the root and after every node; logits of the block only
-    mask, positions = probe_layout(mask, positions, k)
-    masks = mask_inputs(drafter.probe_embedding(drafted), T, k)
-    heads = jnp.broadcast_to(jnp.arange(T), (B, T))
-  X, tokens_in = drafter.window_size, block
-  if X:  # the drafter's lookahead window after the block, following the root
-    mask, positions = window_layout(mask, positions, *drafter.window_pattern)
-    tokens_in = jnp.concatenate([block, drafter.window_tokens(drafted)], axis=1)
-    heads = jnp.broadcast_to(jnp.arange(T), (B, T))
+  # A probing drafter's masks after the root and every node, or a lookahead window after the root.
+  tokens_in, mask, positions, masks, heads = verification_inputs(
+      drafter, drafted, block, verification_mask(tree), positions)
+  T = block.shape[1]
+  k, X = drafter.probe_masks, drafter.window_size
   cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
   if kv is not None and kv.needs_attention:
     cache_in, weights = block_mass(s.cache, T)
