@@ -290,9 +290,13 @@ def cmd_train_eagle(args) -> int:
 
   from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, train_eagle3
 
-  other = ({"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
-            "--noise": args.noise != 0.0} if args.network == "eagle3" else
-           {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8})
+  eagle1 = {"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
+            "--noise": args.noise != 0.0}
+  ttt = {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8}
+  confu = {"--anchors": args.anchors != 32, "--experts": args.experts != 4,
+           "--expert-top-k": args.expert_top_k != 2, "--soft-tokens": args.soft_tokens != 2}
+  other = {"eagle": {**ttt, **confu}, "eagle3": {**eagle1, **confu},
+           "confu": eagle1}[args.network]
   ignored = [flag for flag, given in other.items() if given]
   if ignored:
     raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
@@ -302,7 +306,16 @@ def cmd_train_eagle(args) -> int:
                            grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                            warmup_steps=min(args.warmup_steps, args.steps), seed=args.seed,
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
-  if args.network == "eagle3":
+  if args.network == "confu":
+    from jspec.train.confu import ConFuLoss, ConFuRecipe, train_confu
+    recipe = ConFuRecipe(
+        data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
+        train=tc, experts=args.experts, expert_top_k=args.expert_top_k,
+        soft_tokens=args.soft_tokens,
+        loss=ConFuLoss(ttt=Eagle3Loss(steps=args.ttt_steps, decay=args.ttt_decay),
+                       anchors=args.anchors))
+    out = train_confu(target, args.out, recipe, command=_command())
+  elif args.network == "eagle3":
     recipe = Eagle3Recipe(data_dirs=tuple(args.data), vocab_trim=args.vocab_trim,
                           save_dtype=args.save_dtype, train=tc,
                           loss=Eagle3Loss(steps=args.ttt_steps, decay=args.ttt_decay))
@@ -670,13 +683,23 @@ def build_parser() -> argparse.ArgumentParser:
                                          "layers', with training-time test) on distillation "
                                          "data")
   g.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
-  g.add_argument("--network", choices=["eagle", "eagle3"], default="eagle",
+  g.add_argument("--network", choices=["eagle", "eagle3", "confu"], default="eagle",
                  help="eagle: EAGLE-1 (final hidden state, feature regression + KL); eagle3: "
-                      "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head)")
+                      "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head); "
+                      "confu: EAGLE-3 + ConFu's contemplate tokens, soft prompt and MoE, "
+                      "trained through the frozen target")
   g.add_argument("--ttt-steps", type=int, default=7,
-                 help="eagle3: training-time-test passes (drafts 1..N of a chain)")
+                 help="eagle3, confu: training-time-test passes (drafts 1..N of a chain)")
   g.add_argument("--ttt-decay", type=float, default=0.8,
-                 help="eagle3: pass s weighs decay**s")
+                 help="eagle3, confu: pass s weighs decay**s")
+  g.add_argument("--anchors", type=int, default=32,
+                 help="confu: contemplate tokens (anchors) per training row")
+  g.add_argument("--experts", type=int, default=4,
+                 help="confu: contemplate-token experts the router mixes")
+  g.add_argument("--expert-top-k", type=int, default=2,
+                 help="confu: experts mixed per contemplate token")
+  g.add_argument("--soft-tokens", type=int, default=2,
+                 help="confu: soft prompt tokens the contemplate tokens see")
   g.add_argument("--out", type=Path, required=True,
                  help="output directory: features/ (the target's hidden states), work/ "
                       "(checkpoints) and drafter/; rerunning the same command resumes")

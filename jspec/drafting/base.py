@@ -57,8 +57,9 @@ class Features:
   tokens: Array  # [B, W] int32
   start: Array  # [B] int32
   # Probing drafters (Drafter.probe_masks = k > 0): the target's final-normed hidden states
-  # [B, k, E] at the k mask positions that followed the last accepted token (at prefill: the
-  # last prompt token; None without a probe, e.g. a prefill under a KV budget).
+  # [B, k, E] (or its `feature_layers`, as `hidden`) at the k mask positions that followed the
+  # last accepted token (at prefill: the last prompt token; None without a probe, e.g. a prefill
+  # under a KV budget).
   probe_hidden: Array | None = None
   # Drafters with a lookahead window (Drafter.window_size = X > 0): the target's final-normed
   # hidden states [B, X, E] at the window tokens of the round (None at prefill).
@@ -116,6 +117,12 @@ class Drafter(abc.ABC):
   # Mask positions the target's verification forward appends after every block token for this
   # drafter (jspec.drafting.probe): 0 for drafters that run their own model or lookup.
   probe_masks: int = 0
+  # Whether each mask's logits are a draft (mask-token probing: chains and trees at most
+  # probe_masks deep) rather than a signal a drafter model reads (ConFu).
+  drafts_from_masks: bool = False
+  # Soft prompt tokens the verification forward runs after the masks (ConFu,
+  # jspec.drafting.confu): every mask sees them, no block token does; 0: none.
+  soft_tokens: int = 0
   # Tokens the target's verification forward runs after the block for this drafter, all
   # following the root (a lookahead window, jspec.drafting.lookahead): `window_tokens(state)`
   # [B, X] laid out by `window_pattern` (jspec.speculative.probing.window_layout); 0: none.
@@ -158,6 +165,18 @@ class Drafter(abc.ABC):
   def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
     """[B, E]: the mask embedding of the masks the prefill appends (probing drafters only)."""
     raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
+
+  def probe_inputs(self, state: DraftState, block: Array) -> Array:
+    """[B, T k + soft_tokens, E]: the input embeddings of the masks after each token of `block`
+    [B, T] (owner-major), then of the soft prompt. By default one mask embedding for all."""
+    from jspec.speculative.probing import mask_inputs
+    return mask_inputs(self.probe_embedding(state), block.shape[1], self.probe_masks)
+
+  def prompt_probe_inputs(self, prompt: Array, prompt_lengths: Array) -> Array:
+    """[B, k + soft_tokens, E]: the input embeddings of what the prefill appends after each
+    prompt's last token. By default the prompt's mask embedding k times."""
+    emb = self.prompt_probe_embedding(prompt, prompt_lengths)
+    return jnp.broadcast_to(emb[:, None], (emb.shape[0], self.probe_masks, emb.shape[1]))
 
   def window_tokens(self, state: DraftState) -> Array:
     """[B, X]: the window tokens the next verification forward runs (window drafters only)."""

@@ -78,28 +78,40 @@ class EagleDrafter(HeadDrafter):
       return eagle3.fuse(self.params, hidden)
     return hidden.astype(self.params.fc.dtype)
 
-  def _pairs(self, state: EagleState, features: Features, known: Array) -> EagleState:
+  def _fed(self, state: EagleState, feats: Array) -> Array:
+    """The drafter's own features [B, W, E] as a round feeds them back (ConFu adds its
+    contemplate signal)."""
+    return feats
+
+  def _pairs(self, state: EagleState, features: Features, known: Array,
+             add: Array | None = None) -> EagleState:
     """Pairs (features.hidden[:, i], features.tokens[:, i]) at positions start + i written over
-    the drafted ones; rows keep i < known [B] of them (rows that kept nothing stay as they were)."""
+    the drafted ones; rows keep i < known [B] of them (rows that kept nothing stay as they were).
+    `add` [B, W, E]: added to the pairs' target features."""
     W = features.tokens.shape[1]
     start = features.start
     cache = state.cache.with_lengths(start)
     positions = start[:, None] + jnp.arange(W, dtype=jnp.int32)
-    pred, cache = self._forward(features.tokens, self._target_feats(features.hidden), positions,
-                                cache)
+    feats = self._target_feats(features.hidden)
+    if add is not None:
+      feats = feats + add.astype(feats.dtype)
+    pred, cache = self._forward(features.tokens, feats, positions, cache)
     last = jnp.take_along_axis(pred, jnp.maximum(known - 1, 0)[:, None, None], axis=1)[:, 0]
     kept = known > 0
-    return EagleState(cache=cache.with_lengths(jnp.where(kept, start + known,
-                                                         state.cache.lengths)),
-                      next_feat=jnp.where(kept[:, None], last, state.next_feat))
+    return dataclasses.replace(
+        state, cache=cache.with_lengths(jnp.where(kept, start + known, state.cache.lengths)),
+        next_feat=jnp.where(kept[:, None], last, state.next_feat))
+
+  def _empty(self, cache: KVCache, B: int) -> EagleState:
+    return EagleState(cache=cache, next_feat=jnp.zeros((B, self.cfg.hidden_size),
+                                                       self.params.fc.dtype))
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> EagleState:
     """Ingest pairs (f_j, t_{j+1}) for j < P (t_P = the target's first sampled token)."""
     B = prompt.shape[0]
     cache = KVCache.init(self.cfg, B, cache_size, self.params.fc.dtype)  # K/V read [2E]: same
-    empty = EagleState(cache=cache.with_lengths(jnp.zeros((B,), jnp.int32)),
-                       next_feat=jnp.zeros((B, self.cfg.hidden_size), self.params.fc.dtype))
+    empty = self._empty(cache.with_lengths(jnp.zeros((B,), jnp.int32)), B)
     return self._pairs(empty, features, prompt_lengths)
 
   def propose(self, state: EagleState, last2: Array, seq_len: Array, key: Array,
@@ -108,14 +120,15 @@ class EagleDrafter(HeadDrafter):
 
     def step(carry, prev: Array):
       feat, cache = carry
-      pred, cache = self._forward(prev[:, None], feat[:, None], cache.lengths[:, None], cache)
+      pred, cache = self._forward(prev[:, None], self._fed(state, feat[:, None]),
+                                  cache.lengths[:, None], cache)
       feat = pred[:, 0]
       return self._logits(feat), (feat, cache.commit(1))
 
     tokens, probs, (_, cache) = draft_chain(key, gamma, self._logits(state.next_feat),
                                             (state.next_feat, cache), step,
                                             self.sampler(sampling), pick)
-    return tokens, probs, EagleState(cache=cache, next_feat=state.next_feat)
+    return tokens, probs, dataclasses.replace(state, cache=cache)
 
   def update(self, state: EagleState, seq_len: Array, features: Features) -> EagleState:
     """The verified block's pairs replace the drafted ones: those of the tokens kept this round
@@ -135,8 +148,8 @@ class EagleDrafter(HeadDrafter):
       if node_feat is None:
         node_feat = jnp.zeros(tree.tokens.shape + (self.cfg.hidden_size,), state.next_feat.dtype)
       parent = parent_of(tree, frontier)  # [B, W]
-      feats = jnp.where((parent >= 0)[..., None], take(node_feat, parent),
-                        state.next_feat[:, None])  # [B, W, E]
+      feats = self._fed(state, jnp.where((parent >= 0)[..., None], take(node_feat, parent),
+                                         state.next_feat[:, None]))  # [B, W, E]
       positions = seq_len[:, None] - 2 + take(tree.depth, frontier)
       pred, cache = self._forward(take(tree.tokens, frontier), feats, positions, cache,
                                   slots=slots, visible=visible)
@@ -146,8 +159,7 @@ class EagleDrafter(HeadDrafter):
 
     cache = state.cache.with_lengths(seq_len - 1)
     return KVFrontierFeeder(cache, full(state.next_feat)[:, None], seq_len - 1, run,
-                            lambda cache, kv_slot: EagleState(cache=cache,
-                                                              next_feat=state.next_feat))
+                            lambda cache, kv_slot: dataclasses.replace(state, cache=cache))
 
   def accept_tree(self, drafted: EagleState, path: Array, n_accepted: Array, seq_len: Array,
                   features: Features) -> EagleState:

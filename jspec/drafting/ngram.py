@@ -220,11 +220,19 @@ class NgramDrafter(Drafter):
     """A probing fallback's masks (the engine appends them whatever the lookup finds)."""
     return 0 if self.fallback is None else self.fallback.probe_masks
 
-  def probe_embedding(self, state: NgramState) -> Array:
-    return self.fallback.probe_embedding(state.inner)
+  @property
+  def drafts_from_masks(self) -> bool:
+    return self.fallback is not None and self.fallback.drafts_from_masks
 
-  def prompt_probe_embedding(self, prompt: Array, prompt_lengths: Array) -> Array:
-    return self.fallback.prompt_probe_embedding(prompt, prompt_lengths)
+  @property
+  def soft_tokens(self) -> int:
+    return 0 if self.fallback is None else self.fallback.soft_tokens
+
+  def probe_inputs(self, state: NgramState, block: Array) -> Array:
+    return self.fallback.probe_inputs(state.inner, block)
+
+  def prompt_probe_inputs(self, prompt: Array, prompt_lengths: Array) -> Array:
+    return self.fallback.prompt_probe_inputs(prompt, prompt_lengths)
 
   def with_kv(self, policy, room: int) -> NgramDrafter:
     """The fallback's cache under `policy` (the lookup's token history stays whole: 4 bytes a

@@ -83,6 +83,10 @@ class ProbeDrafter(Drafter):
   def with_stop(self, threshold: float) -> ProbeDrafter:
     return dataclasses.replace(self, stop_below=check_stop(threshold))
 
+  @property
+  def drafts_from_masks(self) -> bool:
+    return True
+
   def probe_embedding(self, state: ProbeState) -> Array:
     return state.mask
 
@@ -164,8 +168,11 @@ def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
   if not k:
     return
   if kv is not None:
-    raise ValueError("mask-token probing (--drafter mtp) does not run under a KV budget yet: "
-                     "drop --kv-budget / kv=, or use a model or n-gram drafter")
+    raise ValueError("drafters that append positions after every block token (--drafter mtp, "
+                     "a ConFu drafter) do not run under a KV budget yet: drop --kv-budget / kv=, "
+                     "or use a model or n-gram drafter")
+  if not drafter.drafts_from_masks:  # ConFu: its masks feed a drafter model of any depth
+    return
   if gamma is not None and gamma > k:
     raise ValueError(f"gamma {gamma} drafts per round need {gamma} masks per token; the probe has "
                      f"{k}. Fix: --drafter mtp:{gamma}, or --gamma {k}")

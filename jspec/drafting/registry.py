@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from jspec.drafting.base import Drafter, place_drafter
+from jspec.drafting.confu import confu_drafter
 from jspec.drafting.feature import eagle3_drafter, eagle_drafter
 from jspec.drafting.model import ModelDrafter, early_exit_drafter, self_drafter, trimmed_drafter
 from jspec.drafting.lookahead import lookahead_drafter
@@ -26,6 +27,7 @@ from jspec.io.fetch import default_model_path
 from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
                            resolve_path, source_exists)
 from jspec.io.tokenizer import Tokenizer
+from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import Params
@@ -320,6 +322,9 @@ def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
 
 def _feature_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
   cfg, params, keep = load_feature(stored, target.cfg, dtype_by_name(dtype))
+  if isinstance(params, ConFuParams):
+    return confu_drafter(params.drafter, params.contemplate, cfg, keep,
+                         target_params=target.params)
   if isinstance(params, Eagle3Params):
     return eagle3_drafter(params, cfg, keep, target_params=target.params)
   return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype

@@ -35,6 +35,7 @@ from jspec.io.save import config_to_hf, params_to_hf, save_hf, save_tokenizer
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config
 from jspec.models.eagle import EagleParams
+from jspec.models.confu import ConFuParams, ContemplateParams, check_contemplate
 from jspec.models.eagle3 import Eagle3Params, fusion_taps
 from jspec.models.llama import LayerParams, Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
@@ -42,6 +43,7 @@ from jspec.sharding import to_host
 
 FORMAT_KEY = "drafter_format"
 FEATURE_KIND = "eagle"  # the format record's "kind" of a feature-level drafter
+CONTEMPLATE = ("experts", "router", "soft", "norm", "proj")  # ConFu's tensors, "contemplate.*"
 KEEP_IDS = "jspec.keep_ids"
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
@@ -191,7 +193,12 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   cast = lambda x: np.asarray(jnp.asarray(x, DTYPES[dtype]))
+  confu = isinstance(params, ConFuParams)
+  contemplate = params.contemplate if confu else None
+  params = params.drafter if confu else params
   tensors = {"fc": cast(params.fc), "norm": cast(params.norm)}
+  if confu:  # ConFu's contemplate weights beside its EAGLE-3 drafter's
+    tensors.update({f"contemplate.{f}": cast(getattr(contemplate, f)) for f in CONTEMPLATE})
   eagle3 = isinstance(params, Eagle3Params)
   if eagle3:  # its own head over the draft vocabulary, and the feature's norm
     tensors.update(head=cast(params.head), hidden_norm=cast(params.hidden_norm))
@@ -207,9 +214,11 @@ def save_eagle(path: str | Path, cfg: Config, params, tokenizer, metadata: dict[
     save_tokenizer(path, tokenizer)
   fmt = {"kind": FEATURE_KIND, "config": dataclasses.asdict(cfg),
          "trimmed_vocab": None if keep_ids is None else len(keep_ids), "dtype": dtype,
-         "network": "eagle3" if eagle3 else "eagle"}
+         "network": "confu" if confu else "eagle3" if eagle3 else "eagle"}
   if eagle3:
     fmt["taps"] = list(params.taps)
+  if confu:
+    fmt["expert_top_k"] = contemplate.top_k
   (path / "jspec.json").write_text(json.dumps({**metadata, FORMAT_KEY: fmt}, indent=2,
                                               default=str) + "\n")
   return path
@@ -247,7 +256,8 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
   layer = {k.split(".", 1)[1]: jnp.asarray(v, dtype) for k, v in tensors.items()
            if k.startswith("layer.") and k.split(".", 1)[1] in layer_fields}
-  eagle3 = fmt.get("network", "eagle") == "eagle3"
+  network = fmt.get("network", "eagle")
+  eagle3 = network in ("eagle3", "confu")
   try:
     if eagle3:
       taps = tuple(fmt["taps"])
@@ -262,6 +272,11 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
     else:
       params = EagleParams(fc=jnp.asarray(tensors["fc"], dtype), layer=LayerParams(**layer),
                            norm=jnp.asarray(tensors["norm"], dtype))
+    contemplate = None
+    if network == "confu":
+      contemplate = ContemplateParams(
+          **{f: jnp.asarray(tensors[f"contemplate.{f}"], dtype) for f in CONTEMPLATE},
+          top_k=int(fmt["expert_top_k"]))
   except (KeyError, TypeError) as e:
     raise ValueError(f"{file} lacks drafter weights ({e}): not a complete feature "
                      f"drafter") from e
@@ -275,4 +290,7 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   if params.fc.shape != (wide[0], E) or params.layer.wq.shape[0] != wide[1]:
     raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
                      f"not fit the target's width {E}")
+  if contemplate is not None:
+    check_contemplate(contemplate, params, cfg)
+    params = ConFuParams(drafter=params, contemplate=contemplate)
   return cfg, params, keep

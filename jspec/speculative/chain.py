@@ -195,7 +195,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks) + drafter.window_size,
+                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks) + drafter.soft_tokens
+                    + drafter.window_size,
                     reserve_for="gamma + 1 (the draft block"
                                 + (f" and its {drafter.probe_masks} masks a token"
                                    if drafter.probe_masks else "")

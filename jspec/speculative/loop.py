@@ -104,12 +104,12 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     # k masks after each prompt's last token: the first round's drafts (jspec.drafting.probe).
     k = drafter.probe_masks
     cache = KVCache.init(cfg, B, cache_size, params.embed.dtype).placed(placement)
-    mask, positions = prefill_layout(prompt_lengths, P, k)
-    masks = jnp.broadcast_to(drafter.prompt_probe_embedding(prompt, prompt_lengths)[:, None],
-                             (B, k, cfg.hidden_size))
+    mask, positions = prefill_layout(prompt_lengths, P, k, drafter.soft_tokens)
     logits, hidden, cache = forward(params, cfg, prompt, positions, cache, mask,
-                                    logits_indices=(prompt_lengths - 1)[:, None], appended=masks)
-    logits, hidden, probed = logits[:, 0], hidden[:, :P], hidden[:, P:]
+                                    logits_indices=(prompt_lengths - 1)[:, None],
+                                    appended=drafter.prompt_probe_inputs(prompt, prompt_lengths),
+                                    taps=drafter.feature_layers)
+    logits, hidden, probed = logits[:, 0], hidden[:, :P], hidden[:, P:P + k]
     cache = cache.with_lengths(prompt_lengths)
   elif kv is None:
     cache = KVCache.init(cfg, B, cache_size, params.embed.dtype).placed(placement)
@@ -209,10 +209,6 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
     raise ValueError("a drafter with a lookahead window cannot also read tapped layers or probe "
                      "with mask positions: the verification forward runs one kind of extra "
                      "positions")
-  if taps and drafter.probe_masks:
-    raise ValueError("a drafter cannot both read tapped layers (feature_layers) and probe with "
-                     "mask positions (probe_masks): the verification forward gives one or the "
-                     "other")
 
 
 def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> None:

@@ -13,6 +13,11 @@ No block token sees a mask, so the block's logits are exactly what they are with
 the masks' KV entries sit in the slots after the block's, which the engines never commit (a round
 commits accepted block tokens only and sets the cache length to them).
 
+ConFu's contemplate tokens (jspec.drafting.confu) are probe masks (k = 1) with an input embedding
+of their own each (`Drafter.probe_inputs`) and P soft prompt tokens after them: soft token m at
+the root's position + 1 + m sees what the root sees, the root and soft tokens <= m; every mask
+also sees every soft token; no block token sees either.
+
 A lookahead window (`window_layout`) is X more tokens after the block, all following the root:
 they see what the root sees and the root, and among themselves what the drafter's pattern says;
 like masks, no block token sees them and their KV entries are never committed.
@@ -29,18 +34,27 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def probe_layout(block_mask: Array, positions: Array, k: int) -> tuple[Array, Array]:
-  """(mask [B, T(1+k), T(1+k)], positions [B, T(1+k)]) of the block [B, T] (visibility
-  `block_mask` [B, T, T], RoPE `positions` [B, T]) followed by k masks per block token."""
+def probe_layout(block_mask: Array, positions: Array, k: int, soft: int = 0
+                 ) -> tuple[Array, Array]:
+  """(mask [B, T(1+k) + P, T(1+k) + P], positions [B, T(1+k) + P]) of the block [B, T]
+  (visibility `block_mask` [B, T, T], RoPE `positions` [B, T]) followed by k masks per block token,
+  then P = `soft` soft prompt tokens after the root that every mask sees."""
   B, T = positions.shape
   owner = jnp.repeat(jnp.arange(T), k)  # [Tk]: the block token each mask follows
   step = jnp.tile(jnp.arange(1, k + 1), T)  # [Tk]: j of mask (b, j)
   own = (owner[:, None] == owner[None, :]) & (step[None, :] <= step[:, None])  # [Tk, Tk]
-  top = jnp.concatenate([block_mask, jnp.zeros((B, T, T * k), bool)], axis=2)
+  P = soft
+  top = jnp.concatenate([block_mask, jnp.zeros((B, T, T * k + P), bool)], axis=2)
   seen_block = block_mask[:, owner].at[:, jnp.arange(T * k), owner].set(True)  # [B, Tk, T]
-  bottom = jnp.concatenate([seen_block, jnp.broadcast_to(own, (B, T * k, T * k))], axis=2)
-  mask = jnp.concatenate([top, bottom], axis=1)
-  return mask, jnp.concatenate([positions, positions[:, owner] + step], axis=1)
+  middle = jnp.concatenate([seen_block, jnp.broadcast_to(own, (B, T * k, T * k)),
+                            jnp.ones((B, T * k, P), bool)], axis=2)
+  bottom = jnp.concatenate([jnp.broadcast_to(block_mask[:, :1], (B, P, T)),
+                            jnp.zeros((B, P, T * k), bool),
+                            jnp.broadcast_to(jnp.tril(jnp.ones((P, P), bool)), (B, P, P))], axis=2)
+  mask = jnp.concatenate([top, middle, bottom], axis=1)
+  return mask, jnp.concatenate([positions, positions[:, owner] + step,
+                                positions[:, :1] + 1 + jnp.arange(P, dtype=positions.dtype)],
+                               axis=1)
 
 
 def window_layout(block_mask: Array, positions: Array, visible, offsets
@@ -73,8 +87,8 @@ def verification_inputs(drafter, state, block: Array, block_mask: Array | None,
   block_mask = causal(B, T) if block_mask is None else block_mask
   heads = jnp.broadcast_to(jnp.arange(T), (B, T))
   if k:
-    mask, positions = probe_layout(block_mask, positions, k)
-    return block, mask, positions, mask_inputs(drafter.probe_embedding(state), T, k), heads
+    mask, positions = probe_layout(block_mask, positions, k, drafter.soft_tokens)
+    return block, mask, positions, drafter.probe_inputs(state, block), heads
   mask, positions = window_layout(block_mask, positions, *drafter.window_pattern)
   return (jnp.concatenate([block, drafter.window_tokens(state)], axis=1), mask, positions, None,
           heads)
@@ -95,21 +109,28 @@ def probe_hidden(hidden: Array, T: int, k: int, end: Array) -> Array:
   """[B, k, E]: the hidden states of the k masks after block token `end` [B] (hidden [B,
   T(1+k), E] from a forward over probe_layout's block)."""
   B, _, E = hidden.shape
-  masks = hidden[:, T:].reshape(B, T, k, E)
+  masks = hidden[:, T:T + T * k].reshape(B, T, k, E)
   return jnp.take_along_axis(masks, end[:, None, None, None], axis=1)[:, 0]
 
 
-def prefill_layout(prompt_lengths: Array, P: int, k: int) -> tuple[Array, Array]:
-  """(mask [B, P + k, P + k], positions [B, P + k]) of padded prompts [B, P] followed by k masks
-  after each row's last real token: mask j at position prompt_length - 1 + j, seeing the row's
-  prompt and masks 1 .. j (the padding past a row's length is never seen by its masks)."""
+def prefill_layout(prompt_lengths: Array, P: int, k: int, soft: int = 0
+                   ) -> tuple[Array, Array]:
+  """(mask [B, P + k + S, P + k + S], positions [B, P + k + S]) of padded prompts [B, P]
+  followed by k masks after each row's last real token, then S = `soft` soft prompt tokens: mask
+  j at position prompt_length - 1 + j, seeing the row's prompt, masks 1 .. j and every soft token;
+  soft token m at position prompt_length + m, seeing the prompt and soft tokens <= m (the padding
+  past a row's length is never seen)."""
   B = prompt_lengths.shape[0]
-  top = jnp.concatenate([causal(B, P), jnp.zeros((B, P, k), bool)], axis=2)
+  S = soft
+  top = jnp.concatenate([causal(B, P), jnp.zeros((B, P, k + S), bool)], axis=2)
   prompt_seen = jnp.arange(P)[None, None, :] < prompt_lengths[:, None, None]  # [B, 1, P]
   own = jnp.tril(jnp.ones((k, k), bool))
-  bottom = jnp.concatenate([jnp.broadcast_to(prompt_seen, (B, k, P)),
-                            jnp.broadcast_to(own, (B, k, k))], axis=2)
+  middle = jnp.concatenate([jnp.broadcast_to(prompt_seen, (B, k, P)),
+                            jnp.broadcast_to(own, (B, k, k)), jnp.ones((B, k, S), bool)], axis=2)
+  bottom = jnp.concatenate([jnp.broadcast_to(prompt_seen, (B, S, P)), jnp.zeros((B, S, k), bool),
+                            jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))], axis=2)
   positions = jnp.concatenate(
       [jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)),
-       (prompt_lengths - 1)[:, None] + jnp.arange(1, k + 1, dtype=jnp.int32)], axis=1)
-  return jnp.concatenate([top, bottom], axis=1), positions
+       (prompt_lengths - 1)[:, None] + jnp.arange(1, k + 1, dtype=jnp.int32),
+       prompt_lengths[:, None] + jnp.arange(S, dtype=jnp.int32)], axis=1)
+  return jnp.concatenate([top, middle, bottom], axis=1), positions

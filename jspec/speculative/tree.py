@@ -287,7 +287,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k) + drafter.window_size),
+                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k) + drafter.soft_tokens
+                                + drafter.window_size),
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round"
                                 + (f", {k} masks after each" if k else "")

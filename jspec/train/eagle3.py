@@ -76,10 +76,11 @@ def _diagonal_attention(T: int, passes: int) -> Callable:
 
 
 def ttt_logits(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, taps: Array,
-               steps: int) -> list[Array]:
+               steps: int, add: Array | None = None) -> list[Array]:
   """Head logits [B, S - 1, M] of passes 0 .. steps - 1 over rows tokens [B, S] with the target's
   taps [B, S, 3E]: entry j of pass s is the (s + 1)-th draft of a chain started at pair j (it
-  scores t_{j+s+2}; entries with j + s + 2 >= S read padding)."""
+  scores t_{j+s+2}; entries with j + s + 2 >= S read padding). `add` [B, S - 1, E]: added to
+  every feature the chain started at j reads, in every pass (ConFu's contemplate signal)."""
   B, S = tokens.shape
   T = S - 1
   lp = params.layer
@@ -88,6 +89,8 @@ def ttt_logits(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, t
   k_all = jnp.zeros((1, B, steps * T, K, D), dtype)
   v_all = jnp.zeros_like(k_all)
   feats = eagle3.fuse(params, taps[:, :-1])  # [B, T, E]: g_j
+  add = 0.0 if add is None else add.astype(feats.dtype)
+  feats = feats + add
   out = []
   for s in range(steps):
     # Pass s at index j: the pair at position j + s, token t_{j+s+1} (padding past the row).
@@ -99,7 +102,7 @@ def ttt_logits(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, t
     h, k_all, v_all = decoder_layer(cfg, feats, lp, 0, k_all, v_all, cos, sin, slots,
                                     _diagonal_attention(T, s + 1), attn_in=attn_in)
     out.append(eagle3.logits(params, cfg, h))
-    feats = h  # the next pass reads the drafter's own output at the same index
+    feats = h + add  # the next pass reads the drafter's own output at the same index
   return out
 
 
@@ -111,16 +114,37 @@ def _shifted(x: Array, s: int, fill) -> Array:
   return jnp.pad(tail, pad, constant_values=fill)
 
 
+def ttt_loss(passes: list[Array], batch: dict, loss: Eagle3Loss) -> Array:
+  """Sum over passes s of decay^s x the forward KL from the teacher's top-k at each pass's target
+  position to the drafter's head."""
+  total = 0.0
+  for s, logits in enumerate(passes):
+    mask = _shifted(batch["mask"], s, 0.0)
+    ids = _shifted(batch["top_ids"], s, -1)
+    lps = _shifted(batch["top_logprobs"], s, 0.0)
+    total = total + loss.decay ** s * forward_kl(logits, ids, lps, mask)
+  return total
+
+
+def ttt_sums(passes: list[Array], batch: dict) -> Array:
+  """[3 x passes]: per pass, the summed sampled overlap sum_x min(p, q), greedy hits and scored
+  positions."""
+  sums = []
+  for s, logits in enumerate(passes):
+    ids = _shifted(batch["top_ids"], s, -1)
+    w = _shifted(batch["mask"], s, 0.0)
+    p = jnp.where(ids >= 0, jnp.exp(_shifted(batch["top_logprobs"], s, 0.0)), 0.0)
+    q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
+    overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
+    greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
+    sums += [jnp.sum(overlap * w), jnp.sum(greedy * w), jnp.sum(w)]
+  return jnp.stack(sums)
+
+
 def eagle3_objective(cfg: Config, loss: Eagle3Loss) -> Callable:
   def objective(params: Eagle3Params, batch: dict, key: Array | None = None) -> Array:
-    passes = ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"], loss.steps)
-    total = 0.0
-    for s, logits in enumerate(passes):
-      mask = _shifted(batch["mask"], s, 0.0)
-      ids = _shifted(batch["top_ids"], s, -1)
-      lps = _shifted(batch["top_logprobs"], s, 0.0)
-      total = total + loss.decay ** s * forward_kl(logits, ids, lps, mask)
-    return total
+    return ttt_loss(ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"],
+                               loss.steps), batch, loss)
   return objective
 
 
@@ -129,23 +153,15 @@ def eagle3_eval(cfg: Config, loss: Eagle3Loss) -> Callable:
   s estimates the acceptance of a chain's (s + 1)-th draft given the s before it were accepted."""
   @jax.jit
   def evaluate(params, batch):
-    passes = ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"], loss.steps)
-    sums = []
-    for s, logits in enumerate(passes):
-      ids = _shifted(batch["top_ids"], s, -1)
-      w = _shifted(batch["mask"], s, 0.0)
-      p = jnp.where(ids >= 0, jnp.exp(_shifted(batch["top_logprobs"], s, 0.0)), 0.0)
-      q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
-      overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
-      greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
-      sums += [jnp.sum(overlap * w), jnp.sum(greedy * w), jnp.sum(w)]
-    return jnp.stack(sums)
+    return ttt_sums(ttt_logits(params, cfg, batch["embed"], batch["tokens"], batch["feats"],
+                               loss.steps), batch)
   return evaluate
 
 
 def evaluate_by_step(params: Eagle3Params, cfg: Config, rows, loss: Eagle3Loss,
                      batch_size: int = 8, eval_fn: Callable | None = None) -> dict:
-  """Held-out acceptance of drafts 1 .. steps (each given the ones before it accepted)."""
+  """Held-out acceptance of drafts 1 .. steps (each given the ones before it accepted); `eval_fn`
+  (params, batch) -> ttt_sums (default: EAGLE-3's)."""
   sums = summed_over_rows(eval_fn or eagle3_eval(cfg, loss), params, rows,
                           batch_size).reshape(loss.steps, 3)
   out = {"positions": int(sums[0, 2])}

@@ -15,11 +15,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jspec.drafting.confu import ConFuDrafter
 from jspec.drafting.feature import EagleDrafter
 from jspec.drafting.registry import load_model_drafter
 from jspec.io.drafter import FORMAT_KEY, read_drafter_dir, save_drafter, shares_table
 from jspec.io.load import resolve_path
 from jspec.model import Model
+from jspec.models.confu import ConFuParams
 from jspec.models.drafter import drafter_config
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
@@ -181,7 +183,7 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
       if taps not in feats:
         feats[taps] = features(target.params, target.cfg, rows.tokens, batch_size, taps=taps)
       stats = eagle_stats(drafter, with_features(rows, feats[taps], drafter.embed, drafter.head),
-                          gamma, batch_size)
+                          gamma, batch_size, target)
     else:
       stats = trainer.evaluate(drafter.params, drafter.cfg, rows, tc, batch_size=batch_size)
     results.append({"drafter": name, "gamma": gamma, "draft_layers": drafter.cfg.num_layers,
@@ -191,15 +193,21 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   return results
 
 
-def eagle_stats(drafter, rows, gamma: int, batch_size: int) -> dict:
+def eagle_stats(drafter, rows, gamma: int, batch_size: int, target: Model | None = None) -> dict:
   """heldout_acceptance's record for a feature drafter: the first draft's acceptance (from the
   target's own state) as alpha_*, the second's (from its own prediction) as alpha_*_draft2, and
   the chain tau 1 + a1 (1 + a2 + ... + a2^(gamma-1)) they imply. EAGLE-3's training-time test
   scores every draft of the chain: tau = 1 + a1 + a1 a2 + ... + a1 ... a_gamma, and its record
-  has alpha_*_draft1 .. gamma."""
+  has alpha_*_draft1 .. gamma, as has ConFu's (every chain reading its contemplate signal: the
+  target runs a contemplate token after every row position)."""
   if isinstance(drafter.params, Eagle3Params):
-    s = eagle3_by_step(drafter.params, drafter.cfg, rows, Eagle3Loss(steps=max(gamma, 2)),
-                       batch_size)
+    loss = Eagle3Loss(steps=max(gamma, 2))
+    if isinstance(drafter, ConFuDrafter):
+      from jspec.train import confu
+      s = confu.heldout(ConFuParams(drafter.params, drafter.contemplate), drafter.cfg,
+                        target.cfg, rows, target.params, confu.ConFuLoss(ttt=loss), batch_size)
+    else:
+      s = eagle3_by_step(drafter.params, drafter.cfg, rows, loss, batch_size)
     chain = lambda kind: 1 + sum(np.prod([s[f"alpha_{kind}_draft{i}"] for i in range(1, n + 1)])
                                  for n in range(1, gamma + 1))
     return {"alpha_sampled": s["alpha_sampled_draft1"], "alpha_greedy": s["alpha_greedy_draft1"],
