@@ -435,6 +435,12 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
   assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
                "--network", "eagle3", "--unroll", "1"]) == 2
   assert "--unroll" in capsys.readouterr().err
+  assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
+               "--network", "eagle3", "--anchors", "8"]) == 2
+  assert "--anchors" in capsys.readouterr().err
+  assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
+               "--network", "confu", "--noise", "0.1"]) == 2
+  assert "--noise" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [

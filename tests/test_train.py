@@ -512,3 +512,68 @@ def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   fmt_file.write_text(json.dumps(meta))
   with pytest.raises(ValueError, match="fuses target layers"):
     load_drafter(f"model:{out}", target6)
+
+
+def test_confu_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
+  from jspec.drafting.confu import ConFuDrafter
+  from jspec.drafting.registry import load_drafter
+  from jspec.generate import generate
+  from jspec.models.confu import ConFuParams
+  from jspec.models.vocab_trim import full_to_trimmed
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  from jspec.train.confu import (ConFuLoss, ConFuRecipe, confu_objective, init_confu,
+                                 train_confu, with_target)
+  from jspec.train.eagle import with_features
+  from jspec.train.eagle3 import Eagle3Loss
+  from jspec.train.features import cached_features
+  from jspec.train.recipe import heldout_acceptance
+
+  cfg = distill.DataConfig(num_prompts=12, max_prompt_tokens=64, max_new_tokens=24, batch_size=4,
+                           top_k=8, temperatures=(0.0, 1.0))
+  path = distill.build_dataset(target6, TEXTS, tmp_path / "data", cfg, progress=False)
+  tc = trainer.TrainConfig(loss="confu", seq_len=48, batch_size=4, steps=24, lr=3e-3,
+                           warmup_steps=1, eval_every=12, checkpoint_every=12)
+  recipe = ConFuRecipe(data_dirs=(str(path),), vocab_trim=60, train=tc, soft_tokens=2,
+                       loss=ConFuLoss(ttt=Eagle3Loss(steps=3), anchors=6))
+  out = train_confu(target6, tmp_path / "run", recipe, progress=False)
+  log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
+  assert [e["step"] for e in log] == [12, 24]
+  assert 0 <= log[-1]["alpha_greedy_draft3"] <= 1 and log[-1]["positions"] > 0
+  drafter = load_drafter(f"model:{out}", target6)
+  assert isinstance(drafter, ConFuDrafter) and drafter.soft_tokens == 2
+  assert float(jnp.abs(drafter.contemplate.proj).max()) > 0  # the signal was learned
+  # Training lowered the objective on the training rows, anchors as training draws them.
+  keep = np.asarray(drafter.keep_ids)
+  rows = trainer.make_rows(list(distill.iter_examples(path)), 48,
+                           full_to_trimmed(keep, target6.cfg.vocab_size))
+  feats = cached_features(target6.params, target6.cfg, rows.tokens,
+                          tmp_path / "run/features/taps.npy", progress=False,
+                          taps=drafter.feature_layers)
+  batch = with_target(with_features(rows, feats, target6.params.embed, None), target6.params,
+                      6).take(np.arange(len(rows)))
+  objective = jax.jit(confu_objective(drafter.cfg, target6.cfg, recipe.loss))
+  init, _ = init_confu(target6, recipe, jax.random.key(0), keep)
+  trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
+                         ConFuParams(drafter.params, drafter.contemplate))
+  assert float(objective(trained, batch)) < 0.8 * float(objective(init, batch))
+  # Lossless greedy decoding with the trained drafter, chains and trees.
+  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
+  want = generate(target6.params, target6.cfg, prompts, max_new_tokens=12).sequences()
+  got = speculative_generate(target6.params, target6.cfg, drafter, prompts,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert got.sequences() == want
+  got = tree_speculative_generate(target6.params, target6.cfg, drafter, prompts,
+                                  spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
+  assert got.sequences() == want
+  # Held-out acceptance (jspec eval-drafter), every draft of the chain scored.
+  [rec] = heldout_acceptance(target6, {"confu": drafter}, (str(path),), seq_len=48, gamma=3)
+  alphas = [rec[f"alpha_greedy_draft{i}"] for i in (1, 2, 3)]
+  assert all(0 <= a <= 1 for a in alphas) and rec["positions"] > 0
+  # A file without ConFu's weights is refused by name.
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(out / "model.safetensors"))
+  del tensors["contemplate.soft"]
+  save_file(tensors, str(out / "model.safetensors"))
+  with pytest.raises(ValueError, match="lacks drafter weights"):
+    load_drafter(f"model:{out}", target6)
