@@ -223,7 +223,7 @@ def test_sampled_probing_follows_the_target_distribution(kind):
     (lambda t: speculative_generate(t, TARGET, probe_drafter(t, TARGET, 2), PROMPTS[:1],
                                     spec=SpecConfig(gamma=2, max_new_tokens=4),
                                     kv=KVPolicy("keydiff", budget=16, chunk=8)),
-     "does not run under a KV budget"),
+     "not run under a KV budget"),
     (lambda t: probe_drafter(t, TARGET, 0), "k >= 1 masks"),
 ])
 def test_bad_probe_settings_are_refused(target, make, match):
