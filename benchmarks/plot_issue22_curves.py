@@ -45,9 +45,16 @@ def main() -> int:
                    "train_examples": meta.get("train_examples"),
                    "train_tokens_per_epoch": meta.get("train_tokens_per_epoch"),
                    "steps": config["steps"], "finished": bool(meta), "points": points})
-  heldout = Path("benchmarks/issue22_heldout_cpu.json")
-  record = {"curves": curves,
-            "heldout": json.loads(heldout.read_text()) if heldout.is_file() else None,
+  # Runs no longer on this machine keep the points an earlier plot recorded.
+  if args.out.with_suffix(".json").is_file():
+    earlier = json.loads(args.out.with_suffix(".json").read_text())["curves"]
+    have = {(c["network"], c["shards"]) for c in curves}
+    curves += [c for c in earlier if (c["network"], c["shards"]) not in have]
+    curves.sort(key=lambda c: (c["shards"], c["network"]))
+  heldout = []  # every record of `jspec eval-drafter` on the held-out shards
+  for file in sorted(Path("benchmarks").glob("issue22_heldout*_cpu.json")):
+    heldout += json.loads(file.read_text())
+  record = {"curves": curves, "heldout": heldout or None,
             "command": "bash benchmarks/run_issue22_compare.sh; "
                        "python benchmarks/plot_issue22_curves.py"}
   args.out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
