@@ -6,7 +6,6 @@ decoding makes; a zero projection is its EAGLE-3 drafter; output stays exactly t
 trains, saves, loads and is evaluated like EAGLE-3's; bad input is refused."""
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +13,13 @@ import numpy as np
 import pytest
 
 from jspec.drafting.base import Features
-from jspec.drafting.confu import ConFuDrafter, confu_drafter
+from jspec.drafting.confu import confu_drafter
 from jspec.drafting.feature import EagleDrafter
 from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.confu import contemplate_embeddings, init_contemplate
 from jspec.models.llama import forward, init_params
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.probing import causal, prefill_layout, probe_layout
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
