@@ -169,8 +169,9 @@ class Drafter(abc.ABC):
   def probe_inputs(self, state: DraftState, block: Array) -> Array:
     """[B, T k + soft_tokens, E]: the input embeddings of the masks after each token of `block`
     [B, T] (owner-major), then of the soft prompt. By default one mask embedding for all."""
-    from jspec.speculative.probing import mask_inputs
-    return mask_inputs(self.probe_embedding(state), block.shape[1], self.probe_masks)
+    emb = self.probe_embedding(state)  # [B, E]
+    B, T = block.shape
+    return jnp.broadcast_to(emb[:, None], (B, T * self.probe_masks, emb.shape[1]))
 
   def prompt_probe_inputs(self, prompt: Array, prompt_lengths: Array) -> Array:
     """[B, k + soft_tokens, E]: the input embeddings of what the prefill appends after each

@@ -411,6 +411,24 @@ def forward_at(params: Params, cfg: Config, tokens: Array, positions: Array, cac
   return lm_head(params, hidden), cache
 
 
+def forward_visible(params: Params, cfg: Config, tokens: Array, positions: Array,
+                    cache: KVCache, slots: Array, visible: Array, *,
+                    appended: Optional[Array] = None, layers: Optional[tuple[int, ...]] = None,
+                    taps: tuple[int, ...] = ()) -> tuple[Array, KVCache]:
+  """New tokens [B, T] (then `appended` [B, M, E] embeddings) written at any cache `slots`
+  [B, T + M], each seeing exactly the slots `visible` [B, T + M, S] marks (XLA attention),
+  through the decoder layers `layers` (default all) → (hidden [B, T + M, E] after the final norm,
+  or with `taps` the residual stream entering those layers [B, T + M, len(taps) E]; cache).
+  Training passes whose visibility no block mask expresses use it (ConFu's contemplate tokens)."""
+  tapped = {}
+  hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
+                           visible_attention(visible, quant.attention_kernel(params)), appended,
+                           layers=layers, tapped=tapped if taps else None)
+  if taps:
+    hidden = jnp.concatenate([tapped[i] for i in taps], axis=-1)
+  return hidden, cache
+
+
 def forward_layers(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
                    layers: tuple[int, ...]) -> tuple[Array, KVCache]:
   """`forward` of T new causal tokens [B, T] through the decoder layers `layers` only (indices

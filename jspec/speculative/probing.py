@@ -99,12 +99,6 @@ def causal(B: int, T: int) -> Array:
   return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
 
-def mask_inputs(embedding: Array, T: int, k: int) -> Array:
-  """[B, T k, E]: the one mask embedding [B, E] at every mask position."""
-  B, E = embedding.shape
-  return jnp.broadcast_to(embedding[:, None], (B, T * k, E))
-
-
 def probe_hidden(hidden: Array, T: int, k: int, end: Array) -> Array:
   """[B, k, E]: the hidden states of the k masks after block token `end` [B] (hidden [B,
   T(1+k), E] from a forward over probe_layout's block)."""

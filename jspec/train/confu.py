@@ -38,7 +38,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.confu import (ConFuParams, ContemplateParams, contemplate_embeddings,
                                 contemplate_feature, init_contemplate)
-from jspec.models.llama import Params, _decoder, visible_attention
+from jspec.models.llama import Params, forward_visible
 from jspec.train import trainer
 from jspec.train.eagle import FeatureRows, feature_data
 from jspec.train.eagle3 import (Eagle3Loss, evaluate_by_step, ttt_logits, ttt_loss, ttt_sums)
@@ -122,9 +122,8 @@ def contemplate_taps(target: Params, tcfg: Config, cp: ContemplateParams, embed:
   cache = KVCache.init(tcfg, B, S + A * U, target.embed.dtype)
   positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   causal = jnp.arange(S + A * U)[None, None, :] <= jnp.arange(S)[None, :, None]  # [1, S, S + AU]
-  _, cache = _decoder(target, tcfg, tokens, positions, cache, positions,
-                      visible_attention(jnp.broadcast_to(causal, (B, S, S + A * U))),
-                      layers=layers)
+  _, cache = forward_visible(target, tcfg, tokens, positions, cache, positions,
+                             jnp.broadcast_to(causal, (B, S, S + A * U)), layers=layers)
   cache = jax.lax.stop_gradient(cache)  # the frozen target's view of the rows
   followed = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, A]
   emb = contemplate_embeddings(cp, tcfg, embed, followed)  # [B, A, E]
@@ -132,10 +131,8 @@ def contemplate_taps(target: Params, tcfg: Config, cp: ContemplateParams, embed:
   x = jnp.concatenate([emb[:, :, None], soft], axis=2).reshape(B, A * U, -1)
   extra_positions, visible = contemplate_layout(anchors, S, P)
   slots = jnp.broadcast_to(S + jnp.arange(A * U, dtype=jnp.int32), (B, A * U))
-  tapped = {}
-  _decoder(target, tcfg, tokens[:, :0], extra_positions, cache, slots,
-           visible_attention(visible), appended=x, layers=layers, tapped=tapped)
-  out = jnp.concatenate([tapped[i] for i in taps], axis=-1)  # [B, A U, n E]
+  out, _ = forward_visible(target, tcfg, tokens[:, :0], extra_positions, cache, slots, visible,
+                           appended=x, layers=layers, taps=taps)  # [B, A U, n E]
   return out.reshape(B, A, U, -1)[:, :, 0]
 
 
