@@ -32,3 +32,12 @@ for n in $SIZES; do for net in $NETS; do
 done; done
 jspec eval-drafter --target default --drafters "${drafters#,}" --data $D/i22:38-40 \
   --seq-len 256 --gamma 4 --json ${HELDOUT:-benchmarks/issue22_heldout_cpu.json}
+# `jspec bench`: the trained drafters' chains (gamma 3) side by side with AR on MT-Bench and
+# HumanEval, greedy and T=1 (BENCH_DRAFTERS overrides which; session 26 benched confu-12 only,
+# the EAGLE runs no longer being on the machine).
+for ds in mt-bench humaneval; do for t in 0 1; do
+  out=benchmarks/issue22_bench_${ds}_t${t}_cpu.json
+  [ -e $out ] || jspec bench --dataset $ds --num-prompts 6 --max-new-tokens 64 --no-transformers \
+    --no-ttft --no-overhead --temperature $t --drafters "${BENCH_DRAFTERS:-${drafters#,}}" \
+    --gamma 3 --json $out
+done; done
