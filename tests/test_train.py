@@ -441,14 +441,26 @@ def target6(tmp_path_factory):
   return load(d)
 
 
+def assert_decodes_losslessly(target, drafter, rows):
+  """Greedy chains and trees with a trained drafter equal the target's own greedy output."""
+  from jspec.generate import generate
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
+  want = generate(target.params, target.cfg, prompts, max_new_tokens=12).sequences()
+  got = speculative_generate(target.params, target.cfg, drafter, prompts,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert got.sequences() == want
+  got = tree_speculative_generate(target.params, target.cfg, drafter, prompts,
+                                  spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
+  assert got.sequences() == want
+
+
 def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   from jspec.drafting.feature import EagleDrafter
   from jspec.drafting.registry import load_drafter
-  from jspec.generate import generate
   from jspec.models.eagle3 import Eagle3Params, init_eagle3
   from jspec.models.vocab_trim import full_to_trimmed
-  from jspec.speculative.chain import SpecConfig, speculative_generate
-  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
   from jspec.train.eagle import with_features
   from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, eagle3_objective, train_eagle3
   from jspec.train.features import cached_features
@@ -489,15 +501,7 @@ def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   init, _ = init_eagle3(target6.params, target6.cfg, jax.random.key(0), keep)
   trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), drafter.params)
   assert float(objective(trained, batch)) < 0.8 * float(objective(init, batch))
-  # Lossless greedy decoding with the trained drafter, chains and trees.
-  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
-  want = generate(target6.params, target6.cfg, prompts, max_new_tokens=12).sequences()
-  got = speculative_generate(target6.params, target6.cfg, drafter, prompts,
-                             spec=SpecConfig(gamma=3, max_new_tokens=12))
-  assert got.sequences() == want
-  got = tree_speculative_generate(target6.params, target6.cfg, drafter, prompts,
-                                  spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
-  assert got.sequences() == want
+  assert_decodes_losslessly(target6, drafter, rows)
   # Held-out acceptance (jspec eval-drafter): every draft of the chain scored, tau from them.
   from jspec.train.recipe import heldout_acceptance
   [rec] = heldout_acceptance(target6, {"eagle3": drafter}, (str(path),), seq_len=48, gamma=3)
@@ -517,11 +521,8 @@ def test_eagle3_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
 def test_confu_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   from jspec.drafting.confu import ConFuDrafter
   from jspec.drafting.registry import load_drafter
-  from jspec.generate import generate
   from jspec.models.confu import ConFuParams
   from jspec.models.vocab_trim import full_to_trimmed
-  from jspec.speculative.chain import SpecConfig, speculative_generate
-  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
   from jspec.train.confu import (ConFuLoss, ConFuRecipe, confu_objective, init_confu,
                                  train_confu, with_target)
   from jspec.train.eagle import with_features
@@ -557,15 +558,7 @@ def test_confu_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   trained = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
                          ConFuParams(drafter.params, drafter.contemplate))
   assert float(objective(trained, batch)) < 0.8 * float(objective(init, batch))
-  # Lossless greedy decoding with the trained drafter, chains and trees.
-  prompts = [list(r[r > 0][:10]) for r in rows.tokens[:3]]
-  want = generate(target6.params, target6.cfg, prompts, max_new_tokens=12).sequences()
-  got = speculative_generate(target6.params, target6.cfg, drafter, prompts,
-                             spec=SpecConfig(gamma=3, max_new_tokens=12))
-  assert got.sequences() == want
-  got = tree_speculative_generate(target6.params, target6.cfg, drafter, prompts,
-                                  spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12))
-  assert got.sequences() == want
+  assert_decodes_losslessly(target6, drafter, rows)
   # Held-out acceptance (jspec eval-drafter), every draft of the chain scored.
   [rec] = heldout_acceptance(target6, {"confu": drafter}, (str(path),), seq_len=48, gamma=3)
   alphas = [rec[f"alpha_greedy_draft{i}"] for i in (1, 2, 3)]
