@@ -24,7 +24,7 @@ from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.probing import causal, prefill_layout, probe_layout
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.train.confu import confu_passes, contemplate_taps, draw_anchors
-from tests.test_eagle3 import TARGET, TINY, noisy_eagle3
+from tests.test_eagle3 import TARGET, TINY, misreport_q, noisy_eagle3
 from tests.test_speculative import (PROMPTS, SAMPLINGS, assert_one_program, chi_square,
                                     exact_distribution, sample_sequences)
 
@@ -209,14 +209,7 @@ def test_sampling_is_lossless(tiny_target, monkeypatch, q_reported):
   catch it."""
   drafter = make_confu(tiny_target, TINY, amount=0.8, proj=0.3)
   if q_reported != "drawn from":
-    real = EagleDrafter.sampler
-    uniform = jnp.full((TINY.vocab_size,), 1 / TINY.vocab_size)
-
-    def misreported(self, sampling):
-      draw = real(self, sampling)
-      return lambda key, logits: (draw(key, logits)[0],
-                                  jnp.broadcast_to(uniform, (logits.shape[0], TINY.vocab_size)))
-    monkeypatch.setattr(EagleDrafter, "sampler", misreported)
+    misreport_q(monkeypatch, jnp.full((TINY.vocab_size,), 1 / TINY.vocab_size))
   sp = SAMPLINGS["t1"]
   stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2, cfg=TINY),
                              exact_distribution(tiny_target, sp, cfg=TINY))

@@ -156,6 +156,17 @@ def tiny_target():
   return init_params(TINY, jax.random.key(10), scale=0.8)
 
 
+def misreport_q(monkeypatch, reported):
+  """Feature drafters report `reported` [V] as q whatever they drew from (the control)."""
+  real = EagleDrafter.sampler
+
+  def misreported(self, sampling):
+    draw = real(self, sampling)
+    return lambda key, logits: (draw(key, logits)[0],
+                                jnp.broadcast_to(reported, (logits.shape[0],) + reported.shape))
+  monkeypatch.setattr(EagleDrafter, "sampler", misreported)
+
+
 @pytest.mark.parametrize("q_reported", ["drawn from", "uniform (control)"])
 def test_sampling_is_lossless(tiny_target, monkeypatch, q_reported):
   """A trimmed draft vocabulary (most target tokens ones the drafter cannot propose): the check
@@ -164,14 +175,7 @@ def test_sampling_is_lossless(tiny_target, monkeypatch, q_reported):
   keep = [0, 1, 3, 7, 8, 12]
   drafter = noisy_eagle3(tiny_target, TINY, amount=0.8, keep_ids=keep)
   if q_reported != "drawn from":
-    real = EagleDrafter.sampler
-    uniform = jnp.zeros((TINY.vocab_size,)).at[jnp.asarray(keep)].set(1 / len(keep))
-
-    def misreported(self, sampling):
-      draw = real(self, sampling)
-      return lambda key, logits: (draw(key, logits)[0],
-                                  jnp.broadcast_to(uniform, (logits.shape[0], TINY.vocab_size)))
-    monkeypatch.setattr(EagleDrafter, "sampler", misreported)
+    misreport_q(monkeypatch, jnp.zeros((TINY.vocab_size,)).at[jnp.asarray(keep)].set(1 / len(keep)))
   sp = SAMPLINGS["t1"]
   stat, dof, ok = chi_square(sample_sequences(tiny_target, drafter, sp, gamma=2, cfg=TINY),
                              exact_distribution(tiny_target, sp, cfg=TINY))

@@ -67,25 +67,16 @@ class ConFuParams:
   drafter: Eagle3Params
   contemplate: ContemplateParams
 
-  @property
-  def fc(self) -> Array:  # what save/load read the dtype and width from
-    return self.drafter.fc
-
-
-def _unit_rms(x: Array, eps: float) -> Array:
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 def contemplate_embeddings(cp: ContemplateParams, cfg: Config, embed: Array,
                            tokens: Array) -> Array:
   """[..., E]: the input embedding of the contemplate token after each of `tokens` [...]: its
   router's top_k experts, mixed by their renormalised softmax weights."""
-  e = _unit_rms(embed[tokens], cfg.rms_norm_eps)  # [..., E]
+  e = embed[tokens].astype(jnp.float32)
+  e = rms_norm(e, jnp.ones(e.shape[-1:], jnp.float32), cfg.rms_norm_eps)  # [..., E] unit RMS
   scores = jnp.einsum("...e,en->...n", e, cp.router.astype(jnp.float32))
-  N = cp.experts.shape[0]
-  k = min(cp.top_k, N)
-  kth = jax.lax.top_k(scores, k)[0][..., -1:]  # [..., 1]: the k-th largest score
+  kth = jax.lax.top_k(scores, cp.top_k)[0][..., -1:]  # [..., 1]: the k-th largest score
   weights = jax.nn.softmax(jnp.where(scores >= kth, scores, -jnp.inf), axis=-1)
   return jnp.einsum("...n,ne->...e", weights, cp.experts.astype(jnp.float32))
 
@@ -131,5 +122,7 @@ def check_contemplate(cp: ContemplateParams, drafter: Eagle3Params, cfg: Config)
     raise ValueError(f"ConFu weights do not fit a target of width {E}: experts "
                      f"{cp.experts.shape}, router {cp.router.shape}, soft {cp.soft.shape}, "
                      f"proj {cp.proj.shape}")
+  if not 1 <= cp.top_k <= N:
+    raise ValueError(f"ConFu mixes top_k of its {N} experts; top_k = {cp.top_k} does not fit")
   if not isinstance(drafter, Eagle3Params):
     raise ValueError("ConFu's contemplate tokens sit on an EAGLE-3 drafter")

@@ -37,7 +37,7 @@ from jspec.models import eagle3
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.confu import (ConFuParams, ContemplateParams, contemplate_embeddings,
-                                contemplate_feature, init_contemplate)
+                                contemplate_feature, init_contemplate, soft_embeddings)
 from jspec.models.llama import Params, forward_visible
 from jspec.train import trainer
 from jspec.train.eagle import FeatureRows, feature_data
@@ -127,7 +127,7 @@ def contemplate_taps(target: Params, tcfg: Config, cp: ContemplateParams, embed:
   cache = jax.lax.stop_gradient(cache)  # the frozen target's view of the rows
   followed = jnp.take_along_axis(tokens, anchors, axis=1)  # [B, A]
   emb = contemplate_embeddings(cp, tcfg, embed, followed)  # [B, A, E]
-  soft = jnp.broadcast_to(cp.soft.astype(jnp.float32)[None, None], (B, A, P, emb.shape[-1]))
+  soft = jnp.broadcast_to(soft_embeddings(cp, B)[:, None], (B, A) + cp.soft.shape)
   x = jnp.concatenate([emb[:, :, None], soft], axis=2).reshape(B, A * U, -1)
   extra_positions, visible = contemplate_layout(anchors, S, P)
   slots = jnp.broadcast_to(S + jnp.arange(A * U, dtype=jnp.int32), (B, A * U))
