@@ -53,7 +53,22 @@ SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_b
               "under_a_kv_budget")
 
 
+# Files that take a worker longest (seconds of one worker in a full run on CI's 2 cores, session 27),
+# sent to the workers first (addopts has --no-loadscope-reorder, which keeps this order; xdist's
+# own order, by number of tests, started the notebooks last and left one core idle for minutes).
+LONGEST_FILES = ("test_notebooks.py", "test_notebooks_more.py", "test_cli.py", "test_train.py",
+                 "test_sharding.py", "test_sharding_spec.py", "test_drafters.py", "test_ngram.py",
+                 "test_kv.py", "test_default_model.py", "test_confu.py", "test_lookahead.py",
+                 "test_probe.py", "test_eagle3.py", "test_speculative.py", "test_native.py")
+
+
+def _longest_first(item) -> int:
+  name = item.path.name
+  return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+
+
 def pytest_collection_modifyitems(config, items):
+  items.sort(key=_longest_first)  # stable: each file's tests keep their order
   for item in items:
     name = item.name.split("[")[0]
     if (item.path.name not in CORE_FILES or any(part in name for part in SLOW_NAMES)
