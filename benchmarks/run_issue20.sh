@@ -63,3 +63,14 @@ for ds in mt-bench humaneval; do
       --gamma 3 --json benchmarks/issue20_lookahead_${ds}_t${t}_cpu.json
   done
 done
+# Session 27: the lookup with its chain stopped where no 2-gram matches (ngram:2-4@1) and a longer
+# chain (gamma 6): a round with no match runs a one-token forward (the engines' narrow step), a
+# long match is verified whole. 20 prompts x 128 tokens (the lookup finds more in longer answers).
+LONG="--num-prompts 20 --max-new-tokens 128 --no-transformers --no-ttft --no-overhead"
+for ds in humaneval mt-bench; do
+  run --dataset $ds $LONG --drafters ngram --gamma 3 --json benchmarks/issue20_ngram_g3_${ds}_t0_cpu.json
+  for t in 0 1; do
+    run --dataset $ds $LONG --temperature $t --drafters ngram,ngram:2-4@1 --gamma 6 \
+      --json benchmarks/issue20_ngram_stop_g6_${ds}_t${t}_cpu.json
+  done
+done
