@@ -61,7 +61,7 @@ def main() -> int:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
   for ax, draft in zip(axes, (1, 2)):
     for c in curves:
       key = f"alpha_greedy_draft{draft}"
@@ -72,6 +72,21 @@ def main() -> int:
     ax.set_title(f"held-out greedy acceptance, draft {draft}")
     ax.set_xlabel("training step (8 rows x 256 tokens)")
     ax.grid(alpha=0.3)
+  # The comparable end points: eval-drafter's draft-1 acceptance on the shared held-out shards
+  # against the data size (a run's name is NETWORK-SHARDS; ablations are left out).
+  sizes = {}
+  for r in heldout:
+    name = Path(r["drafter"].removeprefix("model:")).parent.name  # e.g. eagle3-12
+    if "-" in name and "ablation" not in r.get("command", ""):
+      network, shards = name.rsplit("-", 1)
+      sizes.setdefault(network, {})[int(shards)] = r["alpha_greedy"]
+  for network, by_size in sorted(sizes.items()):
+    xs = sorted(by_size)
+    axes[2].plot([16 * x for x in xs], [by_size[x] for x in xs], marker="s", label=network)
+  axes[2].set_title("held-out shards 38-39 (eval-drafter), draft 1")
+  axes[2].set_xlabel("distillation prompts trained on (16 a shard)")
+  axes[2].grid(alpha=0.3)
+  axes[2].legend()
   axes[0].set_ylabel("acceptance")
   axes[0].legend()
   fig.tight_layout()

@@ -1,14 +1,30 @@
 """Suite-wide fixtures."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
-# Tests run in-process CLI commands, which turn JAX's persistent compilation cache on; kept off so
+# Tests run in-process CLI commands, which turn jspec's persistent compilation cache on; kept off so
 # that no test reads programs another run wrote (test_compilation_cache turns it on in a subprocess).
 os.environ["JSPEC_COMPILATION_CACHE"] = "off"
+
+# One compilation cache for this run alone: a fresh directory made by the first process (the xdist
+# controller, or a plain run) and removed when it exits; workers, subprocesses and notebook kernels
+# inherit it (JAX reads JAX_COMPILATION_CACHE_DIR). Files compile the same programs again (each
+# module's programs are dropped after it, see below; the AR baselines of the greedy-identity tests
+# recur across files), and a program that took >= 1 s to build is loaded the second time. Nothing
+# outlives the run, so no test reads what another run wrote; CompileCounter counts loads as
+# compiles, so the no-recompile checks are unchanged.
+if "JSPEC_TEST_XLA_CACHE" not in os.environ:
+  os.environ["JSPEC_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jspec-test-xla-")
+  atexit.register(shutil.rmtree, os.environ["JSPEC_TEST_XLA_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JSPEC_TEST_XLA_CACHE"]
+jax.config.update("jax_compilation_cache_dir", os.environ["JSPEC_TEST_XLA_CACHE"])
 
 
 def pytest_configure(config):
