@@ -407,7 +407,7 @@ def cmd_bench_kv(args) -> int:
   from jspec.bench import kv as bench_kv, speed
   from jspec.bench.profiling import machine_info
   from jspec.model import load
-  from jspec.train.prompts import sharegpt_conversations
+  from jspec.data import sharegpt_conversations
 
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
       methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],

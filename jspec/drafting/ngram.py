@@ -6,6 +6,10 @@ static [B, L] buffer, rolled back implicitly like a KV cache: every round writes
 tokens at seq_len - 2 and seq_len - 1, and nothing at or past seq_len is read. A lookup tries the
 longest suffix first (n_max down to n_min) and takes the most recent earlier occurrence.
 
+With a `store` (an n-gram datastore built from a corpus, jspec.io.datastore; the `rest` drafter)
+a position the history has no match for takes the store's most frequent continuation of its
+last n tokens (retrieval drafting, REST: He et al. 2023), before any fallback.
+
 A looked-up draft is deterministic given its prefix, so its q is one-hot and verification stays
 exact at any temperature: speculative sampling accepts it with probability p(x) and otherwise
 samples the residual. With a `fallback` drafter (any drafter but another lookup) the lookup wins
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafting.base import DraftState, Drafter, Features, Pick, check_stop, keep_draw
+from jspec.io.datastore import NgramTable, context_hash
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, parent_of, take
 
@@ -51,6 +56,24 @@ def lookup(history: Array, length: Array, n_min: int, n_max: int) -> tuple[Array
     hit = last >= 0
     after = jnp.take_along_axis(history, jnp.clip(last + n, 0, L - 1)[:, None], axis=1)[:, 0]
     token = jnp.where(hit, after, token)
+    found |= hit
+  return token, found
+
+
+def store_lookup(table: NgramTable, history: Array, length: Array) -> tuple[Array, Array]:
+  """(token [B], found [B]): the datastore's next token after the last n tokens of
+  history[b, :length[b]], for the largest n it holds a context of."""
+  B, L = history.shape
+  K = table.keys.shape[0]
+  token = jnp.zeros((B,), jnp.int32)
+  found = jnp.zeros((B,), bool)
+  for n in range(table.n_min, table.n_max + 1):  # a longer context overrides a shorter one
+    context = jnp.take_along_axis(
+        history, jnp.clip(length[:, None] - n + jnp.arange(n), 0, L - 1), axis=1)  # [B, n]
+    key = context_hash(jnp, context)  # [B] uint32
+    at = jnp.clip(jnp.searchsorted(table.keys, key), 0, K - 1)  # binary search, [B]
+    hit = (table.keys[at] == key) & (length >= n)
+    token = jnp.where(hit, table.tokens[at], token)
     found |= hit
   return token, found
 
@@ -99,8 +122,7 @@ class _LookupFeeder:
       contexts = contexts.at[rows, cols, at].set(take(tree.tokens, node), mode="drop")
       node = parent_of(tree, node)
     depth = jnp.where(frontier >= 0, take(tree.depth, frontier), 0)  # [B, W]
-    guess, found = lookup(contexts.reshape(B * W, L), (self.seq_len[:, None] + depth).reshape(-1),
-                          d.n_min, d.n_max)
+    guess, found = d.guess(contexts.reshape(B * W, L), (self.seq_len[:, None] + depth).reshape(-1))
     guess, found = guess.reshape(B, W), found.reshape(B, W)
     if self.inner is None:
       own = jnp.where(frontier >= 0, take(tree.tokens, frontier), self.last[:, None])
@@ -116,8 +138,9 @@ class _LookupFeeder:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class NgramDrafter(Drafter):
-  """Prompt-lookup drafter; `fallback` (any drafter but another lookup, or None) drafts where no
-  n-gram matches.
+  """Prompt-lookup drafter; `store` (an n-gram datastore, or None) answers where the history has
+  no match (retrieval drafting, REST); `fallback` (any drafter but another lookup, or None)
+  drafts where neither matches.
 
   Without a fallback an unmatched position repeats the previous token (a guess that costs
   nothing: verification of the block is paid either way).
@@ -130,6 +153,7 @@ class NgramDrafter(Drafter):
   stop_on_miss: bool = dataclasses.field(default=False, metadata=dict(static=True))
   # Leave the fallback out of chain rounds the lookup matched in full (see the module docstring).
   skip_matched: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  store: NgramTable | None = None
 
   def __post_init__(self):
     if not (isinstance(self.n_min, int) and isinstance(self.n_max, int)
@@ -141,6 +165,9 @@ class NgramDrafter(Drafter):
       raise ValueError(f"the n-gram lookup falls back to a drafter that is not itself a lookup "
                        f"(default, self, early-exit:K, model:DIR); got "
                        f"{type(self.fallback).__name__}")
+    if not (self.store is None or isinstance(self.store, NgramTable)):
+      raise ValueError(f"the n-gram lookup's store is a jspec.io.datastore.NgramTable (load one "
+                       f"with load_table), got {type(self.store).__name__}")
     if self.fallback is not None and self.fallback.window_size:
       raise ValueError("the n-gram lookup cannot front lookahead decoding (its window rides in "
                        "the target's verification forward, and its pool already holds n-grams): "
@@ -149,6 +176,15 @@ class NgramDrafter(Drafter):
   @property
   def vocab_size(self) -> int:
     return self.vocab if self.fallback is None else self.fallback.vocab_size
+
+  def guess(self, history: Array, length: Array) -> tuple[Array, Array]:
+    """(token [B], found [B]) after history[b, :length[b]]: the history's own n-gram match, else
+    the store's."""
+    token, found = lookup(history, length, self.n_min, self.n_max)
+    if self.store is None:
+      return token, found
+    stored, hit = store_lookup(self.store, history, length)
+    return jnp.where(found, token, stored), found | hit
 
   @property
   def stops_early(self) -> bool:
@@ -202,7 +238,7 @@ class NgramDrafter(Drafter):
 
     def body(loop):
       i, tokens, history, found = loop
-      guess, hit = lookup(history, seq_len + i, self.n_min, self.n_max)
+      guess, hit = self.guess(history, seq_len + i)
       tokens = jax.lax.dynamic_update_slice_in_dim(tokens, guess[:, None], i, axis=1)
       return i + 1, tokens, write_at(history, seq_len + i, guess[:, None]), found & hit
 
@@ -262,7 +298,7 @@ class NgramDrafter(Drafter):
       def step(i, carry):  # draft i reads the history with drafts 0..i-1 written
         tokens, probs, history, active = carry
         at = seq_len + i
-        guess, found = lookup(history, at, self.n_min, self.n_max)
+        guess, found = self.guess(history, at)
         previous = jnp.take_along_axis(history, (at - 1)[:, None], axis=1)[:, 0]
         token = jnp.where(found, guess, previous)
         token, q = outer(i, tokens, token, jax.nn.one_hot(token, V, dtype=jnp.float32))
@@ -298,8 +334,7 @@ class NgramDrafter(Drafter):
     history = write_at(state.history, seq_len - 2, last2)
 
     def mine(i, tokens, token, probs):  # draft i, given drafts 0..i-1 in `tokens` [B, G]
-      guess, found = lookup(write_at(history, seq_len, tokens), seq_len + i, self.n_min,
-                            self.n_max)
+      guess, found = self.guess(write_at(history, seq_len, tokens), seq_len + i)
       token, probs = (jnp.where(found, guess, token),
                       jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype),
                                 probs))
@@ -339,10 +374,13 @@ class NgramDrafter(Drafter):
 
 
 def ngram_drafter(vocab_size: int, n_min: int | None = None, n_max: int = 4,
-                  fallback: Drafter | None = None) -> NgramDrafter:
+                  fallback: Drafter | None = None, store: NgramTable | None = None
+                  ) -> NgramDrafter:
   """n_min defaults to 1 alone (any guess beats none: the block is verified anyway) and to 2 in
-  front of another drafter (a one-token match is right less often than a model; measured by
-  benchmarks/probe_ngram_hybrid.py)."""
+  front of another drafter or a store (a one-token match is right less often than a model;
+  measured by benchmarks/probe_ngram_hybrid.py; the store's own one-token contexts rank the
+  candidates by frequency instead of recency: benchmarks/README.md, "Retrieval drafting")."""
   if n_min is None:
-    n_min = 1 if fallback is None else 2
-  return NgramDrafter(vocab=int(vocab_size), n_min=n_min, n_max=n_max, fallback=fallback)
+    n_min = 1 if fallback is None and store is None else 2
+  return NgramDrafter(vocab=int(vocab_size), n_min=n_min, n_max=n_max, fallback=fallback,
+                      store=store)

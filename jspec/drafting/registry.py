@@ -23,6 +23,7 @@ from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
+from jspec.io.datastore import default_table, load_table, read_metadata
 from jspec.io.fetch import default_model_path
 from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
                            resolve_path, source_exists)
@@ -246,6 +247,24 @@ def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
           "ngram+default", takes_fallback=True, check=_ngram_sizes)
 def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return ngram_drafter(target.cfg.vocab_size, *_ngram_sizes(arg), fallback)
+
+
+def _check_datastore(arg: str | None) -> None:
+  if arg is not None:
+    if not arg:
+      raise ValueError("rest:PATH needs the path of a datastore from `jspec build-datastore`")
+    read_metadata(arg)  # exists and is a datastore; its tokenizer is checked at build
+
+
+@register("rest", "rest[:PATH][+DRAFTER]",
+          "retrieval drafting (REST): n-gram lookup on the context (2-4), else the most frequent "
+          "continuation in an n-gram datastore: by default ShareGPT's answers, built once for the "
+          "target's tokenizer; PATH: a file from `jspec build-datastore`; with +DRAFTER, DRAFTER "
+          "where neither matches", takes_fallback=True, check=_check_datastore)
+def _rest(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
+  V = target.cfg.vocab_size
+  store = default_table(target.tokenizer, V) if arg is None else load_table(arg, target.tokenizer, V)
+  return ngram_drafter(V, 2, 4, fallback, store=store)
 
 
 def _mtp_masks(arg: str | None) -> None:
