@@ -19,6 +19,7 @@ from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.loop import initial_state
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import BranchingTree
+from test_datastore import rest_drafter
 from test_eagle import noisy_eagle
 from test_ngram import REPEATING, TINY_REPEATING
 from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution,
@@ -37,6 +38,10 @@ KINDS = {  # every kind of drafter the registry builds
     "ngram+model": lambda t: ngram_drafter(TARGET.vocab_size, fallback=noised_drafter(t, 0.5)),
     "ngram+feature": lambda t: ngram_drafter(TARGET.vocab_size,
                                              fallback=noisy_eagle(t, TARGET, amount=0.1)),
+    # The store knows the first prompt's continuation (2- and 3-token contexts): elsewhere the
+    # model drafts.
+    "rest+model": lambda t: rest_drafter(t, fallback=noised_drafter(t, 0.5),
+                                         prompts=PROMPT_SET[:1], n_min=2),
 }
 PROMPT_SET = PROMPTS[:1] + REPEATING[:2]  # the repeating ones give the lookup matches
 # test_speculative and test_tree_engine run the model and trimmed kinds through every chain

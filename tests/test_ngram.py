@@ -63,10 +63,12 @@ def target():
   return init_params(TARGET, jax.random.key(0), scale=0.3)
 
 
-def replayed_accept_hist(target, drafter_logits, prompts, gamma, n_tokens, n_min, n_max):
+def replayed_accept_hist(target, drafter_logits, prompts, gamma, n_tokens, n_min, n_max,
+                         store=None):
   """accept_hist of a greedy chain, replayed offline: draft i of a round is right exactly when
-  the lookup (else the model drafter's argmax, else the previous token) on the true context
-  names the target's next token, and a round accepts the run of right drafts."""
+  the lookup (else `store(context)` when given and not None, else the model drafter's argmax,
+  else the previous token) on the true context names the target's next token, and a round
+  accepts the run of right drafts."""
   want = generate(target, TARGET, prompts, max_new_tokens=n_tokens + gamma + 1).sequences()
   hist = np.zeros(gamma + 1, np.int64)
   for prompt, out in zip(prompts, want):
@@ -75,6 +77,8 @@ def replayed_accept_hist(target, drafter_logits, prompts, gamma, n_tokens, n_min
     right = []
     for i in range(len(prompt) + 1, len(ctx)):
       guess = python_lookup(ctx[:i], n_min, n_max)
+      if guess is None and store is not None:
+        guess = store(ctx[:i])
       if guess is None:
         guess = ctx[i - 1] if argmax is None else argmax[i - 1]
       right.append(guess == ctx[i])

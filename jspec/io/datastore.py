@@ -92,6 +92,8 @@ def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int =
       continue
     windows = np.lib.stride_tricks.sliding_window_view(corpus, n + 1)  # [P, n + 1]
     windows = windows[(windows >= 0).all(axis=1)]
+    if not windows.shape[0]:
+      continue
     h = context_hash(np, windows[:, :n].astype(np.uint32)).astype(np.uint64)
     pairs, counts = np.unique((h << np.uint64(32)) | windows[:, n].astype(np.uint64),
                               return_counts=True)
@@ -107,7 +109,8 @@ def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int =
   tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
   order = np.argsort(keys, kind="stable")  # distinct orders hash apart; a collision keeps one
   keys, tokens = keys[order], tokens[order]
-  unique = np.r_[True, keys[1:] != keys[:-1]]
+  unique = np.ones(keys.size, bool)
+  unique[1:] = keys[1:] != keys[:-1]
   return keys[unique], tokens[unique], n_tokens
 
 
