@@ -354,6 +354,37 @@ def cmd_trim_vocab(args) -> int:
   return 0
 
 
+def cmd_build_datastore(args) -> int:
+  import numpy as np
+
+  from jspec.io import datastore
+  from jspec.io.load import load_tokenizer
+  from jspec.train.distill import iter_examples
+
+  tokenizer = load_tokenizer(args.model)
+  sources = args.sources or ["sharegpt"]
+  sequences = []
+  for source in sources:
+    if source == "sharegpt":
+      sequences += datastore.sharegpt_sequences(tokenizer)
+    elif Path(source).is_dir():  # the target's own answers (jspec distill-data)
+      sequences += [ex.response for ex in iter_examples(source)]
+    else:
+      sequences.append(np.asarray(tokenizer.encode(Path(source).read_text(encoding="utf-8"),
+                                                   add_special_tokens=False)))
+  keys, tokens, n_tokens = datastore.build_table(sequences, n_max=args.n_max,
+                                                 min_count=args.min_count)
+  if not keys.size:
+    raise ValueError(f"no context of 1-{args.n_max} tokens occurs {args.min_count} times in "
+                     f"{n_tokens} tokens: give more text or a lower --min-count")
+  out = args.out or datastore.default_table_path(tokenizer, args.n_max, args.min_count)
+  datastore.save_table(out, keys, tokens, n_min=1, n_max=args.n_max, min_count=args.min_count,
+                       corpus_tokens=n_tokens, tokenizer=tokenizer, source=",".join(sources))
+  print(f"wrote {out}: {keys.size} contexts from {n_tokens} tokens ({out.stat().st_size / 1e6:.1f} "
+        f"MB); use it with --drafter rest:{out}")
+  return 0
+
+
 def cmd_eval_drafter(args) -> int:
   from jspec.bench.speed import write_records
   from jspec.drafting.registry import load_drafter
@@ -482,7 +513,8 @@ def cmd_bench_tau(args) -> int:
 _AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "batch_size": 1,
              "gen_batch_size": 1, "grad_accum": 1, "steps": 0, "rounds": 1, "stride": 1,
              "batch": 1, "size": 1, "top_k": 0, "num_samples": 1, "context": 1, "repeats": 1,
-             "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1}
+             "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1,
+             "n_max": 1, "min_count": 1}
 
 
 def check_args(args) -> None:
@@ -522,6 +554,12 @@ def check_args(args) -> None:
                               f"train-drafter --out)")
   if hasattr(args, "temperature"):
     _sampling(args)
+  if getattr(args, "n_max", None) is not None and args.n_max > 8:
+    raise ValueError(f"--n-max must be at most 8, got {args.n_max}")
+  for source in getattr(args, "sources", None) or ():
+    if source != "sharegpt" and not Path(source).exists():
+      raise FileNotFoundError(f"--from {source}: no such file or directory. Fix: 'sharegpt', a "
+                              f"directory of `jspec distill-data` or a text file")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -755,6 +793,21 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--out", type=Path, required=True)
   v.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
   v.set_defaults(fn=cmd_trim_vocab)
+  s = sub.add_parser("build-datastore", help="build an n-gram datastore for retrieval drafting "
+                                             "(--drafter rest:FILE)")
+  s.add_argument("--model", "--target", dest="model", default="default",
+                 help=_TARGET_HELP + " (only its tokenizer is read)")
+  s.add_argument("--from", dest="sources", action="append", metavar="SOURCE",
+                 help="'sharegpt' (default: ShareGPT's answers, conversations overlapping an "
+                      "evaluation prompt left out), a directory of `jspec distill-data` (the "
+                      "target's own answers) or a UTF-8 text file; repeatable")
+  s.add_argument("--out", type=Path, default=None,
+                 help="the file to write (default: where --drafter rest looks for the ShareGPT "
+                      "datastore, in the cache)")
+  s.add_argument("--n-max", type=int, default=3, help="longest context, in tokens (1-8)")
+  s.add_argument("--min-count", type=int, default=8,
+                 help="keep contexts seen at least this often")
+  s.set_defaults(fn=cmd_build_datastore)
   return parser
 
 

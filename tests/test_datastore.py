@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.cli import main
 from jspec.drafting.ngram import NgramDrafter, ngram_drafter, store_lookup
 from jspec.drafting.registry import parse_drafter
 from jspec.generate import generate
@@ -206,3 +207,36 @@ def test_file_round_trip_and_refusals(tmp_path):
     D.build_table([np.asarray([1, -2])])
   with pytest.raises(ValueError, match="NgramTable"):
     NgramDrafter(vocab=8, store=(keys, tokens))
+
+
+def test_build_datastore_command_and_rest_drafter(tmp_path, capsys):
+  """`jspec build-datastore` from a text file writes what `jspec generate --drafter rest:FILE`
+  loads, and the text is the autoregressive one; bad sources and a datastore of another
+  tokenizer are refused with the fix."""
+  pytest.importorskip("transformers")  # the tiny checkpoint is written through it
+  from tests import ggufutil
+  model, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+  ggufutil.make_tiny_tokenizer_dir(model, 256)
+  text = tmp_path / "corpus.txt"
+  text.write_text("the cat sat on the mat. " * 20, encoding="utf-8")
+  out = tmp_path / "store.safetensors"
+  assert main(["build-datastore", "--model", str(model), "--from", str(text), "--min-count", "2",
+               "--out", str(out)]) == 0
+  assert "rest:" in capsys.readouterr().out
+  meta = D.read_metadata(out)
+  assert (meta["n_min"], meta["n_max"], meta["min_count"]) == (1, 3, 2)
+  base = ["generate", "--model", str(model), "--prompt", "the cat", "--max-new-tokens", "8"]
+  assert main(base) == 0
+  plain = capsys.readouterr().out
+  assert main(base + ["--drafter", f"rest:{out}", "--gamma", "3"]) == 0
+  assert capsys.readouterr().out == plain
+  assert main(["build-datastore", "--from", str(tmp_path / "none.txt")]) == 2
+  assert "no such file" in capsys.readouterr().err
+  assert main(["build-datastore", "--model", str(model), "--from", str(text), "--n-max", "9"]) == 2
+  assert "--n-max" in capsys.readouterr().err
+  other = tmp_path / "other.safetensors"
+  D.save_table(other, *D.build_table([np.asarray([1, 2, 1, 2])], min_count=1)[:2], n_min=1,
+               n_max=3, min_count=1, corpus_tokens=4, tokenizer=_Tok(["a", "b", "c"]),
+               source="test")
+  assert main(base + ["--drafter", f"rest:{other}"]) == 2
+  assert "another tokenizer" in capsys.readouterr().err

@@ -101,6 +101,13 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
   return cfg, params, tokenizer, path
 
 
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+  """The tokenizer of "default", a named model, a .gguf file or an HF directory, without its
+  weights."""
+  path = resolve_path(name_or_path)
+  return Tokenizer.from_gguf(GGUFFile(path)) if path.suffix == ".gguf" else Tokenizer.from_hf_dir(path)
+
+
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str) -> None:
   """A draft must tokenize exactly like the target, or its proposals mean other strings."""
   if target.vocab_size != draft.vocab_size:
