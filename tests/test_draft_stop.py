@@ -16,6 +16,7 @@ from jspec.generate import generate
 from jspec.models.llama import init_params
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
+from test_datastore import rest_drafter
 from test_eagle import noisy_eagle
 from test_ngram import REPEATING
 from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution,
@@ -68,6 +69,7 @@ KINDS = {
     "ngram+model": lambda t: ngram_drafter(TARGET.vocab_size,
                                            fallback=noised_drafter(t, 0.5)).with_stop(0.6),
     "mtp": lambda t: probe_drafter(t, TARGET, 3).with_stop(0.2),
+    "rest": lambda t: rest_drafter(t, prompts=PROMPT_SET[2:], n_min=2).with_stop(1.0),
 }
 
 
