@@ -197,7 +197,8 @@ def sharegpt_sequences(tokenizer: Tokenizer, path: str | Path | None = None,
 def default_table_path(tokenizer: Tokenizer, n_max: int = N_MAX, min_count: int = MIN_COUNT
                        ) -> Path:
   return (cache_dir() / "datastores"
-          / f"sharegpt-{tokenizer_sha256(tokenizer)[:16]}-n1-{n_max}-c{min_count}.safetensors")
+          / f"sharegpt-{FORMAT}-{tokenizer_sha256(tokenizer)[:16]}-n1-{n_max}-c{min_count}"
+          f".safetensors")  # a new format builds a new file
 
 
 def build_from_sharegpt(tokenizer: Tokenizer, out: str | Path, *, n_max: int = N_MAX,
