@@ -74,3 +74,14 @@ for ds in humaneval mt-bench; do
       --json benchmarks/issue20_ngram_stop_g6_${ds}_t${t}_cpu.json
   done
 done
+# Session 28: retrieval drafting (`rest`: the lookup 2-4, else the ShareGPT datastore's most
+# frequent continuation of the last 1-3 tokens; built once, ~1.5 min) beside the plain lookup,
+# 20 prompts x 128 tokens, chains of 3 and 4.
+for ds in mt-bench humaneval; do
+  for t in 0 1; do
+    for g in 3 4; do
+      run --dataset $ds $LONG --temperature $t --drafters ngram,rest --gamma $g \
+        --json benchmarks/issue20_rest_g${g}_${ds}_t${t}_cpu.json
+    done
+  done
+done
