@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.bench.profiling import CompileCounter
 from jspec.cli import main
 from jspec.drafting.ngram import NgramDrafter, ngram_drafter, store_lookup
 from jspec.drafting.registry import parse_drafter
@@ -144,6 +145,15 @@ def test_greedy_identity_and_replay(target, gamma):
   store = reference_store(counting_reference(corpus, 1, 3, 1), 1, 3)
   np.testing.assert_array_equal(
       hist, replayed_accept_hist(target, None, prompts, gamma, 24, 2, 4, store=store))
+  # One program: other prompts of the same bucket and another store of the same size reuse it.
+  other = D.NgramTable(keys=drafter.store.keys, tokens=(drafter.store.tokens + 1) % TARGET.vocab_size,
+                       n_min=1, n_max=3)
+  with CompileCounter() as counter:
+    jax.block_until_ready(speculative_generate(
+        target, TARGET, ngram_drafter(TARGET.vocab_size, 2, 4, store=other),
+        [[p + 1 for p in prompt] for prompt in prompts],
+        spec=SpecConfig(gamma=gamma, max_new_tokens=24)).tokens)
+  assert counter.compiles == 0
   # The store made the difference: the lookup alone accepts fewer drafts.
   alone = speculative_generate(target, TARGET, ngram_drafter(TARGET.vocab_size, 2, 4), prompts,
                                spec=SpecConfig(gamma=gamma, max_new_tokens=24))
