@@ -146,8 +146,8 @@ def test_greedy_identity_and_replay(target, gamma):
   np.testing.assert_array_equal(
       hist, replayed_accept_hist(target, None, prompts, gamma, 24, 2, 4, store=store))
   # One program: other prompts of the same bucket and another store of the same size reuse it.
-  other = D.NgramTable(keys=drafter.store.keys, tokens=(drafter.store.tokens + 1) % TARGET.vocab_size,
-                       n_min=1, n_max=3)
+  other = D.NgramTable(keys=drafter.store.keys, n_min=1, n_max=3,
+                       tokens=(drafter.store.tokens + 1) % TARGET.vocab_size)
   with CompileCounter() as counter:
     jax.block_until_ready(speculative_generate(
         target, TARGET, ngram_drafter(TARGET.vocab_size, 2, 4, store=other),
