@@ -75,7 +75,7 @@ def test_hash_is_the_same_in_numpy_and_jax():
                                   np.asarray(D.context_hash(jnp, jnp.asarray(ctx))))
   one = np.asarray([[1, 2]], np.uint32)
   assert D.context_hash(np, one) != D.context_hash(np, one[:, ::-1])  # order matters
-  assert D.context_hash(np, one[:, 1:]) != D.context_hash(np, np.asarray([[0, 2]], np.uint32)[:, 1:] + 1)
+  assert D.context_hash(np, np.asarray([[0, 2]], np.uint32)) != D.context_hash(np, one[:, 1:])
 
 
 @pytest.mark.parametrize("min_count", [1, 3])

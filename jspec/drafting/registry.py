@@ -263,7 +263,8 @@ def _check_datastore(arg: str | None) -> None:
           "where neither matches", takes_fallback=True, check=_check_datastore)
 def _rest(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   V = target.cfg.vocab_size
-  store = default_table(target.tokenizer, V) if arg is None else load_table(arg, target.tokenizer, V)
+  store = (default_table(target.tokenizer, V) if arg is None
+           else load_table(arg, target.tokenizer, V))
   return ngram_drafter(V, 2, 4, fallback, store=store)
 
 

@@ -105,7 +105,9 @@ def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
   """The tokenizer of "default", a named model, a .gguf file or an HF directory, without its
   weights."""
   path = resolve_path(name_or_path)
-  return Tokenizer.from_gguf(GGUFFile(path)) if path.suffix == ".gguf" else Tokenizer.from_hf_dir(path)
+  if path.suffix == ".gguf":
+    return Tokenizer.from_gguf(GGUFFile(path))
+  return Tokenizer.from_hf_dir(path)
 
 
 def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_source: str) -> None:
