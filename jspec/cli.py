@@ -372,15 +372,10 @@ def cmd_build_datastore(args) -> int:
     else:
       sequences.append(np.asarray(tokenizer.encode(Path(source).read_text(encoding="utf-8"),
                                                    add_special_tokens=False)))
-  keys, tokens, n_tokens = datastore.build_table(sequences, n_max=args.n_max,
-                                                 min_count=args.min_count)
-  if not keys.size:
-    raise ValueError(f"no context of 1-{args.n_max} tokens occurs {args.min_count} times in "
-                     f"{n_tokens} tokens: give more text or a lower --min-count")
-  out = args.out or datastore.default_table_path(tokenizer, args.n_max, args.min_count)
-  datastore.save_table(out, keys, tokens, n_min=1, n_max=args.n_max, min_count=args.min_count,
-                       corpus_tokens=n_tokens, tokenizer=tokenizer, source=",".join(sources))
-  print(f"wrote {out}: {keys.size} contexts from {n_tokens} tokens ({out.stat().st_size / 1e6:.1f} "
+  out, contexts, n_tokens = datastore.write_table(
+      args.out or datastore.default_table_path(tokenizer, args.n_max, args.min_count), sequences,
+      tokenizer, ",".join(sources), n_max=args.n_max, min_count=args.min_count)
+  print(f"wrote {out}: {contexts} contexts from {n_tokens} tokens ({out.stat().st_size / 1e6:.1f} "
         f"MB); use it with --drafter rest:{out}")
   return 0
 

@@ -61,7 +61,7 @@ _SEP = re.compile(r"[\s,]*")  # whitespace and the commas between array items
 
 
 def json_array_items(f: TextIO, stats: collections.Counter, chunk_chars: int = 1 << 20
-                      ) -> Iterator:
+                     ) -> Iterator:
   """The items of the JSON array in `f`, decoded one at a time; a truncated tail ends the iteration
   and its length is added to stats["truncated_chars"]."""
   decoder = json.JSONDecoder()

@@ -201,17 +201,18 @@ def default_table_path(tokenizer: Tokenizer, n_max: int = N_MAX, min_count: int 
           f".safetensors")  # a new format builds a new file
 
 
-def build_from_sharegpt(tokenizer: Tokenizer, out: str | Path, *, n_max: int = N_MAX,
-                        min_count: int = MIN_COUNT, progress: bool = True) -> Path:
-  start = time.time()
-  sequences = sharegpt_sequences(tokenizer, progress=progress)
+def write_table(out: str | Path, sequences: Iterable[np.ndarray], tokenizer: Tokenizer,
+                source: str, *, n_max: int = N_MAX, min_count: int = MIN_COUNT
+                ) -> tuple[Path, int, int]:
+  """Build the datastore of `sequences` and save it: (path, contexts, corpus tokens). An empty
+  table is refused with the fix."""
   keys, tokens, n_tokens = build_table(sequences, n_max=n_max, min_count=min_count)
+  if not keys.size:
+    raise ValueError(f"no context of 1-{n_max} tokens occurs {min_count} times in {n_tokens} "
+                     f"tokens: give more text or a lower --min-count")
   out = save_table(out, keys, tokens, n_min=1, n_max=n_max, min_count=min_count,
-                   corpus_tokens=n_tokens, tokenizer=tokenizer, source="sharegpt")
-  if progress:
-    print(f"jspec: datastore of {keys.size} contexts from {n_tokens} ShareGPT tokens written to "
-          f"{out} ({time.time() - start:.0f} s)", file=sys.stderr)
-  return out
+                   corpus_tokens=n_tokens, tokenizer=tokenizer, source=source)
+  return out, int(keys.size), n_tokens
 
 
 def default_table(tokenizer: Tokenizer, vocab_size: int, progress: bool = True) -> NgramTable:
@@ -221,5 +222,10 @@ def default_table(tokenizer: Tokenizer, vocab_size: int, progress: bool = True) 
     if progress:
       print(f"jspec: building the n-gram datastore for this tokenizer from ShareGPT (once, into "
             f"{path.parent}) ...", file=sys.stderr)
-    build_from_sharegpt(tokenizer, path, progress=progress)
+    start = time.time()
+    _, contexts, n_tokens = write_table(path, sharegpt_sequences(tokenizer, progress=progress),
+                                        tokenizer, "sharegpt")
+    if progress:
+      print(f"jspec: datastore of {contexts} contexts from {n_tokens} ShareGPT tokens written to "
+            f"{path} ({time.time() - start:.0f} s)", file=sys.stderr)
   return load_table(path, tokenizer, vocab_size)
