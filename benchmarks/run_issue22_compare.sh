@@ -34,9 +34,10 @@ jspec eval-drafter --target default --drafters "${drafters#,}" --data $D/i22:38-
   --seq-len 256 --gamma 4 --json ${HELDOUT:-benchmarks/issue22_heldout_cpu.json}
 # `jspec bench`: the trained drafters' chains (gamma 3) side by side with AR on MT-Bench and
 # HumanEval, greedy and T=1 (BENCH_DRAFTERS overrides which; session 26 benched confu-12 only,
-# the EAGLE runs no longer being on the machine).
+# the EAGLE runs no longer being on the machine; session 29 ran SIZES=36 with
+# BENCH_TAG=n36_ HELDOUT=benchmarks/issue22_heldout_n36_cpu.json: all three side by side).
 for ds in mt-bench humaneval; do for t in 0 1; do
-  out=benchmarks/issue22_bench_${ds}_t${t}_cpu.json
+  out=benchmarks/issue22_bench_${BENCH_TAG:-}${ds}_t${t}_cpu.json
   [ -e $out ] || jspec bench --dataset $ds --num-prompts 6 --max-new-tokens 64 --no-transformers \
     --no-ttft --no-overhead --temperature $t --drafters "${BENCH_DRAFTERS:-${drafters#,}}" \
     --gamma 3 --json $out

@@ -26,6 +26,19 @@ if "JSPEC_TEST_XLA_CACHE" not in os.environ:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JSPEC_TEST_XLA_CACHE"]
 jax.config.update("jax_compilation_cache_dir", os.environ["JSPEC_TEST_XLA_CACHE"])
 
+# Compiling, not running, is most of the suite's time on a CPU, and most of a compile is LLVM
+# optimising the generated code. JAX's jax_disable_most_optimizations sets only XLA's backend
+# (LLVM) optimisation level to 0: the HLO passes (fusion, layout, simplification) still run, so every
+# program computes the same operations in the same order (LLVM does not reorder float arithmetic
+# without fast-math, which XLA's CPU backend leaves off); what changes is how fast the tiny test
+# programs run. Measured on the 2-core VM: tests/test_speculative.py 137 -> 89 s, the real-model
+# tests/test_default_model.py 86 -> 76 s. Set before the first compile and in the environment, so
+# subprocesses and notebook kernels inherit it. JSPEC_TEST_XLA_OPTIMIZE=1 compiles as users do; an
+# accelerator's suite always does (its code generation is what a GPU run is there to test).
+if os.environ.get("JSPEC_TEST_XLA_OPTIMIZE") != "1" and jax.default_backend() == "cpu":
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+  jax.config.update("jax_disable_most_optimizations", True)
+
 
 def pytest_configure(config):
   """On an accelerator the suite runs in jspec's exact precision (jspec.models.numerics): its

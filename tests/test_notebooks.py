@@ -70,8 +70,8 @@ def test_02_speculative_decoding():
 def test_03_trees_and_rsd():
   text = run("03_trees_and_rsd.ipynb")
   greedy = re.findall(r"(\S+)\s+identical to plain decoding: (True|False)", text)
-  assert len(greedy) >= 3 and all(v == "True" for _, v in greedy)
+  assert len(greedy) >= 2 and all(v == "True" for _, v in greedy)  # small: SpecInfer and RSD-C
   taus = re.findall(r"(\S+)\s+tau ([\d.]+) \+- ([\d.]+)", text)
-  assert {t for t, *_ in taus} >= {"chain:4", "specinfer:3-2-1", "rsd-c:3-2-1", "rsd-s:3,5"}
+  assert {t for t, *_ in taus} >= {"chain:4", "specinfer:3-2-1", "rsd-c:3-2-1"}
   assert all(1.0 <= float(tau) <= 6.0 for _, tau, _ in taus)
   assert "rsd-c:3-2-1 minus specinfer:3-2-1" in text
