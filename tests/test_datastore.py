@@ -6,6 +6,7 @@ files round-trip and are refused for another tokenizer. Trees and `rest+X`: test
 (KINDS)."""
 
 import collections
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +192,7 @@ class _Tok:
     self.tokens, self.vocab_size = tokens, len(tokens)
 
 
-def test_file_round_trip_and_refusals(tmp_path):
+def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
   keys, tokens, n = D.build_table([np.asarray([1, 2, 3, 1, 2, 4, 1, 2, 3])], n_max=2, min_count=1)
   tok = _Tok([f"t{i}" for i in range(8)])
   path = D.save_table(tmp_path / "s.safetensors", keys, tokens, n_min=1, n_max=2, min_count=1,
@@ -200,6 +201,15 @@ def test_file_round_trip_and_refusals(tmp_path):
   np.testing.assert_array_equal(np.asarray(loaded.keys), keys)
   np.testing.assert_array_equal(np.asarray(loaded.tokens), tokens)
   assert (loaded.n_min, loaded.n_max) == (1, 2)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]  # no .part left
+  def interrupted(self, target):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(Path, "replace", interrupted)  # stopped after writing, before the rename
+  with pytest.raises(KeyboardInterrupt):
+    D.save_table(tmp_path / "cut.safetensors", keys, tokens, n_min=1, n_max=2, min_count=1,
+                 corpus_tokens=n, tokenizer=tok, source="test")
+  monkeypatch.undo()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors"]  # its part file removed
   other = _Tok([f"t{i}" for i in range(7)] + ["x"])
   with pytest.raises(ValueError, match="another tokenizer"):
     D.load_table(path, other, 8)

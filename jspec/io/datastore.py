@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -127,10 +128,15 @@ def save_table(path: str | Path, keys: np.ndarray, tokens: np.ndarray, *, n_min:
   meta = dict(format=FORMAT, n_min=n_min, n_max=n_max, min_count=min_count,
               corpus_tokens=corpus_tokens, vocab_size=tokenizer.vocab_size,
               tokenizer_sha256=tokenizer_sha256(tokenizer), source=source)
-  tmp = path.with_name(path.name + ".part")
-  safetensors.numpy.save_file({"keys": keys, "tokens": tokens}, str(tmp),
-                              metadata={k: json.dumps(v) for k, v in meta.items()})
-  tmp.replace(path)
+  # A name of this process's own: two processes building the same table (the default one, on
+  # first use) each write their file whole, and the last rename wins with the same content.
+  tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
+  try:
+    safetensors.numpy.save_file({"keys": keys, "tokens": tokens}, str(tmp),
+                                metadata={k: json.dumps(v) for k, v in meta.items()})
+    tmp.replace(path)
+  finally:
+    tmp.unlink(missing_ok=True)
   return path
 
 
