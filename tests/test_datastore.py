@@ -162,6 +162,20 @@ def test_greedy_identity_and_replay(target, gamma):
       1, gamma + 1)
 
 
+def test_greedy_identity_under_a_kv_budget(target):
+  """The store drafts from tokens, not from the cache: under an evicting target cache (KeyDiff,
+  a budget far below the text) greedy output is the budgeted target's own, and its drafts pass."""
+  from jspec.kv.policy import KVPolicy
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=4)
+  prompts = [PROMPTS[0], REPEATING[1], [30]]
+  want = generate(target, TARGET, prompts, max_new_tokens=32, kv=policy).sequences()
+  store = table([np.asarray(list(p) + s) for p, s in zip(prompts, want)])
+  out = speculative_generate(target, TARGET, ngram_drafter(TARGET.vocab_size, 2, 4, store=store),
+                             prompts, kv=policy, spec=SpecConfig(gamma=3, max_new_tokens=32))
+  assert out.sequences() == want
+  assert np.asarray(out.accept_hist)[1:].sum() > 0
+
+
 @pytest.mark.parametrize("case", ["t1", "t0.7-topk", "q misreported (control)"])
 def test_sampling_is_lossless(monkeypatch, case):
   """TINY_PROMPT repeats nothing, so every draft comes from the store (bigrams of a random
