@@ -54,11 +54,11 @@ def table(sequences, n_min=1, n_max=3, min_count=1) -> D.NgramTable:
   return D.NgramTable(keys=jnp.asarray(keys), tokens=jnp.asarray(tokens), n_min=n_min, n_max=n_max)
 
 
-def own_text(target, cfg, n_tokens=24, prompts=None):
-  """The target's greedy continuations of `prompts` (default: one-token prompts), prompt first: a
-  corpus it will write again."""
+def own_text(target, cfg, n_tokens=24, prompts=None, kv=None):
+  """The target's greedy continuations of `prompts` (default: one-token prompts; under the KV
+  policy `kv` if given), prompt first: a corpus it will write again."""
   prompts = [[t] for t in range(0, cfg.vocab_size, 3)] if prompts is None else prompts
-  out = generate(target, cfg, prompts, max_new_tokens=n_tokens)
+  out = generate(target, cfg, prompts, max_new_tokens=n_tokens, kv=kv)
   return [np.asarray(list(p) + s) for p, s in zip(prompts, out.sequences())]
 
 
@@ -168,8 +168,9 @@ def test_greedy_identity_under_a_kv_budget(target):
   from jspec.kv.policy import KVPolicy
   policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=4)
   prompts = [PROMPTS[0], REPEATING[1], [30]]
-  want = generate(target, TARGET, prompts, max_new_tokens=32, kv=policy).sequences()
-  store = table([np.asarray(list(p) + s) for p, s in zip(prompts, want)])
+  corpus = own_text(target, TARGET, 32, prompts, kv=policy)
+  want = [[int(t) for t in c[len(p):]] for c, p in zip(corpus, prompts)]
+  store = table(corpus)
   out = speculative_generate(target, TARGET, ngram_drafter(TARGET.vocab_size, 2, 4, store=store),
                              prompts, kv=policy, spec=SpecConfig(gamma=3, max_new_tokens=32))
   assert out.sequences() == want
