@@ -103,6 +103,13 @@ def test_records_and_plot(tiny, tmp_path):
   assert (tmp_path / "kv.png").stat().st_size > 1000
 
 
+def test_full_cache_runs_only_when_listed(tiny):
+  setup = bench_kv.BenchKV(methods=["streaming"], budgets=[48], context=160, tasks=["passkey"],
+                           num_samples=1, chunk=16, time_decode=False)
+  records = bench_kv.run_bench_kv(tiny, setup, texts(), progress=lambda r: None)
+  assert [(r["method"], r["budget"]) for r in records] == [("streaming", 48)]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(methods=["keydif"]), "unknown KV method"),
     (dict(tasks=["needle"]), "unknown task"),
