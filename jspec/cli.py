@@ -627,8 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
                                       "tova+caote,snapkv+caote",
                  help="comma-separated; 'full' (the whole cache, no eviction) runs only when "
-                      "listed: the same --seed and --context give the same samples, so a later "
-                      "run at other budgets can leave it out")
+                      "listed: the same --seed, --context and --tasks give the same samples, so "
+                      "a later run at other budgets can leave it out")
   v.add_argument("--budgets", default="256,512", help="KV slots kept per row, comma-separated")
   v.add_argument("--context", type=int, default=2048, help="context tokens per sample")
   v.add_argument("--tasks", default="passkey,multikey,vt,kl",

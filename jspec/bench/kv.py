@@ -233,8 +233,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
   itemsize = jnp.dtype(params.embed.dtype).itemsize if hasattr(params.embed, "dtype") else 4
   need = setup.context + (setup.continuation if "kl" in setup.tasks else 0)
   samples = [haystack_ids(model.tokenizer, texts, need) for _ in range(setup.num_samples)]
-  # "full" runs only when listed: a later run at other budgets on the same samples (same seed and
-  # context) can leave out the costliest method it already has.
+  # "full" runs only when listed: a later run at other budgets on the same samples (same seed,
+  # context and tasks) can leave out the costliest method it already has.
   runs = [("full", setup.context)] * ("full" in setup.methods) + [
       (m, b) for m in setup.methods if m != "full" for b in setup.budgets]
   records = []
