@@ -75,3 +75,57 @@ def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores():
   np.testing.assert_allclose(outs[0].top_logprobs, outs[1].top_logprobs, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="scores KeyDiff only"):
     KVPolicy("h2o", budget=24, chunk=8, score_impl="pallas")
+
+
+@pytest.mark.parametrize("S,block_s", [(640, 64), (2048, 128)])
+def test_gpu_build_lowers_to_triton_for_a_long_cache(S, block_s):
+  """Lowered for CUDA on this CPU machine (no GPU needed): the kernel must go to Triton. Left to
+  pallas_call's default it went to Mosaic GPU, which refused both caches (a copy of 4 bytes, and
+  273 KB of shared memory for the [S, D] keys) before a GPU ever ran it."""
+  export = pytest.importorskip("jax.export")
+  from jspec.pallas.key_similarity import _key_similarity
+
+  def lowered():
+    f = jax.jit(lambda k, n: _key_similarity(k, n, block_s, False, "gpu"))
+    return export.export(f, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            jax.ShapeDtypeStruct((2, 2, S, 3, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2,), jnp.int32))
+
+  try:
+    text = lowered().mlir_module()
+  except Exception as e:  # noqa: BLE001 - a lowering that fails is this test's failure
+    pytest.fail(f"the GPU kernel does not lower for CUDA: {type(e).__name__}: {str(e)[:300]}")
+  assert "__gpu$xla.gpu.triton" in text
+
+
+# The compiled kernel of the machine's accelerator: skipped on a CPU-only host (CI), run where the
+# device tool lends a GPU.
+ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+needs_kernel = pytest.mark.skipif(not ACCELERATOR, reason="no compiled kernel on a CPU-only host")
+
+
+@needs_kernel
+@pytest.mark.parametrize("S,block_s,dtype", [(640, 64, jnp.bfloat16), (2048, 128, jnp.float32)])
+def test_compiled_kernel_matches_reference(S, block_s, dtype):
+  lengths = [S, S // 3, 5]
+  keys, used = nan_padded_keys(2, 3, S, 3, 128, lengths, dtype)
+  n = jnp.asarray(lengths, jnp.int32)
+  got = key_similarity(keys, n, block_s=block_s)
+  want = key_similarity_reference(keys, n)
+  np.testing.assert_allclose(np.where(used, got, 0), np.where(used, want, 0), rtol=1e-4,
+                             atol=1e-5)
+
+
+@needs_kernel
+def test_compiled_kernel_evicts_like_the_jnp_scores():
+  cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+  params = init_params(cfg, jax.random.key(0), scale=0.3)
+  prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
+  outs = [generate(params, cfg, [prompt], max_new_tokens=8,
+                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=impl),
+                   record_top_k=2)
+          for impl in ("xla", "pallas")]
+  assert outs[0].sequences() == outs[1].sequences()
+  np.testing.assert_allclose(outs[0].top_logprobs, outs[1].top_logprobs, rtol=1e-4, atol=1e-4)

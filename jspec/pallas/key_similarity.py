@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from jspec.pallas.tree_attention import resolve_backend
 
@@ -121,9 +122,12 @@ def block_size(S: int) -> int:
                    f"pick the KV budget and chunk so that budget + chunk is one")
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "interpret"))
-def _key_similarity(k, lengths, block_s, interpret):
+@functools.partial(jax.jit, static_argnames=("block_s", "interpret", "backend"))
+def _key_similarity(k, lengths, block_s, interpret, backend):
   L, B, S, K, D = k.shape
+  # Triton by name: without its compiler params, pallas_call on CUDA lowers to Mosaic GPU, whose
+  # whole-block copies of the [S, D] keys into shared memory do not fit a long cache.
+  params = pltriton.CompilerParams(num_warps=4, num_stages=1) if backend == "gpu" else None
   k2 = k.reshape(L, B, S, K * D)  # a free view: head n is lanes [n*D, (n+1)*D)
   out = pl.pallas_call(
       functools.partial(_kernel, block_s=block_s),
@@ -134,6 +138,7 @@ def _key_similarity(k, lengths, block_s, interpret):
       ],
       out_specs=pl.BlockSpec((None, None, None, 1, S), lambda l, b, n: (l, b, n, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((L, B, K, 1, S), jnp.float32),
+      compiler_params=params,
       interpret=interpret,
       name="key_similarity",
   )(lengths.astype(jnp.int32), k2)
@@ -150,4 +155,4 @@ def key_similarity(k: Array, lengths: Array, *, block_s: int = 64, interpret: bo
   """
   backend = resolve_backend(backend, interpret)
   validate_inputs(k, lengths, block_s, backend)
-  return _key_similarity(k, lengths, block_s, interpret)  # one kernel body for both backends
+  return _key_similarity(k, lengths, block_s, interpret, backend)  # one body for both backends

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issues #19 and #20 on a lent GPU (the `device` tool: one call carries 64 MiB, so the default
+# model's 98 MB GGUF travels in three parts under .devcarry/{a,b,c}, ignored by git, and waits in
+# /root/stash between calls). Three stages, one device call each, back to back:
+#
+#   bash benchmarks/run_gpu_lease.sh kernels   # the key-similarity kernel vs its jnp reference
+#   bash benchmarks/run_gpu_lease.sh tests     # the KV and kernel tests, compiled
+#   bash benchmarks/run_gpu_lease.sh table     # #20's training-free drafters, greedy (+ T=1)
+#
+# On a GPU machine with the model in ~/.cache/jspec already, `table` needs no parts: it runs
+# the same `jspec bench` commands (exact float32 precision, as the CPU tables). Results go to
+# $OUT (the device tool's folder; default benchmarks/gpu_lease/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/gpu_lease}
+mkdir -p "$OUT" /root/stash
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # pytest -n 8: eight processes share the GPU
+jspec() { python3 -c 'import sys; from jspec.cli import main; sys.exit(main())' "$@"; }
+for part in .devcarry/*/part*; do [ -e "$part" ] && cp "$part" /root/stash/; done
+
+case "${1:-}" in
+kernels)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
+  export JSPEC_COMPILATION_CACHE=off
+  for bs in 64 128 256; do
+    jspec bench-kernel --kernel key-similarity --dtype bfloat16 --block-s $bs \
+      --json "$OUT/keysim_bf16_b$bs.json"
+  done
+  jspec bench-kernel --kernel key-similarity --dtype float32 --precision exact --block-s 128 \
+    --json "$OUT/keysim_f32_b128.json"
+  ;;
+tests)
+  timeout -s INT "${TEST_S:-150}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
+    --junitxml="$OUT/kv_tests.xml" tests/test_key_similarity.py tests/test_kv.py
+  ;;
+table)
+  if ls /root/stash/part* >/dev/null 2>&1; then  # the model from its parts, checked as fetched
+    export JSPEC_CACHE=/root/jc
+    mkdir -p $JSPEC_CACHE/smollm2-135m-instruct
+    cat /root/stash/part0 /root/stash/part1 /root/stash/part2 \
+      > $JSPEC_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp -r .devcarry/c/cache/* $JSPEC_CACHE/
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .devcarry/c/whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  COMMON="--num-prompts 6 --max-new-tokens 64 --no-transformers --no-ttft --no-overhead --precision exact --gamma 3"
+  for ds in mt-bench humaneval; do
+    timeout -s INT "${TABLE_S:-200}" bash -c "$(declare -f jspec); jspec bench --dataset $ds \
+      $COMMON --drafters default,ngram,mtp:3,skip:10,lookahead \
+      --json $OUT/issue20_chains_${ds}_t0_gpu.json" 2>&1 | tee "$OUT/issue20_${ds}_t0.log"
+  done
+  timeout -s INT "${T1_S:-150}" bash -c "$(declare -f jspec); jspec bench --dataset mt-bench \
+    $COMMON --temperature 1 --drafters default,ngram,mtp:3,skip:10 \
+    --json $OUT/issue20_chains_mt-bench_t1_gpu.json" 2>&1 | tee "$OUT/issue20_mt-bench_t1.log"
+  ;;
+*) echo "usage: $0 kernels|tests|table" >&2; exit 2 ;;
+esac
