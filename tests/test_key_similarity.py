@@ -40,6 +40,26 @@ def test_kernel_matches_reference_and_ignores_nan_past_lengths(L, B, S, K, D, bl
   assert np.isfinite(np.where(used, got, 0)).all()
 
 
+@pytest.mark.parametrize("part", [32, 64, 128])
+def test_slices_of_a_head_add_up_to_its_anchor(part):
+  """Several programs per head: lengths that end mid-slice, on a slice edge, before the second
+  slice, and a full row; a slice that summed past its row's length (or skipped its last partial
+  block) would move the anchor."""
+  lengths = [45, 64, 3, 128]
+  keys, used = nan_padded_keys(2, 4, 128, 2, 16, lengths)
+  n = jnp.asarray(lengths, jnp.int32)
+  got = key_similarity(keys, n, block_s=16, part=part, interpret=True, backend="gpu")
+  np.testing.assert_allclose(np.where(used, got, 0),
+                             np.where(used, key_similarity_reference(keys, n), 0), rtol=2e-5,
+                             atol=2e-6)
+
+
+def test_slice_size_divides_the_cache_in_whole_blocks():
+  from jspec.pallas.key_similarity import slice_size
+  assert slice_size(2048, 128) == 512 and slice_size(640, 64) == 320 and slice_size(640, 128) == 128
+  assert slice_size(96, 32) == 96 and slice_size(8192, 64, target=1024) == 1024
+
+
 def test_reference_is_minus_the_cosine_to_the_mean_unit_key():
   k = np.zeros((1, 1, 4, 1, 2), np.float32)
   k[0, 0, :, 0] = [[2, 0], [1, 0], [1, 0], [0, 9]]  # unit keys' mean (0.75, 0.25): norms ignored
@@ -53,6 +73,7 @@ def test_reference_is_minus_the_cosine_to_the_mean_unit_key():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(block_s=40), "dividing the cache size"),
     (dict(block_s=8, backend="gpu"), "power of two"),
+    (dict(block_s=16, part=40), "multiple of block_s"),
 ])
 def test_bad_inputs_are_refused(kwargs, match):
   keys, _ = nan_padded_keys(1, 1, 96, 1, 16, [10])
@@ -83,10 +104,11 @@ def test_gpu_build_lowers_to_triton_for_a_long_cache(S, block_s):
   pallas_call's default it went to Mosaic GPU, which refused both caches (a copy of 4 bytes, and
   273 KB of shared memory for the [S, D] keys) before a GPU ever ran it."""
   export = pytest.importorskip("jax.export")
-  from jspec.pallas.key_similarity import _key_similarity
+  from jspec.pallas.key_similarity import _key_similarity, slice_size
 
   def lowered():
-    f = jax.jit(lambda k, n: _key_similarity(k, n, block_s, False, "gpu"))
+    part = slice_size(S, block_s)
+    f = jax.jit(lambda k, n: _key_similarity(k, n, block_s, part, False, "gpu"))
     return export.export(f, platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
             jax.ShapeDtypeStruct((2, 2, S, 3, 64), jnp.bfloat16),

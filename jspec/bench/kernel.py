@@ -29,7 +29,7 @@ import numpy as np
 
 from jspec.models import llama
 from jspec.models.numerics import precision_label
-from jspec.pallas.key_similarity import key_similarity, key_similarity_reference
+from jspec.pallas.key_similarity import key_similarity, key_similarity_reference, slice_size
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 from jspec.bench.profiling import machine_info
 
@@ -338,7 +338,8 @@ def bench_key_similarity(shapes: Sequence[CacheShape], dtype: str = "bfloat16", 
     min_bytes = int(np.asarray(lengths).sum()) * L * K * D * jnp.dtype(DTYPES[dtype]).itemsize
     records.append({
         "kernel": "key-similarity", **dataclasses.asdict(shape), "dtype": dtype,
-        "block_s": block_s, "backend": flavour, "interpret": interpret,
+        "block_s": block_s, "part": slice_size(S, block_s), "backend": flavour,
+        "interpret": interpret,
         "device_kind": device.device_kind, "platform": device.platform,
         "lengths": [int(x) for x in np.asarray(lengths)], "repeats": repeats, "warmup": warmup,
         "correct": correct, "max_abs_err": err, "rel_err": rel, "kernel_s": kernel_s,

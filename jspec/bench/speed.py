@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -129,7 +130,13 @@ def bench_interleaved(methods: Sequence[Method], prompts: Sequence[list[int]]
   turn, so a machine that slows down midway slows every method alike and their ratios hold (run
   one method after another and a slowdown lands in the ratio: on a shared VM that once read
   1.72x for what was 1.19x)."""
-  extras = [m.warm(prompts) for m in methods]
+  extras = []
+  for m in methods:  # a line each: compiling them all can take minutes before any timing
+    start = time.perf_counter()
+    extras.append(m.warm(prompts))
+    what = "autoregressive" if m.drafter is None else type(m.drafter).__name__
+    print(f"jspec bench: compiled {what}{' (tree)' if m.tree else ''} in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
   runs = [Run() for _ in methods]
   for p in tqdm(prompts, desc=f"jspec x{len(methods)} methods", leave=False):
     for method, run in zip(methods, runs):

@@ -5,13 +5,16 @@ score[l, b, s, n] = -cos(k[l, b, s, n], anchor[l, b, n]),
 anchor = mean over s' < lengths[b] of k[l, b, s', n] / ||k[l, b, s', n]||  (KeyDiff's anchor is
 the mean of the *normalised* keys, so a few long keys do not pull it their way)
 
-One program per (layer, row, KV head) streams that head's keys twice in blocks of `block_s` slots:
-once to sum the committed keys (the mean), once to write each slot's score. The cache is read as
-a free [L, B, S, K*D] view, so nothing is copied out of it first, and the [S, S] or [S, D]
-intermediates of a jnp formulation never exist. Selection (the `budget` best slots) stays in XLA
+Two passes over the keys, each with one program per (layer, row, KV head, slice of `part` slots)
+streaming its slice in blocks of `block_s`: the first sums the committed unit keys of its slice
+(XLA adds the slices' sums into the anchor, [L, B, K, D] of work), the second writes each slot's
+score. The cache is read as a free [L, B, S, K*D] view, so nothing is copied out of it first, and
+the [S, S] or [S, D] intermediates of a jnp formulation never exist. (One program per head, one
+pass each, left the default model's 90 heads as 90 programs on a 132-SM H200: 0.9-1.0x the jnp
+reference at batch 1, 3.4-4.5x at batch 8; benchmarks/issue19_keysim_h200_*_per_head.json.) Selection (the `budget` best slots) stays in XLA
 (`jax.lax.top_k` in jspec.kv.evict): a sort does not profit from a hand-written kernel here.
 
-Layout: 1. reference, 2. validation, 3. kernel, 4. jitted wrapper with `interpret`.
+Layout: 1. reference, 2. validation, 3. kernels, 4. jitted wrapper with `interpret`.
 """
 
 from __future__ import annotations
@@ -77,36 +80,43 @@ def validate_inputs(k: Array, lengths: Array, block_s: int, backend: str) -> Non
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. Kernel.
+# 3. Kernels: two passes, each one program per (layer, row, KV head, slice of `part` slots).
 
 
-def _kernel(lengths_ref, k_ref, o_ref, *, block_s: int):
-  """Program (l, b, n): lengths_ref the row's committed length; k_ref [S, D] the keys of KV head n
-  of row b in layer l; o_ref [1, S] their scores."""
-  S, D = k_ref.shape
+def _unit_keys(k_ref, j, block_s):  # [bs, D] block j of this slice's keys over their norms
+  keys = k_ref[pl.ds(j * block_s, block_s), :].astype(jnp.float32)
+  norms = jnp.sqrt(jnp.sum(keys * keys, axis=1, keepdims=True))
+  return keys / jnp.maximum(norms, EPS)
+
+
+def _sum_kernel(lengths_ref, k_ref, o_ref, *, block_s: int):
+  """Pass 1, program (l, b, n, p): o_ref [1, D] the sum of the committed unit keys among slots
+  [p * part, (p + 1) * part) of head n (k_ref [part, D]); blocks past the length are not read."""
+  part, D = k_ref.shape
+  start = pl.program_id(3) * part
   length = lengths_ref[()]
-  offsets = lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
+  offsets = start + lax.broadcasted_iota(jnp.int32, (block_s, 1), 0)
 
-  def unit_keys(j):  # [bs, D] block j's keys over their norms
-    keys = k_ref[pl.ds(j * block_s, block_s), :].astype(jnp.float32)
-    norms = jnp.sqrt(jnp.sum(keys * keys, axis=1, keepdims=True))
-    return keys / jnp.maximum(norms, EPS)
-
-  def add_block(j, total):  # total [1, D]: sum of the committed unit keys so far
-    unit = jnp.where(j * block_s + offsets < length, unit_keys(j), 0.0)
+  def add_block(j, total):
+    unit = jnp.where(j * block_s + offsets < length, _unit_keys(k_ref, j, block_s), 0.0)
     return total + jnp.sum(unit, axis=0, keepdims=True)
 
-  n_valid = lax.div(length + block_s - 1, block_s)
-  total = lax.fori_loop(0, n_valid, add_block, jnp.zeros((1, D), jnp.float32))
-  anchor = total / jnp.maximum(length, 1).astype(jnp.float32)  # [1, D]
-  anchor_norm = jnp.sqrt(jnp.sum(anchor * anchor, axis=1, keepdims=True))  # [1, 1]
+  n_blocks = jnp.clip(lax.div(length - start + block_s - 1, block_s), 0, part // block_s)
+  o_ref[...] = lax.fori_loop(0, n_blocks, add_block, jnp.zeros((1, D), jnp.float32))
+
+
+def _score_kernel(direction_ref, k_ref, o_ref, *, block_s: int):
+  """Pass 2, program (l, b, n, p): o_ref [1, part] minus the cosine of each key of the slice to
+  the anchor's direction (direction_ref [1, D], unit length or zero)."""
+  part, _ = k_ref.shape
+  direction = direction_ref[...]
 
   def score_block(j, carry):
-    cos = jnp.sum(unit_keys(j) * anchor, axis=1)  # [bs]
-    o_ref[0, pl.ds(j * block_s, block_s)] = -cos / jnp.maximum(anchor_norm[0, 0], EPS)
+    o_ref[0, pl.ds(j * block_s, block_s)] = -jnp.sum(_unit_keys(k_ref, j, block_s) * direction,
+                                                     axis=1)
     return carry
 
-  lax.fori_loop(0, S // block_s, score_block, 0)
+  lax.fori_loop(0, part // block_s, score_block, 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -122,37 +132,67 @@ def block_size(S: int) -> int:
                    f"pick the KV budget and chunk so that budget + chunk is one")
 
 
-@functools.partial(jax.jit, static_argnames=("block_s", "interpret", "backend"))
-def _key_similarity(k, lengths, block_s, interpret, backend):
+def slice_size(S: int, block_s: int, target: int = 512) -> int:
+  """Slots per program: the largest multiple of block_s that divides S and is at most
+  max(target, block_s). A slice per program spreads one head's cache over many programs (one per
+  head left 90 programs for the default model's cache on a 132-SM GPU and ran at 1x the jnp
+  reference), while each still streams several blocks."""
+  best = block_s
+  for part in range(block_s, min(S, max(target, block_s)) + 1, block_s):
+    if S % part == 0:
+      best = part
+  return best
+
+
+@functools.partial(jax.jit, static_argnames=("block_s", "part", "interpret", "backend"))
+def _key_similarity(k, lengths, block_s, part, interpret, backend):
   L, B, S, K, D = k.shape
-  # Triton by name: without its compiler params, pallas_call on CUDA lowers to Mosaic GPU, whose
-  # whole-block copies of the [S, D] keys into shared memory do not fit a long cache.
-  params = pltriton.CompilerParams(num_warps=4, num_stages=1) if backend == "gpu" else None
+  P = S // part
   k2 = k.reshape(L, B, S, K * D)  # a free view: head n is lanes [n*D, (n+1)*D)
-  out = pl.pallas_call(
-      functools.partial(_kernel, block_s=block_s),
-      grid=(L, B, K),
-      in_specs=[
-          pl.BlockSpec((None,), lambda l, b, n: (b,)),  # lengths[b]
-          pl.BlockSpec((None, None, S, D), lambda l, b, n: (l, b, 0, n)),  # k of one head
-      ],
-      out_specs=pl.BlockSpec((None, None, None, 1, S), lambda l, b, n: (l, b, n, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((L, B, K, 1, S), jnp.float32),
-      compiler_params=params,
-      interpret=interpret,
-      name="key_similarity",
+  # Triton by name: without its compiler params, pallas_call on CUDA lowers to Mosaic GPU, whose
+  # whole-block copies of the keys into shared memory do not fit a long cache.
+  params = pltriton.CompilerParams(num_warps=4, num_stages=1) if backend == "gpu" else None
+  keys = pl.BlockSpec((None, None, part, D), lambda l, b, n, p: (l, b, p, n))  # a head's slice
+  sums = pl.pallas_call(
+      functools.partial(_sum_kernel, block_s=block_s),
+      grid=(L, B, K, P),
+      in_specs=[pl.BlockSpec((None,), lambda l, b, n, p: (b,)), keys],  # lengths[b], keys
+      out_specs=pl.BlockSpec((None, None, None, 1, D), lambda l, b, n, p: (l, b, n, p, 0)),
+      out_shape=jax.ShapeDtypeStruct((L, B, K, P, D), jnp.float32),
+      compiler_params=params, interpret=interpret, name="key_similarity_sums",
   )(lengths.astype(jnp.int32), k2)
+  # The anchor (mean unit key) and its direction: [L, B, K, D] of work, left to XLA.
+  anchor = sums.sum(axis=3) / jnp.maximum(lengths, 1).astype(jnp.float32)[None, :, None, None]
+  norm = jnp.linalg.norm(anchor, axis=-1, keepdims=True)
+  direction = (anchor / jnp.maximum(norm, EPS))[:, :, :, None, :]  # [L, B, K, 1, D]
+  out = pl.pallas_call(
+      functools.partial(_score_kernel, block_s=block_s),
+      grid=(L, B, K, P),
+      in_specs=[pl.BlockSpec((None, None, None, 1, D), lambda l, b, n, p: (l, b, n, 0, 0)), keys],
+      out_specs=pl.BlockSpec((None, None, None, 1, part), lambda l, b, n, p: (l, b, n, 0, p)),
+      out_shape=jax.ShapeDtypeStruct((L, B, K, 1, S), jnp.float32),
+      compiler_params=params, interpret=interpret, name="key_similarity_scores",
+  )(direction, k2)
   return jnp.moveaxis(out[:, :, :, 0], 2, 3)  # [L, B, S, K]
 
 
-def key_similarity(k: Array, lengths: Array, *, block_s: int = 64, interpret: bool = False,
-                   backend: Optional[str] = None) -> Array:
+def key_similarity(k: Array, lengths: Array, *, block_s: int = 64, part: Optional[int] = None,
+                   interpret: bool = False, backend: Optional[str] = None) -> Array:
   """KeyDiff scores [L, B, S, K] float32 (higher = less like the mean key = keep) of the stacked
   cache k [L, B, S, K, D] whose rows hold lengths [B] committed keys.
 
-  block_s: slots per block (divides S). interpret: run in the Pallas interpreter (CPU tests).
-  backend: "gpu" (Triton), "tpu" (Mosaic) or None for this machine's.
+  block_s: slots per block (divides S). part: slots per program (a multiple of block_s dividing
+  S; default `slice_size`). interpret: run in the Pallas interpreter (CPU tests). backend: "gpu"
+  (Triton), "tpu" (Mosaic) or None for this machine's.
   """
   backend = resolve_backend(backend, interpret)
   validate_inputs(k, lengths, block_s, backend)
-  return _key_similarity(k, lengths, block_s, interpret, backend)  # one body for both backends
+  S = k.shape[2]
+  part = slice_size(S, block_s) if part is None else part
+  if not isinstance(part, int) or part % block_s or S % part:
+    raise ValueError(f"part={part} must be a multiple of block_s={block_s} dividing the cache "
+                     f"size S={S}")
+  if backend == "tpu" and part % 128 and part != S:
+    raise ValueError(f"on TPU part must be a multiple of 128 (a lane block of scores) or the "
+                     f"whole cache S={S}, got {part}")
+  return _key_similarity(k, lengths, block_s, part, interpret, backend)  # one body for both
