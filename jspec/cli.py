@@ -410,7 +410,8 @@ def cmd_bench_kernel(args) -> int:
   if args.kernel == "key-similarity":
     records = kernel.bench_key_similarity(
         kernel.select_key_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
-        backend=args.backend, block_s=args.block_s, repeats=args.repeats, warmup=args.warmup)
+        backend=args.backend, block_s=args.block_s, part=args.part, repeats=args.repeats,
+        warmup=args.warmup)
   else:
     records = kernel.bench_tree_attention(
         kernel.select_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
@@ -662,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
   k.add_argument("--block-k", type=int, default=128, help="cache slots per key block")
   k.add_argument("--block-s", type=int, default=64,
                  help="key-similarity: cache slots per block")
+  k.add_argument("--part", type=int, default=None,
+                 help="key-similarity: cache slots per program, a multiple of --block-s (default: "
+                      "up to 512; the cache size S = one program per head)")
   k.add_argument("--repeats", type=int, default=20, help="timed calls per shape (median reported)")
   k.add_argument("--warmup", type=int, default=3, help="untimed calls per shape after the first")
   k.add_argument("--shapes", default=None, metavar="NAME,NAME",

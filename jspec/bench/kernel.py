@@ -309,7 +309,8 @@ def select_key_shapes(names: Optional[str], small: bool) -> list[CacheShape]:
 
 def bench_key_similarity(shapes: Sequence[CacheShape], dtype: str = "bfloat16", *,
                          interpret: bool, backend: Optional[str] = None, block_s: int = 64,
-                         repeats: int = 20, warmup: int = 3) -> list[dict]:
+                         part: Optional[int] = None, repeats: int = 20, warmup: int = 3
+                         ) -> list[dict]:
   """One record per shape: median seconds of the kernel and of the jitted jnp reference, the
   kernel's error over the committed slots (NaN fills the rest, which must not leak into the
   mean), and the speedup (compiled runs only; a wrong kernel gets no timing)."""
@@ -325,7 +326,8 @@ def bench_key_similarity(shapes: Sequence[CacheShape], dtype: str = "bfloat16", 
     keys = jax.random.normal(jax.random.key(0), (L, B, S, K, D), jnp.float32)
     used = (jnp.arange(S)[None, :] < lengths[:, None])[None, :, :, None, None]
     keys = jnp.where(used, keys, jnp.nan).astype(DTYPES[dtype])
-    kernel = lambda k, n: key_similarity(k, n, block_s=block_s, interpret=interpret,
+    slots = min(part, S) if part else slice_size(S, block_s)  # --part S: one per head
+    kernel = lambda k, n: key_similarity(k, n, block_s=block_s, part=slots, interpret=interpret,
                                          backend=flavour)
     valid = used[..., 0]  # [1, B, S, 1]
     want = jnp.where(valid, _key_reference(keys, lengths), 0.0)
@@ -338,7 +340,7 @@ def bench_key_similarity(shapes: Sequence[CacheShape], dtype: str = "bfloat16", 
     min_bytes = int(np.asarray(lengths).sum()) * L * K * D * jnp.dtype(DTYPES[dtype]).itemsize
     records.append({
         "kernel": "key-similarity", **dataclasses.asdict(shape), "dtype": dtype,
-        "block_s": block_s, "part": slice_size(S, block_s), "backend": flavour,
+        "block_s": block_s, "part": slots, "backend": flavour,
         "interpret": interpret,
         "device_kind": device.device_kind, "platform": device.platform,
         "lengths": [int(x) for x in np.asarray(lengths)], "repeats": repeats, "warmup": warmup,
