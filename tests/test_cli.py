@@ -126,14 +126,20 @@ def test_int8_weights(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--weights", "q4", "--prompt", "Hi",
                "--max-new-tokens", "12"]) == 0
   assert capsys.readouterr().out.strip()
+  # Trees over an int8 target on jspec's CPU kernels: the int8 output; on XLA's kernel, refused.
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
+               "--max-new-tokens", "12", "--no-chat", "--drafter", "self", "--tree",
+               "dynamic:8"]) == 0
+  assert capsys.readouterr().out == plain
+  assert main(["generate", "--model", str(tiny_model), "--weights", "int8-xla", "--prompt", "Hi",
                "--max-new-tokens", "12", "--drafter", "self", "--tree", "dynamic:8"]) == 2
-  assert "tree speculative decoding with an int8 target" in capsys.readouterr().err
+  assert "tree speculative decoding with an int8 target on XLA" in capsys.readouterr().err
   # bench refuses before any run, not after its autoregressive and chain runs.
-  assert main(["bench", "--model", str(tiny_model), "--weights", "int8", "--drafters", "self",
+  assert main(["bench", "--model", str(tiny_model), "--weights", "int8-xla", "--drafters", "self",
                "--tree", "chain:2", "--num-prompts", "1", "--no-transformers"]) == 2
   err = capsys.readouterr().err
-  assert "tree speculative decoding with an int8 target" in err and "autoregressive:" not in err
+  assert "tree speculative decoding with an int8 target on XLA" in err
+  assert "autoregressive:" not in err
 
 
 def test_gamma_auto(tiny_model, capsys):

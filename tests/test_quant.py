@@ -1,7 +1,7 @@
 """int8 weights: the int8 x int8 matmul against a dequantize-then-matmul reference, a token's
 logits bit-identical whether a forward sees it alone or inside a block and over any cache size,
-int8 drafters lossless for float targets, int8 targets token-identical in chains and refused by
-the tree engine."""
+int8 drafters lossless for float targets, int8 targets token-identical in chains, and in trees on
+the native kernels (refused by the tree engine on XLA's)."""
 
 import dataclasses
 
@@ -216,8 +216,71 @@ def test_int8_target_chains_are_token_identical(wide_int8_pair, gamma):
   _chain_matches_generate(target, WIDE, drafter, gamma, 47)
 
 
-def test_int8_targets_are_refused_by_the_tree_engine(int8_target, int8_drafter):
-  with pytest.raises(ValueError, match="tree speculative decoding with an int8 target"):
+def _tree_and_chain_layouts(leaf, parents, k, v, P):
+  """visible [1, 1, S] for tree node `leaf` whose node j sits at slot P + j, and the cache and
+  visible of the same context laid out as autoregressive decoding commits it: the node's
+  ancestors (itself last) at P, P + 1, ... (NaN keys past them, as stale slots may hold)."""
+  path = [leaf]
+  while parents[path[-1]] >= 0:
+    path.append(parents[path[-1]])
+  path = path[::-1]
+  S = k.shape[2]
+  tree = np.zeros((1, 1, S), bool)
+  tree[..., :P] = True
+  tree[..., [P + j for j in path]] = True
+  kc, vc = k.copy(), v.copy()
+  kc[:, :, P:P + len(path)] = k[:, :, [P + j for j in path]]
+  vc[:, :, P:P + len(path)] = v[:, :, [P + j for j in path]]
+  kc[:, :, P + len(path):], vc[:, :, P + len(path):] = np.nan, 0.0
+  chain = np.zeros((1, 1, S), bool)
+  chain[..., :P + len(path)] = True
+  return tree, kc, vc, chain
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="jspec's native kernels are CPU kernels")
+def test_native_attention_scores_a_tree_node_as_the_chain_of_its_ancestors():
+  """Why trees may verify for int8 targets on the native kernels and not on XLA's: each node of a
+  12-node tree attends over the prefix and its ancestors at the tree's slots, and over the same
+  keys laid out consecutively (as autoregressive decoding commits them). The native kernel's bits
+  agree for every node; XLA's per-token attention (halving over all slots) differs for most, which
+  also shows the comparison can fail."""
+  from jspec import native
+  rng = np.random.default_rng(0)
+  H, K, D, S, P = 14, 2, 64, 256, 150
+  parents = [-1, 0, 0, 1, 2, 3, 1, 4, 5, 6, 0, 9]
+  k = rng.standard_normal((1, 1, S, K, D)).astype(np.float32) * 0.3  # spread-out softmax
+  v = rng.standard_normal((1, 1, S, K, D)).astype(np.float32)
+  q = rng.standard_normal((1, len(parents), H, D)).astype(np.float32) * 0.3
+  nat = engine_jit(lambda q, k, v, m: native.attention(q, k, v, m, 0))
+  xla = engine_jit(lambda q, k, v, m: masked_attention(q, k, v, m, per_token=True))
+  xla_differs = 0
+  for leaf in range(len(parents)):
+    tree, kc, vc, chain = _tree_and_chain_layouts(leaf, parents, k, v, P)
+    ql = q[:, leaf:leaf + 1]
+    np.testing.assert_array_equal(np.asarray(nat(ql, k, v, tree)),
+                                  np.asarray(nat(ql, kc, vc, chain)))
+    xla_differs += not np.array_equal(np.asarray(xla(ql, k[0], v[0], tree)),
+                                      np.asarray(xla(ql, kc[0], vc[0], chain)))
+  assert xla_differs >= len(parents) // 2
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="jspec's native kernels are CPU kernels")
+@pytest.mark.parametrize("tree", ["dynamic:8", "dynamic:16,1,1,16"])
+def test_int8_native_target_trees_are_token_identical(tree):
+  base = init_params(WIDE, jax.random.key(2), scale=0.3)
+  noise = init_params(WIDE, jax.random.key(1), scale=0.3)
+  noised = jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, base, noise)
+  target = quantize_params(base, "native")
+  drafter = ModelDrafter(quantize_params(noised, "native"), WIDE)
+  want = generate(target, WIDE, PROMPTS, max_new_tokens=32).sequences()
+  out = tree_speculative_generate(target, WIDE, drafter, PROMPTS,
+                                  spec=TreeSpecConfig(tree=tree, max_new_tokens=32))
+  assert out.sequences() == want
+  assert int(out.round_tokens) > int(out.rounds)  # drafts were accepted, not only bonus tokens
+
+
+def test_int8_xla_targets_are_refused_by_the_tree_engine(int8_target, int8_drafter):
+  with pytest.raises(ValueError, match="tree speculative decoding with an int8 target on XLA"):
     tree_speculative_generate(int8_target, TARGET, int8_drafter, PROMPTS,
                               spec=TreeSpecConfig(tree="dynamic:8", max_new_tokens=8))
 

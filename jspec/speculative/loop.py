@@ -178,18 +178,21 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
 def check_tree_target(params) -> None:
   """Host-side: a target whose tree verification scores tokens exactly as one-token steps do.
 
-  int8 targets do not: a tree's verification reads each node's ancestors at the tree's cache
-  slots, not at consecutive ones, so its attention sums add the same terms in another order than
-  a one-token step, and re-quantizing activations to int8 turns such last-bit differences into
-  different greedy tokens. Chains read consecutive slots and are token-identical
-  (`jspec.models.numerics`).
+  int8 weights on XLA's kernel ("int8-xla") do not: a tree's verification reads each node's
+  ancestors at the tree's cache slots, not at consecutive ones, and XLA's per-token attention sums
+  over all slots by halving (zeros at the invisible ones), so the ancestors' terms group
+  differently than in a one-token step; re-quantizing activations to int8 turns such last-bit
+  differences into different greedy tokens. jspec's CPU kernels ("int8", "q4") sum over the
+  visible slots alone, in slot order, which is the same order for a tree node and for the chain of
+  its ancestors (`tests/test_quant.py`), so their trees are token-identical.
   """
-  if quant.is_quantized(params):
+  if quant.is_quantized(params) and quant.attention_kernel(params) != "native":
     raise ValueError(
-        "tree speculative decoding with an int8 target is not token-identical to autoregressive "
-        "decoding (tree verification sums attention over the tree's slots in another order), "
-        "so jspec refuses it. Fix: draft chains for int8 targets (--gamma N without --tree), "
-        "or load the target as float32 or bfloat16 (--weights float32).")
+        "tree speculative decoding with an int8 target on XLA's kernel (int8-xla) is not "
+        "token-identical to autoregressive decoding (its attention sums over a tree's slots in "
+        "another order), so jspec refuses it. Fix: on CPU load the target with --weights int8 "
+        "(jspec's CPU kernels, whose trees are token-identical), draft chains (--gamma N without "
+        "--tree), or load it as float32 or bfloat16.")
 
 
 def check_drafter(cfg: Config, drafter: Drafter) -> None:
