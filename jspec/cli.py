@@ -234,7 +234,7 @@ def cmd_bench(args) -> int:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
-  if trees:  # before any run: an int8 target cannot verify trees
+  if trees:  # before any run: an int8-xla target cannot verify trees
     check_tree_target(model.params)
   gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling)
   records = speed.run_bench(model, args.model, args.dataset, prompts,

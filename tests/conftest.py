@@ -56,6 +56,20 @@ def _compile_level(request):
     jax.config.update("jax_disable_most_optimizations", True)
 
 
+@pytest.fixture
+def optimised():
+  """One test compiled at XLA's full optimisation, as users' programs are: for what LLVM's
+  optimiser changes (it contracts a multiply and an add into an FMA, level 0 does not)."""
+  if not LOW_OPT:
+    yield
+    return
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
+
+
 def pytest_configure(config):
   """On an accelerator the suite runs in jspec's exact precision (jspec.models.numerics): its
   parity checks hold float32 to float32 tolerances, which TF32 / bfloat16 matmul passes (the fast

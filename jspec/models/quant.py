@@ -327,6 +327,20 @@ def int8_kernel(tree) -> Optional[str]:
   return None if w is None else "native" if isinstance(w, Q4Weight) else w.kernel
 
 
+SCALE_BITS = 17  # significant bits of an int8 scale: 7-bit codes times them are exact in float32
+
+
+def exact_product_scale(scale: Array) -> Array:
+  """Positive scales rounded up to SCALE_BITS significant bits, so that code * scale is exact in
+  float32 for every int8 code. Then the product rounds alike whether or not a compiler fuses it
+  into the add that follows (an FMA rounds once, a multiply then an add twice): XLA:CPU fused an
+  embedding row's q * scale into layer 0's residual add where the rows fed it directly and not
+  where probe masks were concatenated after them, and int8 mask-token probing then left greedy
+  autoregressive output. Rounding up keeps max |w| / scale <= 127."""
+  mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+  return jnp.ldexp(jnp.ceil(mantissa * 2.0 ** SCALE_BITS) / 2.0 ** SCALE_BITS, exponent)
+
+
 def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> Int8Weight:
   """Symmetric int8 with one scale per output channel: the max |w| over the input axes `in_axes`
   maps to 127 (scale: w's shape without them). `kernel`: see Int8Weight."""
@@ -334,7 +348,7 @@ def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> In
     raise ValueError(f"int8 kernel must be one of {KERNELS}, got {kernel!r}")
   w = jnp.asarray(w, jnp.float32)
   scale = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True) / 127.0
-  scale = jnp.where(scale == 0, 1.0, scale)
+  scale = exact_product_scale(jnp.where(scale == 0, 1.0, scale))
   q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
   weight = Int8Weight(q, scale, tuple(in_axes))
   if kernel == "native":

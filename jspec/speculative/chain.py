@@ -26,6 +26,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
+                                    check_extra_positions_target,
                                     check_shared_cache, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs
 
@@ -187,6 +188,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   a draft model replicated, the batch split over dp.
   """
   check_drafter(cfg, drafter)
+  check_extra_positions_target(params, drafter)
   check_probe_round(drafter, gamma=spec.gamma, kv=kv)
   check_shared_cache(drafter, kv, tree=False)
   # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.

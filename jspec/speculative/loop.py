@@ -195,6 +195,22 @@ def check_tree_target(params) -> None:
         "--tree), or load it as float32 or bfloat16.")
 
 
+def check_extra_positions_target(params, drafter: Drafter) -> None:
+  """Host-side: a drafter that runs positions beside the verification block (probe masks, ConFu's
+  soft tokens, a lookahead window) needs a target whose block tokens keep their bits with those
+  rows present. jspec's CPU kernels do (int8 scales make every dequantized product exact,
+  `quant.exact_product_scale`; attention sums only visible slots); int8 on XLA's kernel does not
+  (a one-layer difference at 5e-7 measured), so it is refused, not left to drift."""
+  extra = drafter.probe_masks or drafter.soft_tokens or drafter.window_size
+  if extra and quant.is_quantized(params) and quant.attention_kernel(params) != "native":
+    raise ValueError(
+        f"{type(drafter).__name__} runs extra positions beside the verification block, with "
+        "which an int8 target on XLA's kernel (int8-xla) scores the block's tokens with other "
+        "bits than one-token steps: not token-identical to autoregressive decoding, so jspec "
+        "refuses it. Fix: on CPU load the target with --weights int8 (jspec's CPU kernels), or "
+        "as float32 or bfloat16.")
+
+
 def check_drafter(cfg: Config, drafter: Drafter) -> None:
   """Host-side: a drafter implementing the protocol, in the target's vocabulary."""
   if not isinstance(drafter, Drafter):
