@@ -6,7 +6,7 @@ Greedy speculative decoding is token-identical to autoregressive decoding only i
 argmax at each position does not depend on the program that computed it. Float32 weights tolerate
 last-bit differences (they almost never move an argmax); int8 weights do not, because every
 activation is re-quantized to int8 and a last-bit difference can move a value across a rounding
-boundary, one whole quantization step. Three things make the bits program-independent:
+boundary, one whole quantization step. Four things make the bits program-independent:
 
 - matmuls of int8 weights are int8 x int8 -> int32 (exact) with per-token activation scales
   (`quant.einsum`); attention sums over a token's visible slots in an order nothing else changes
@@ -15,6 +15,9 @@ boundary, one whole quantization step. Three things make the bits program-indepe
 - sums over a row run in one fixed order that zeros appended to the row do not change
   (`llama.row_sum`: RMSNorm, the softmax, and q . k, whose XLA dot picked its order by the cache
   size on an AVX2 CPU), so a softmax over a 320-slot cache equals one over 256 slots;
+- int8 scales have 17 significant bits (`quant.exact_product_scale`), so a code times its scale
+  is exact in float32 and rounds alike whether XLA:CPU fuses it into a following add as an FMA
+  or not (it did for an embedding row and layer 0's residual add, in some programs only);
 - XLA:CPU's YNNPACK is limited to plain dots: XLA hands a reduction and its elementwise
   neighbours (max, subtract, exp) to YNNPACK for some shapes and emits them itself for others,
   and the two `exp` implementations differ in the last bit, so the choice depended on the cache
