@@ -83,15 +83,22 @@ def test_bad_inputs_are_refused(kwargs, match):
     key_similarity(keys[0], jnp.asarray([10]), interpret=True)
 
 
-def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores():
+# The compiled kernel of the machine's accelerator: skipped on a CPU-only host (CI), run where the
+# device tool lends a GPU.
+ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+needs_kernel = pytest.mark.skipif(not ACCELERATOR, reason="no compiled kernel on a CPU-only host")
+
+
+@pytest.mark.parametrize("impl", ["pallas-interpret", pytest.param("pallas", marks=needs_kernel)])
+def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores(impl):
   cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
   params = init_params(cfg, jax.random.key(0), scale=0.3)
   prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
   outs = [generate(params, cfg, [prompt], max_new_tokens=8,
-                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=impl),
+                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=score_impl),
                    record_top_k=2)
-          for impl in ("xla", "pallas-interpret")]
+          for score_impl in ("xla", impl)]
   assert outs[0].sequences() == outs[1].sequences()
   np.testing.assert_allclose(outs[0].top_logprobs, outs[1].top_logprobs, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="scores KeyDiff only"):
@@ -121,12 +128,6 @@ def test_gpu_build_lowers_to_triton_for_a_long_cache(S, block_s):
   assert "__gpu$xla.gpu.triton" in text
 
 
-# The compiled kernel of the machine's accelerator: skipped on a CPU-only host (CI), run where the
-# device tool lends a GPU.
-ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
-needs_kernel = pytest.mark.skipif(not ACCELERATOR, reason="no compiled kernel on a CPU-only host")
-
-
 @needs_kernel
 @pytest.mark.parametrize("S,block_s,dtype", [(640, 64, jnp.bfloat16), (2048, 128, jnp.float32)])
 def test_compiled_kernel_matches_reference(S, block_s, dtype):
@@ -137,17 +138,3 @@ def test_compiled_kernel_matches_reference(S, block_s, dtype):
   want = key_similarity_reference(keys, n)
   np.testing.assert_allclose(np.where(used, got, 0), np.where(used, want, 0), rtol=1e-4,
                              atol=1e-5)
-
-
-@needs_kernel
-def test_compiled_kernel_evicts_like_the_jnp_scores():
-  cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-  params = init_params(cfg, jax.random.key(0), scale=0.3)
-  prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
-  outs = [generate(params, cfg, [prompt], max_new_tokens=8,
-                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=impl),
-                   record_top_k=2)
-          for impl in ("xla", "pallas")]
-  assert outs[0].sequences() == outs[1].sequences()
-  np.testing.assert_allclose(outs[0].top_logprobs, outs[1].top_logprobs, rtol=1e-4, atol=1e-4)
