@@ -216,7 +216,7 @@ def cmd_bench(args) -> int:
   from jspec.bench import speed
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
-  from jspec.speculative.loop import check_tree_target
+  from jspec.speculative.loop import check_extra_positions_target, check_tree_target
   from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
@@ -234,8 +234,10 @@ def cmd_bench(args) -> int:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "
                      "self, early-exit:K)")
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
-  if trees:  # before any run: an int8-xla target cannot verify trees
-    check_tree_target(model.params)
+  if trees or any(d.drafter.own_tree is not None for d in drafters):  # before any run
+    check_tree_target(model.params)  # an int8-xla target cannot verify trees
+  for d in drafters:  # nor run probe masks or windows beside its verification block
+    check_extra_positions_target(model.params, d.drafter)
   gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling)
   records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,

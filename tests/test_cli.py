@@ -140,6 +140,10 @@ def test_int8_weights(tiny_model, capsys):
   err = capsys.readouterr().err
   assert "tree speculative decoding with an int8 target on XLA" in err
   assert "autoregressive:" not in err
+  assert main(["bench", "--model", str(tiny_model), "--weights", "int8-xla", "--drafters",
+               "mtp:2", "--num-prompts", "1", "--no-transformers"]) == 2
+  err = capsys.readouterr().err
+  assert "int8 target on XLA's kernel" in err and "autoregressive:" not in err
 
 
 def test_gamma_auto(tiny_model, capsys):
