@@ -3,6 +3,7 @@
 # model's 98 MB GGUF travels in three parts under .devcarry/{a,b,c}, ignored by git, and waits in
 # /root/stash between calls). Three stages, one device call each, back to back:
 #
+#   bash benchmarks/run_gpu_lease.sh prepare   # here, once: the parts, data and gguf wheel
 #   bash benchmarks/run_gpu_lease.sh kernels   # the key-similarity kernel vs its jnp reference
 #   bash benchmarks/run_gpu_lease.sh tests     # the KV and kernel tests, compiled
 #   bash benchmarks/run_gpu_lease.sh table     # #20's training-free drafters, greedy (+ T=1)
@@ -19,13 +20,27 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/gpu_lease}
-mkdir -p "$OUT" /root/stash
+[ "${1:-}" = prepare ] || mkdir -p "$OUT" /root/stash
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # pytest -n 8: eight processes share the GPU
 jspec() { python3 -c 'import sys; from jspec.cli import main; sys.exit(main())' "$@"; }
-for part in .devcarry/*/part*; do [ -e "$part" ] && cp "$part" /root/stash/; done
+[ "${1:-}" = prepare ] || for part in .devcarry/*/part*; do
+  [ -e "$part" ] && cp "$part" /root/stash/
+done
 
 case "${1:-}" in
+prepare)  # on the development machine, with the default model and prompt sets in its cache
+  grep -qx '/.devcarry/' .git/info/exclude 2>/dev/null || echo /.devcarry/ >> .git/info/exclude
+  CACHE=${JSPEC_CACHE:-$HOME/.cache/jspec}
+  rm -rf .devcarry && mkdir -p .devcarry/a .devcarry/b .devcarry/c/cache
+  (cd .devcarry && split -b 44040192 -d -a 1 \
+    "$CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf" part)
+  mv .devcarry/part0 .devcarry/a/ && mv .devcarry/part1 .devcarry/b/ && mv .devcarry/part2 .devcarry/c/
+  cp -r "$CACHE/mt-bench" "$CACHE/human-eval" .devcarry/c/cache/
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 -d .devcarry/c/whl gguf==0.19.0
+  du -sh .devcarry/*
+  ;;
 kernels)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
@@ -66,5 +81,5 @@ table)
       --json $OUT/issue20_chains_mt-bench_t1_gpu.json" 2>&1 | tee "$OUT/issue20_mt-bench_t1.log"
   fi
   ;;
-*) echo "usage: $0 kernels|tests|table" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|kernels|tests|table" >&2; exit 2 ;;
 esac
