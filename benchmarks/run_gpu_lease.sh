@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issues #19 and #20 on a lent GPU (the `device` tool: one call carries 64 MiB, so the default
 # model's 98 MB GGUF travels in three parts under .devcarry/{a,b,c}, ignored by git, and waits in
-# /root/stash between calls). Three stages, one device call each, back to back:
+# /root/stash between calls). `prepare` here, then three stages, one device call each, back to back:
 #
 #   bash benchmarks/run_gpu_lease.sh prepare   # here, once: the parts, data and gguf wheel
 #   bash benchmarks/run_gpu_lease.sh kernels   # the key-similarity kernel vs its jnp reference
