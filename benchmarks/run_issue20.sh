@@ -85,37 +85,22 @@ for ds in mt-bench humaneval; do
     done
   done
 done
-# Session 30: does mask-token probing catch up at a larger scale? The same chains (and the probing
-# trees) on Qwen2.5-Coder-0.5B-Instruct (24 layers: skip:8 is the default model's third), 6 prompts
-# x 64 tokens, greedy. float32: lookahead's pool and probing trees are trees, which jspec refuses
-# over an int8 target (not token-identical to its AR).
-Q05="--model qwen2.5-coder-0.5b --weights float32"
-for ds in mt-bench humaneval; do
-  run --dataset $ds $Q05 $COMMON --drafters ngram,rest,mtp:3,skip:8,lookahead --gamma 3 \
-    --json benchmarks/issue20_qwen05_chains_${ds}_t0_cpu.json
-  run --dataset $ds $Q05 $COMMON --drafters mtp:1 --gamma 1 \
-    --tree dynamic:8,1,1,8,dynamic:16,1,1,16 \
-    --json benchmarks/issue20_qwen05_mtp_trees_${ds}_t0_cpu.json
-done
-# Session 31: the same at 1.5B (Qwen2.5-Coder-1.5B-Instruct, 28 layers: skip:9 is a third), float32,
-# 6 prompts x 64 tokens, greedy: does probing's gap to layer skipping keep closing with scale?
-# (Session 31 ran it pinned to one core beside other work: its tau and identity hold, its
-# timings are not a speed measurement.)
-Q15="--model qwen2.5-coder-1.5b --weights float32"
-for ds in mt-bench humaneval; do
-  run --dataset $ds $Q15 $COMMON --drafters ngram,rest,mtp:3,skip:9,lookahead --gamma 3 \
-    --json benchmarks/issue20_qwen15_chains_${ds}_t0_cpu.json
-  run --dataset $ds $Q15 $COMMON --drafters mtp:1 --gamma 1 \
-    --tree dynamic:8,1,1,8,dynamic:16,1,1,16 \
-    --json benchmarks/issue20_qwen15_mtp_trees_${ds}_t0_cpu.json
-done
-# Session 31: token trees now run over int8 targets on jspec's CPU kernels (token-identical): the
-# 0.5B's int8 chains, lookahead's pool tree and the probing trees, HumanEval and MT-Bench, greedy.
-Q05I8="--model qwen2.5-coder-0.5b --weights int8"
-for ds in humaneval mt-bench; do
-  run --dataset $ds $Q05I8 $COMMON --drafters ngram,mtp:3,skip:8,lookahead --gamma 3 \
-    --json benchmarks/issue20_qwen05_int8_chains_${ds}_t0_cpu.json
-  run --dataset $ds $Q05I8 $COMMON --drafters mtp:1 --gamma 1 \
-    --tree dynamic:8,1,1,8,dynamic:16,1,1,16 \
-    --json benchmarks/issue20_qwen05_int8_mtp_trees_${ds}_t0_cpu.json
-done
+# Sessions 30-31: does mask-token probing catch up at a larger scale? The same chains and the
+# probing trees, 6 prompts x 64 tokens, greedy, per model: TAG, model flags, drafters (skip:N = a
+# third of the layers). Session 30: Qwen2.5-Coder-0.5B (24 layers) in float32. Session 31: the
+# 1.5B (28 layers), and the 0.5B in int8 (token trees run over int8 targets on jspec's CPU kernels
+# since then; `rest` left out); run pinned to one core each, side by side: tau and identity hold,
+# the timings are one-core ratios under a neighbour's load.
+probing_at_scale() {
+  local tag=$1 model=$2 drafters=$3
+  for ds in mt-bench humaneval; do
+    run --dataset $ds $model $COMMON --drafters $drafters --gamma 3 \
+      --json benchmarks/issue20_${tag}_chains_${ds}_t0_cpu.json
+    run --dataset $ds $model $COMMON --drafters mtp:1 --gamma 1 \
+      --tree dynamic:8,1,1,8,dynamic:16,1,1,16 \
+      --json benchmarks/issue20_${tag}_mtp_trees_${ds}_t0_cpu.json
+  done
+}
+probing_at_scale qwen05 "--model qwen2.5-coder-0.5b --weights float32" ngram,rest,mtp:3,skip:8,lookahead
+probing_at_scale qwen15 "--model qwen2.5-coder-1.5b --weights float32" ngram,rest,mtp:3,skip:9,lookahead
+probing_at_scale qwen05_int8 "--model qwen2.5-coder-0.5b --weights int8" ngram,mtp:3,skip:8,lookahead

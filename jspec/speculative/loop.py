@@ -175,6 +175,11 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
       accepted_at=s.accepted_at + jnp.sum((idx[None, :W - 1] < n_acc[:, None]) * act[:, None], 0))
 
 
+def _int8_on_xla(params) -> bool:
+  """int8 weights whose attention is XLA's (`int8-xla`), not jspec's fixed-order CPU kernel."""
+  return quant.is_quantized(params) and quant.attention_kernel(params) != "native"
+
+
 def check_tree_target(params) -> None:
   """Host-side: a target whose tree verification scores tokens exactly as one-token steps do.
 
@@ -186,7 +191,7 @@ def check_tree_target(params) -> None:
   visible slots alone, in slot order, which is the same order for a tree node and for the chain of
   its ancestors (`tests/test_quant.py`), so their trees are token-identical.
   """
-  if quant.is_quantized(params) and quant.attention_kernel(params) != "native":
+  if _int8_on_xla(params):
     raise ValueError(
         "tree speculative decoding with an int8 target on XLA's kernel (int8-xla) is not "
         "token-identical to autoregressive decoding (its attention sums over a tree's slots in "
@@ -202,7 +207,7 @@ def check_extra_positions_target(params, drafter: Drafter) -> None:
   `quant.exact_product_scale`; attention sums only visible slots); int8 on XLA's kernel does not
   (a one-layer difference at 5e-7 measured), so it is refused, not left to drift."""
   extra = drafter.probe_masks or drafter.soft_tokens or drafter.window_size
-  if extra and quant.is_quantized(params) and quant.attention_kernel(params) != "native":
+  if extra and _int8_on_xla(params):
     raise ValueError(
         f"{type(drafter).__name__} runs extra positions beside the verification block, with "
         "which an int8 target on XLA's kernel (int8-xla) scores the block's tokens with other "
