@@ -36,6 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "int8 target with a q4 drafter: the drafter only proposes, so its format "
                       "changes speed and acceptance, never the output)")
   p.add_argument("--max-new-tokens", type=int, default=128)
+  _add_scan_arg(p)
   p.add_argument("--mesh", default=None, metavar="MESH",
                  help="devices to run on as a ('dp', 'tp') mesh, e.g. dp=2,tp=4 (batch over dp; "
                       "heads, MLP and vocabulary over tp) or 'none' for one device; default: every "
@@ -50,6 +51,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                  help="matmul precision: fast (the backend's default: TF32 on GPUs) or exact (full "
                       "float32: greedy speculative output token-identical to greedy decoding on "
                       "GPUs/TPUs too); the same on CPU")
+
+
+def _add_scan_arg(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--scan-layers", action="store_true",
+                 help="stack the layers and run them as one lax.scan: programs compile several "
+                      "times faster (what GPUs, TPUs and deep targets want; on CPU the unrolled "
+                      "layers decode faster). XLA's dots: float32 and int8 mean float32-xla and "
+                      "int8-xla; model drafters are stacked too")
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
@@ -156,7 +165,7 @@ def cmd_generate(args) -> int:
   if mesh is not None:  # before loading anything
     Placement(mesh).check_batch(len(args.prompt))
   start = time.perf_counter()
-  model = load(args.model, args.dtype, mesh=mesh)
+  model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   load_s = time.perf_counter() - start
   prompts = args.prompt
@@ -225,7 +234,7 @@ def cmd_bench(args) -> int:
     raise ValueError(f"jspec bench runs one prompt at a time, which cannot split over --mesh "
                      f"dp={mesh.shape['dp']}. Fix: --mesh tp=N (or measure dp with "
                      f"benchmarks/sharding.py)")
-  model = load(args.model, args.dtype, mesh=mesh)
+  model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
   drafter_weights = args.drafter_weights or args.dtype
   drafters = [speed.NamedDrafter(name, load_drafter(name, model, drafter_weights))
               for name in args.drafter.split(",") if name != "none"]
@@ -443,12 +452,13 @@ def cmd_bench_kv(args) -> int:
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
       time_decode=not args.no_timing,
       chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
-  model = load(args.model, args.dtype)
+  model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   out = args.json or Path("benchmarks") / f"kv_{args.context}_{_stamp([])}.json"
   machine, done = machine_info(), []
 
   def save(record):  # every record as it comes, so an interrupted run keeps what it measured
-    record.update(model=model.source, weights=args.dtype, machine=machine)
+    record.update(model=model.source, weights=args.dtype, scan_layers=args.scan_layers,
+                  machine=machine)
     _stamp([record])
     done.append(record)
     speed.write_records(done, out)
@@ -475,7 +485,7 @@ def cmd_bench_tau(args) -> int:
   if args.mesh not in (None, "none"):
     raise ValueError("bench-tau scores trees on one device (tau does not depend on the mesh): "
                      "drop --mesh")
-  model = load(args.model, args.dtype)
+  model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   check_tree_target(model.params)
   if args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
@@ -627,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)
   v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
                  choices=sorted(DTYPES))
+  _add_scan_arg(v)
   v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
                                       "tova+caote,snapkv+caote",
                  help="comma-separated; 'full' (the whole cache, no eviction) runs only when "

@@ -17,7 +17,7 @@ from jspec.io.load import DEFAULT, QUANTIZED, load_checkpoint
 from jspec.io.tokenizer import Tokenizer
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import Params, place_params, repeat_kv_heads
+from jspec.models.llama import Params, place_params, repeat_kv_heads, stack_layers
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sharding import Mesh, kv_repeats, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
@@ -89,7 +89,7 @@ class Model:
 
 
 def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
-         mesh: Mesh | str | None = None) -> Model:
+         mesh: Mesh | str | None = None, scan_layers: bool = False) -> Model:
   """Load weights and tokenizer from "default", a .gguf file or an HF directory.
 
   mesh: a ("dp", "tp") `jax.sharding.Mesh` or its text ("dp=2,tp=4", jspec.sharding.make_mesh):
@@ -97,8 +97,20 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   generate of the model runs there; where tp is a multiple of the KV heads, each is repeated so
   the KV cache splits tp ways (`cfg.num_kv_heads` then counts the copies). jspec's CPU kernels
   take whole weights, so on a mesh "float32" means XLA's float32 dot ("float32-xla"); int8 and q4
-  are refused."""
+  are refused.
+
+  scan_layers: every layer's arrays stacked on a leading axis, so the decoder is one `lax.scan`
+  (`jspec.models.llama.stack_layers`): programs compile several times faster, which accelerators
+  and deep targets want; on CPU the unrolled layers decode faster. XLA's dots and attention only:
+  with it, "float32" means "float32-xla" and "int8" means "int8-xla"; q4 is refused. Model drafters
+  loaded for this target are stacked too."""
   mesh = mesh_from(mesh)
+  if scan_layers:
+    if dtype == "q4":
+      raise ValueError("--weights q4 runs jspec's CPU kernel, which reads each layer's weights in "
+                       "its own layout and cannot scan. Fix: --weights int8 or bfloat16 with "
+                       "--scan-layers, or drop --scan-layers.")
+    dtype = {"float32": "float32-xla", "int8": "int8-xla"}.get(dtype, dtype)
   if mesh is not None:
     if dtype in QUANTIZED:
       raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "
@@ -109,5 +121,8 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   if mesh is not None:
     # tp over more devices than KV heads: one KV head a device rather than all on every device.
     params, cfg = repeat_kv_heads(params, cfg, kv_repeats(cfg, mesh))
+  if scan_layers:  # after the KV heads repeat, before placing (the stacked layout has an L axis)
+    params = stack_layers(params)
+  if mesh is not None:
     params = place_params(params, cfg, model_placement(cfg, mesh))
   return Model(cfg=cfg, params=params, tokenizer=tokenizer, source=str(path), mesh=mesh)

@@ -31,7 +31,9 @@ from jspec.io.tokenizer import Tokenizer
 from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
-from jspec.models.llama import Params
+import jax
+
+from jspec.models.llama import Params, layers_stacked, num_layers, stack_layers
 from jspec.sharding import model_placement
 
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
@@ -151,19 +153,36 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
 
   A target loaded on a mesh (`jspec.model.load(..., mesh=)`) gets its drafter placed there once
   (`place_drafter`), a draft model's weights in XLA's formats (jspec's CPU kernels do not shard).
+  A target with stacked layers (`load(..., scan_layers=True)`) gets draft models stacked alike,
+  in XLA's formats too.
   """
   mesh = getattr(target, "mesh", None)
-  if mesh is None:
+  stacked = layers_stacked(target.params)
+  if mesh is None and not stacked:
     return _load_drafter(name, target, dtype)
   if dtype == "q4":
-    raise ValueError("--drafter-weights q4 runs jspec's CPU kernel, which cannot run on a mesh. "
-                     "Fix: --drafter-weights float32 or int8 with --mesh, or drop --mesh.")
+    raise ValueError(f"--drafter-weights q4 runs jspec's CPU kernel, which cannot run "
+                     f"{'on a mesh' if mesh is not None else 'stacked layers'}. Fix: "
+                     f"--drafter-weights float32 or int8 with "
+                     f"{'--mesh' if mesh is not None else '--scan-layers'}, or drop it.")
   drafter = _load_drafter(name, target, {"float32": "float32-xla", "int8": "int8-xla"}.get(
       dtype, dtype))
-  if drafter is not None:
+  if drafter is not None and stacked:
+    drafter = _with_stacked_models(drafter)
+  if drafter is not None and mesh is not None:
     drafter = place_drafter(drafter, model_placement(target.cfg, mesh), target.params,
                             target.params)
   return drafter
+
+
+def _with_stacked_models(drafter: Drafter) -> Drafter:
+  """The drafter with every draft model's layers stacked (`stack_layers`; those that share the
+  target's params already are)."""
+  def stacked(x):
+    if isinstance(x, Params) and num_layers(x) and not layers_stacked(x):
+      return stack_layers(x)
+    return x
+  return jax.tree.map(stacked, drafter, is_leaf=lambda x: isinstance(x, Params))
 
 
 def _load_drafter(name: str, target: Target, dtype: str) -> Drafter | None:

@@ -24,7 +24,8 @@ from jspec.drafting.base import (DraftState, Features, HeadDrafter, Pick, check_
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import (Params, attention_fn, decoder_layer, forward_layers, rope_tables)
+from jspec.models.llama import (Params, attention_fn, decoder_layer, forward_layers, layer_list,
+                                rope_tables)
 from jspec.sampling.processing import SamplingParams
 
 Array = jax.Array
@@ -124,7 +125,7 @@ def layer_influence(params: Params, cfg: Config, tokens: Sequence[int]) -> np.nd
     attend = attention_fn(cfg, cache.lengths, T, None, T, quant.attention_kernel(params))
     x = quant.take_rows(params.embed, ids).astype(jnp.float32)
     k_all, v_all, out = cache.k, cache.v, []
-    for i, lp in enumerate(params.layers):
+    for i, lp in enumerate(layer_list(params)):
       y, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, positions, attend)
       sim = jnp.sum(x * y, -1) / (jnp.linalg.norm(x, axis=-1) * jnp.linalg.norm(y, axis=-1))
       out.append(1.0 - jnp.mean(sim))

@@ -14,7 +14,7 @@ import numpy as np
 
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params
+from jspec.models.llama import Params, layer_list
 
 _HF_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                "qwen3": ("qwen3", "Qwen3ForCausalLM")}
@@ -62,7 +62,7 @@ def params_to_hf(cfg: Config, params: Params) -> dict[str, np.ndarray]:
   out = {"model.embed_tokens.weight": arr(params.embed), "model.norm.weight": arr(params.final_norm)}
   if params.lm_head is not None:
     out["lm_head.weight"] = arr(params.lm_head).T
-  for i, lp in enumerate(params.layers):
+  for i, lp in enumerate(layer_list(params)):
     pre = f"model.layers.{i}."
     names = {
         "input_layernorm.weight": lp.attn_norm, "post_attention_layernorm.weight": lp.mlp_norm,

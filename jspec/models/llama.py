@@ -1,9 +1,12 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward.
 
-Each layer owns its arrays and the layer loop is unrolled. A `lax.scan` over stacked weights would
-compile faster, but XLA then copies every weight slice out of the stack before each matmul; on CPU
-the unrolled loop decodes ~13% faster (measured on SmolLM2-135M) and static per-layer access also
-suits layer-skip drafting and multi-layer feature readers. The stacked KV cache is written in place.
+Two layouts of the same weights, one forward. By default each layer owns its arrays and the layer
+loop is unrolled: on CPU it decodes ~13% faster (XLA:CPU copies each weight slice out of a stack
+before its matmul), and jspec's CPU kernels and the Pallas tree attention take a static layer.
+`stack_layers` stacks every layer's arrays on a leading axis and the decoder becomes one
+`lax.scan`: one traced layer instead of L, so a program compiles in a fraction of the time (4.3x
+faster on an H100 at equal decode speed, `benchmarks/scan_layers.py`), which is what accelerators
+and deep targets need. The stacked KV cache is written in place either way.
 """
 
 from __future__ import annotations
@@ -55,13 +58,15 @@ class LayerParams:
 @dataclasses.dataclass
 class Params:
   embed: Array  # [V, E]
-  layers: tuple[LayerParams, ...]  # one per decoder layer
+  # One per decoder layer, or (`stack_layers`) one LayerParams whose arrays carry a leading [L].
+  layers: tuple[LayerParams, ...] | LayerParams
   final_norm: Array  # [E]
   lm_head: Optional[Array] = None  # [E, V]; None when tied to `embed`
 
 
-def param_layout(cfg: Config) -> Params:
-  """Every parameter once: shape, logical axes, initializer. Init, sharding and loading use it."""
+def param_layout(cfg: Config, stacked: bool = False) -> Params:
+  """Every parameter once: shape, logical axes, initializer. Init, sharding and loading use it.
+  stacked: the layers as one LayerParams with a leading "layers" axis (`stack_layers`)."""
   L, E, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   s = ArraySpec
@@ -86,9 +91,12 @@ def param_layout(cfg: Config) -> Params:
       b_up=opt(cfg.mlp_bias, s((F,), ("mlp",), "zeros")),
       b_down=opt(cfg.mlp_bias, s((E,), ("embed",), "zeros")),
   )
+  if stacked:
+    layer = jax.tree.map(lambda a: s((L, *a.shape), ("layers", *a.axes), a.init), layer,
+                         is_leaf=is_spec)
   return Params(
       embed=s((V, E), ("vocab", "embed")),
-      layers=(layer,) * L,
+      layers=layer if stacked else (layer,) * L,
       final_norm=s((E,), ("embed",), "ones"),
       lm_head=None if cfg.tie_embeddings else s((E, V), ("embed", "vocab")),
   )
@@ -108,6 +116,56 @@ def init_params(cfg: Config, key: Array, dtype=jnp.float32, scale: float = 0.02)
     return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
   return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
+
+
+def layers_stacked(params: Params) -> bool:
+  """Whether the layers are stacked (`stack_layers`: the decoder scans) or a tuple (unrolled)."""
+  return isinstance(params.layers, LayerParams)
+
+
+def num_layers(params: Params) -> int:
+  return params.layers.attn_norm.shape[0] if layers_stacked(params) else len(params.layers)
+
+
+def layer_list(params: Params) -> tuple[LayerParams, ...]:
+  """Each layer's params, whichever the layout (stacked ones sliced out: for per-layer work outside
+  the decoder, such as calibration, export or layer surgery)."""
+  if not layers_stacked(params):
+    return tuple(params.layers)
+  return tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(num_layers(params)))
+
+
+def with_layers(params: Params, layers: tuple[LayerParams, ...]) -> Params:
+  """params with these layers, in params' layout."""
+  if layers_stacked(params):
+    return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+  return dataclasses.replace(params, layers=tuple(layers))
+
+
+def map_layers(params: Params, fn: Callable[[LayerParams], LayerParams]) -> Params:
+  """params with fn applied to every layer, layout kept."""
+  return with_layers(params, tuple(fn(lp) for lp in layer_list(params)))
+
+
+def stack_layers(params: Params) -> Params:
+  """The same weights with every layer's arrays stacked on a leading [L] axis: the decoder then
+  runs one `lax.scan` over them (one traced layer: programs compile several times faster) with
+  XLA's attention and dots. jspec's CPU kernels read a static layer's weights in their own layout,
+  so their formats are refused: on CPU stack float32-xla, bfloat16 or int8-xla weights."""
+  if layers_stacked(params):
+    return params
+  if quant.attention_kernel(params) == "native":
+    raise ValueError("stacked layers (--scan-layers) run XLA's dots and attention, and these "
+                     "weights are in jspec's CPU-kernel format (--weights float32, int8 or q4 on "
+                     "CPU). Fix: --weights float32-xla, bfloat16 or int8-xla with --scan-layers, "
+                     "or drop --scan-layers (on CPU the unrolled layers decode faster).")
+  layers = tuple(params.layers)
+  return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+
+
+def unstack_layers(params: Params) -> Params:
+  """The inverse of `stack_layers`: one LayerParams per layer (the unrolled loop)."""
+  return dataclasses.replace(params, layers=layer_list(params))
 
 
 def row_sum(x: Array) -> Array:
@@ -374,7 +432,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
                                      mass_weights, cfg.kv_repeats)
   tapped = {}
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended,
-                           tapped=tapped if taps else None)
+                           tapped=tapped if taps else None, records=masses)
   if masses is not None:
     cache = dataclasses.replace(cache, mass=cache.mass + jnp.stack(masses))
   picked = hidden
@@ -475,15 +533,22 @@ def _recording_mass(attend: Callable, visible: Array, weights: Array, repeats: i
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
              slots: Array, attend: Callable, appended: Optional[Array] = None,
              layers: Optional[tuple[int, ...]] = None,
-             tapped: Optional[dict] = None) -> tuple[Array, KVCache]:
+             tapped: Optional[dict] = None,
+             records: Optional[list] = None) -> tuple[Array, KVCache]:
   """Embedding (then the `appended` embeddings), every layer (or only those in `layers`; the
   residual stream passes the others unchanged) with new K/V written at `slots` [B, T], final
-  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer."""
+  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer.
+  `records`: the list `attend` appends one array to per layer (`_recording_mass`)."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   if appended is not None:
     x = jnp.concatenate([x, appended.astype(x.dtype)], axis=1)
   cos, sin = rope_tables(cfg, positions)
   k_all, v_all = cache.k, cache.v
+  if layers_stacked(params):
+    x, k_all, v_all = _scanned_layers(params, cfg, x, k_all, v_all, cos, sin, slots, attend,
+                                      layers, tapped, records)
+    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
+    return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
   for i, lp in enumerate(params.layers):
     if tapped is not None:
       tapped[i] = x
@@ -493,6 +558,45 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
       x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
   return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
+
+
+def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: Array,
+                    cos: Array, sin: Array, slots: Array, attend: Callable,
+                    layers: Optional[tuple[int, ...]], tapped: Optional[dict],
+                    records: Optional[list]) -> tuple[Array, Array, Array]:
+  """`_decoder`'s layer loop over stacked layers as one `lax.scan`: the layer index is traced, so
+  attention must read the cache at a traced layer (XLA's; not jspec's CPU kernels or the Pallas
+  kernel, which take a static one). A `layers` subset runs the others as `lax.cond` identities;
+  taps and attention records come out as the scan's per-layer outputs."""
+  if cfg.attention_impl != "xla" or quant.attention_kernel(params) == "native":
+    raise ValueError(f"stacked layers (--scan-layers) need XLA's attention and dots: got "
+                     f"attention_impl={cfg.attention_impl!r} with weights for kernel "
+                     f"{quant.attention_kernel(params)!r}. Fix: attention_impl='xla' and "
+                     f"--weights float32-xla, bfloat16 or int8-xla, or unstacked layers.")
+  L = num_layers(params)
+  if records is not None and layers is not None:
+    raise ValueError("attention records over a subset of layers are not supported")
+  run = None if layers is None else jnp.asarray([i in layers for i in range(L)])  # [L] bool
+
+  def body(carry, xs):
+    lp, i, keep = xs
+    layer = lambda c: decoder_layer(cfg, c[0], lp, i, c[1], c[2], cos, sin, slots, attend)
+    recorded = len(records) if records is not None else 0
+    new = layer(carry) if keep is None else jax.lax.cond(keep, layer, lambda c: c, carry)
+    ys = {}
+    if tapped is not None:
+      ys["tap"] = carry[0]  # the residual stream entering layer i
+    if records is not None and len(records) > recorded:
+      ys["record"] = records.pop()
+    return new, ys
+
+  xs = (params.layers, jnp.arange(L, dtype=jnp.int32), run)
+  (x, k_all, v_all), ys = jax.lax.scan(body, (x, k_all, v_all), xs)
+  if tapped is not None:
+    tapped.update({i: ys["tap"][i] for i in range(L)})
+  if "record" in ys:
+    records.extend(ys["record"][i] for i in range(L))
+  return x, k_all, v_all
 
 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.
@@ -522,7 +626,7 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
     return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
   return dataclasses.replace(
-      params, embed=q8(params.embed, (1,)), layers=tuple(layer(lp) for lp in params.layers),
+      map_layers(params, layer), embed=q8(params.embed, (1,)),
       lm_head=None if params.lm_head is None else q8(params.lm_head, (0,)))
 
 
@@ -541,7 +645,7 @@ def place_params(params: Params, cfg: Config, placement: Placement | None) -> Pa
         f"are not placed on a mesh. Fix: load the model with "
         f"--weights float32-xla or bfloat16 (jspec.model.load(..., mesh=...) picks float32-xla "
         f"for the default float32), or drop --mesh / mesh=.")
-  return placement.put(params, param_layout(cfg))
+  return placement.put(params, param_layout(cfg, stacked=layers_stacked(params)))
 
 
 def repeat_kv_heads(params: Params, cfg: Config, times: int) -> tuple[Params, Config]:
@@ -553,9 +657,9 @@ def repeat_kv_heads(params: Params, cfg: Config, times: int) -> tuple[Params, Co
   if times == 1:
     return params, cfg
   rep = lambda w, axis: None if w is None else jnp.repeat(w, times, axis=axis)
-  layers = tuple(dataclasses.replace(lp, wk=rep(lp.wk, 1), wv=rep(lp.wv, 1), bk=rep(lp.bk, 0),
-                                     bv=rep(lp.bv, 0)) for lp in params.layers)
-  return (dataclasses.replace(params, layers=layers),
+  repeated = lambda lp: dataclasses.replace(lp, wk=rep(lp.wk, 1), wv=rep(lp.wv, 1),
+                                            bk=rep(lp.bk, 0), bv=rep(lp.bv, 0))
+  return (map_layers(params, repeated),
           dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * times,
                               kv_repeats=cfg.kv_repeats * times))
 
@@ -567,9 +671,10 @@ def native_float_params(params: Params) -> Params:
   def layer(lp: LayerParams) -> LayerParams:
     return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
+  if layers_stacked(params):
+    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first")
   return dataclasses.replace(
-      params, embed=quant.dense_native(params.embed, (1,)),
-      layers=tuple(layer(lp) for lp in params.layers),
+      map_layers(params, layer), embed=quant.dense_native(params.embed, (1,)),
       lm_head=None if params.lm_head is None else quant.dense_native(params.lm_head, (0,)))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from jspec.models.config import Config
 from jspec.models.drafter import layers_copyable, spread_layers
-from jspec.models.llama import Params, init_params
+from jspec.models.llama import Params, init_params, layer_list
 
 INITS = ("target", "random")
 
@@ -44,7 +44,8 @@ def init_drafter(target_params: Params, target_cfg: Config, cfg: Config, key: ja
     layers = params.layers
     if layers_copyable(cfg, target_cfg):
       picked = spread_layers(target_cfg.num_layers, cfg.num_layers)
-      layers = tuple(jax.tree.map(f32, target_params.layers[i]) for i in picked)
+      target_layers = layer_list(target_params)
+      layers = tuple(jax.tree.map(f32, target_layers[i]) for i in picked)
     return dataclasses.replace(params, embed=table, layers=layers,
                                final_norm=f32(target_params.final_norm))
   # Narrower: project the vocabulary table onto its top principal directions.
