@@ -12,7 +12,8 @@
 # and start it with `python3 -m pip install -q --no-index --no-deps --target /tmp/site
 # .devcarry/c/whl/*.whl; export PYTHONPATH=/tmp/site`. Session 31 (H200): `kernels` took 47 s,
 # `tests` 117 s; `table` compiled for 200 s per dataset without finishing a record (its 6 methods
-# x 2 prompt buckets of programs: budget one call per dataset, DATASETS=mt-bench).
+# x 2 prompt buckets of programs: budget one call per dataset, DATASETS=mt-bench). Since session
+# 32 `table` runs --scan-layers (one traced layer a program: compiles several times faster).
 #
 # On a GPU machine with the model in ~/.cache/jspec already, `table` needs no parts: it runs
 # the same `jspec bench` commands (exact float32 precision, as the CPU tables). Results go to
@@ -68,7 +69,9 @@ table)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
       .devcarry/c/whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
-  COMMON="--num-prompts 6 --max-new-tokens 64 --no-transformers --no-ttft --no-overhead --precision exact --gamma 3"
+  # Stacked layers (one lax.scan) unless SCAN= (empty): session 32 added them for this table's
+  # compile time; the records say "layers": "stacked".
+  COMMON="--num-prompts 6 --max-new-tokens 64 --no-transformers --no-ttft --no-overhead --precision exact --gamma 3 ${SCAN---scan-layers}"
   export JSPEC_COMPILATION_CACHE=/root/xla  # survives between calls on a warm machine
   for ds in ${DATASETS:-mt-bench humaneval}; do
     timeout -s INT "${TABLE_S:-200}" bash -c "$(declare -f jspec); jspec bench --dataset $ds \

@@ -23,22 +23,22 @@ from jspec.drafting.registry import load_drafter
 from jspec.model import load
 
 
-def run(model, drafter, prompts, n):
+def run(model, drafter, prompts, n, gamma):
   outs, seconds = [], 0.0
   for p in prompts:
     start = time.perf_counter()
-    out = model.generate_ids([p], max_new_tokens=n, drafter=drafter)
+    out = model.generate_ids([p], max_new_tokens=n, drafter=drafter, gamma=gamma)
     jax.block_until_ready(out.tokens)
     seconds += time.perf_counter() - start
     outs.append(out)
   return outs, seconds
 
 
-def measure(model, method: str, prompts, n: int) -> dict:
+def measure(model, method: str, prompts, n: int, gamma: int) -> dict:
   drafter = None if method == "none" else load_drafter(method, model, "float32")
   with CompileCounter() as counter:  # the first prompt's bucket: its programs are built here
-    run(model, drafter, prompts[:1], n)
-  outs, seconds = run(model, drafter, prompts, n)
+    run(model, drafter, prompts[:1], n, gamma)
+  outs, seconds = run(model, drafter, prompts, n, gamma)
   new = sum(len(o.sequences()[0]) for o in outs)
   record = {"method": method, "compile_s": counter.seconds, "programs_built": counter.built,
             "tok_s": new / seconds, "tokens": [o.sequences()[0] for o in outs]}
@@ -55,25 +55,33 @@ def main() -> int:
   p.add_argument("--dataset", default="mt-bench")
   p.add_argument("--num-prompts", type=int, default=3)
   p.add_argument("--max-new-tokens", type=int, default=48)
+  p.add_argument("--gamma", type=int, default=3)
+  p.add_argument("--order", default="unrolled,stacked",
+                 help="the layouts in the order they run (run both orders to see any warm-up "
+                      "bias); 'default' adds jspec's default format (--weights float32: on CPU "
+                      "its native kernel) unrolled, as the reference a CPU user has today")
   p.add_argument("--json", required=True)
   args = p.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
   record = {"model": args.model, "weights": args.weights, "dataset": args.dataset,
             "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+            "gamma": args.gamma, "order": args.order,
             "layouts": {}}
-  for layout in ("unrolled", "stacked"):
-    model = load(args.model, args.weights, scan_layers=layout == "stacked")
+  for layout in args.order.split(","):
+    weights = "float32" if layout == "default" else args.weights
+    model = load(args.model, weights, scan_layers=layout == "stacked")
     chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
     prompts = [model.encode(t, chat=chat) for t in data.load_prompts(args.dataset,
                                                                      args.num_prompts)]
     rows = []
     for method in args.methods.split(","):
-      rows.append(measure(model, method, prompts, args.max_new_tokens))
+      rows.append(measure(model, method, prompts, args.max_new_tokens, args.gamma))
       print(layout, {k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
     record["layouts"][layout] = rows
   ar = {layout: rows[0]["tokens"] for layout, rows in record["layouts"].items()}
   summary = []
-  for u, s in zip(record["layouts"]["unrolled"], record["layouts"]["stacked"]):
+  default = record["layouts"].get("default") or [{}] * len(record["layouts"]["stacked"])
+  for u, s, d in zip(record["layouts"]["unrolled"], record["layouts"]["stacked"], default):
     summary.append({
         "method": u["method"], "compile_s_unrolled": u["compile_s"],
         "compile_s_stacked": s["compile_s"], "compile_speedup": u["compile_s"] / s["compile_s"],
@@ -83,6 +91,10 @@ def main() -> int:
         "identical_to_ar_unrolled": u["tokens"] == ar["unrolled"],
         "identical_to_ar_stacked": s["tokens"] == ar["stacked"],
         "stacked_equals_unrolled": s["tokens"] == u["tokens"]})
+    if d:
+      summary[-1].update(tok_s_default=d["tok_s"], stacked_vs_default=s["tok_s"] / d["tok_s"],
+                         compile_s_default=d["compile_s"],
+                         identical_to_ar_default=d["tokens"] == ar["default"])
     print(summary[-1], flush=True)
   record["summary"] = summary
   for rows in record["layouts"].values():

@@ -109,7 +109,7 @@ CORE_FILES = {"test_models.py", "test_generate.py", "test_speculative.py", "test
 SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_bench_",
               "test_int8_weights", "mask_token_probing",
               "layer_skipping", "gamma_auto", "second_run_compiles_nothing", "a_tree_prints",
-              "under_a_kv_budget")
+              "under_a_kv_budget", "test_scan_layers")
 
 
 # Files that take a worker longest (seconds of one worker in a full run on CI's 2 cores, session 27),

@@ -22,7 +22,7 @@ from jspec.drafting.skip import skip_drafter
 from jspec.generate import generate, generate_tokens
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import init_params, repeat_kv_heads
+from jspec.models.llama import init_params, repeat_kv_heads, stack_layers
 from jspec.sampling import processing
 from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
 from jspec.sharding import Placement, kv_repeats, make_mesh, traced_under_placement
@@ -258,9 +258,34 @@ def check_repeated_kv_heads():
     assert len(big) == 2 * cfg.num_layers + 1 and {c.op for c in big} == {"all-reduce"}, big
 
 
+def check_stacked_layers():
+  """Stacked layers (one lax.scan) on meshes: the layer axis stays whole on every device, each
+  layer's heads split over tp as unstacked ones do, and the tokens are one device's."""
+  target, draft = models()
+  stacked = stack_layers(target)
+  want = generate(stacked, TARGET, PROMPTS, max_new_tokens=10)
+  same(want, generate(target, TARGET, PROMPTS, max_new_tokens=10), "stacked vs unrolled")
+  for dp, tp in ((2, 4), (1, 8)):
+    mesh = make_mesh(dp, tp)
+    same(generate(stacked, TARGET, PROMPTS, max_new_tokens=10, mesh=mesh), want,
+         f"stacked dp={dp} tp={tp}")
+  b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
+                    cache_size=None)
+  placed, _, _ = on_mesh(stacked, TARGET, b, make_mesh(1, 2))
+  # wq [L, E, H, D]: all layers, every embedding row, half the heads on each of tp=2 devices.
+  assert {s.data.shape for s in placed.layers.wq.addressable_shards} == {(2, 64, 4, 8)}
+  drafters = {"model": ModelDrafter(stack_layers(draft), DRAFT),
+              "skip": skip_drafter(stacked, TARGET, (1,))}
+  for name, drafter in drafters.items():
+    got = speculative_generate(stacked, TARGET, drafter, PROMPTS, mesh=make_mesh(2, 4),
+                               spec=SpecConfig(gamma=3, max_new_tokens=10))
+    same(got, want, f"stacked chain {name} dp=2 tp=4")
+
+
 GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
           "compiles": check_compiles_once, "communication": check_communication,
-          "repeat": check_repeated_kv_heads, "filters": check_filtered_sampling_moves_candidates}
+          "repeat": check_repeated_kv_heads, "filters": check_filtered_sampling_moves_candidates,
+          "stacked": check_stacked_layers}
 
 if __name__ == "__main__":
   assert len(jax.devices()) == 8, jax.devices()

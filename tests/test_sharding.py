@@ -40,6 +40,10 @@ def test_generate_on_meshes_equals_one_device():
   run_checks("generate")
 
 
+def test_stacked_layers_on_meshes_equal_one_device():
+  run_checks("stacked")
+
+
 CFG = Config(arch="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
              num_heads=6, num_kv_heads=2, head_dim=8)
 
