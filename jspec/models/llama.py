@@ -1,11 +1,11 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward.
 
 Two layouts of the same weights, one forward. By default each layer owns its arrays and the layer
-loop is unrolled: on CPU it decodes ~13% faster (XLA:CPU copies each weight slice out of a stack
-before its matmul), and jspec's CPU kernels and the Pallas tree attention take a static layer.
-`stack_layers` stacks every layer's arrays on a leading axis and the decoder becomes one
-`lax.scan`: one traced layer instead of L, so a program compiles in a fraction of the time (4.3x
-faster on an H100 at equal decode speed, `benchmarks/scan_layers.py`), which is what accelerators
+loop is unrolled: jspec's CPU kernels (the default float32, int8 and q4 formats on CPU) and the
+Pallas tree attention take a static layer. `stack_layers` stacks every layer's arrays on a leading
+axis and the decoder becomes one `lax.scan`: one traced layer instead of L, so a program compiles
+in a fraction of the time (2-4x faster through the whole engine on CPU, 4.3x for a decode step on
+an H100 at equal decode speed: benchmarks/README.md, "Compile time"), which is what accelerators
 and deep targets need. The stacked KV cache is written in place either way.
 """
 
