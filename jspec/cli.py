@@ -56,9 +56,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_scan_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--scan-layers", action="store_true",
                  help="stack the layers and run them as one lax.scan: programs compile several "
-                      "times faster (what GPUs, TPUs and deep targets want; on CPU the unrolled "
-                      "layers decode faster). XLA's dots: float32 and int8 mean float32-xla and "
-                      "int8-xla; model drafters are stacked too")
+                      "times faster (what GPUs, TPUs and deep targets want; on CPU the default "
+                      "float32, unrolled on jspec's kernel, decodes up to ~13%% faster). XLA's "
+                      "dots: float32 and int8 mean float32-xla and int8-xla; model drafters are "
+                      "stacked too")
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:

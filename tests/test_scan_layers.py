@@ -145,6 +145,10 @@ def test_formats_that_need_a_static_layer_are_refused(unrolled, stacked):
     stack_layers(native_float_params(unrolled))
   with pytest.raises(ValueError, match="--weights float32-xla, bfloat16 or int8-xla"):
     stack_layers(quantize_params(unrolled, "native"))
+  with pytest.raises(ValueError, match="unstacked layers"):
+    quantize_params(stacked, "native")
+  with pytest.raises(ValueError, match="unstacked layers"):
+    native_float_params(stacked)
   interpreted = dataclasses.replace(DEEP, attention_impl="pallas-interpret")
   with pytest.raises(ValueError, match="attention_impl='xla'"):
     forward(stacked, interpreted, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 16))

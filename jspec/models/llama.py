@@ -135,10 +135,14 @@ def layer_list(params: Params) -> tuple[LayerParams, ...]:
   return tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(num_layers(params)))
 
 
+def _stacked(layers: tuple[LayerParams, ...]) -> LayerParams:
+  return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
 def with_layers(params: Params, layers: tuple[LayerParams, ...]) -> Params:
   """params with these layers, in params' layout."""
   if layers_stacked(params):
-    return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    return dataclasses.replace(params, layers=_stacked(layers))
   return dataclasses.replace(params, layers=tuple(layers))
 
 
@@ -158,9 +162,9 @@ def stack_layers(params: Params) -> Params:
     raise ValueError("stacked layers (--scan-layers) run XLA's dots and attention, and these "
                      "weights are in jspec's CPU-kernel format (--weights float32, int8 or q4 on "
                      "CPU). Fix: --weights float32-xla, bfloat16 or int8-xla with --scan-layers, "
-                     "or drop --scan-layers (on CPU the unrolled layers decode faster).")
-  layers = tuple(params.layers)
-  return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *layers))
+                     "or drop --scan-layers (on CPU the default format, unrolled, decodes up to "
+                     "~13% faster; benchmarks/README.md, \"Compile time\").")
+  return dataclasses.replace(params, layers=_stacked(tuple(params.layers)))
 
 
 def unstack_layers(params: Params) -> Params:
@@ -616,6 +620,9 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   if bits not in (4, 8) or (bits == 4 and kernel != "native"):
     raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
                      f"'native'), got {bits} bits with kernel {kernel!r}")
+  if kernel == "native" and layers_stacked(params):
+    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first, "
+                     "or quantize for kernel 'xla'")
 
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
