@@ -34,8 +34,8 @@ def run(model, drafter, prompts, n, gamma):
   return outs, seconds
 
 
-def measure(model, method: str, prompts, n: int, gamma: int) -> dict:
-  drafter = None if method == "none" else load_drafter(method, model, "float32")
+def measure(model, weights: str, method: str, prompts, n: int, gamma: int) -> dict:
+  drafter = None if method == "none" else load_drafter(method, model, weights)
   with CompileCounter() as counter:  # the first prompt's bucket: its programs are built here
     run(model, drafter, prompts[:1], n, gamma)
   outs, seconds = run(model, drafter, prompts, n, gamma)
@@ -75,7 +75,7 @@ def main() -> int:
                                                                      args.num_prompts)]
     rows = []
     for method in args.methods.split(","):
-      rows.append(measure(model, method, prompts, args.max_new_tokens, args.gamma))
+      rows.append(measure(model, weights, method, prompts, args.max_new_tokens, args.gamma))
       print(layout, {k: v for k, v in rows[-1].items() if k != "tokens"}, flush=True)
     record["layouts"][layout] = rows
   ar = {layout: rows[0]["tokens"] for layout, rows in record["layouts"].items()}

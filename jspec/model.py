@@ -13,7 +13,7 @@ import jax
 
 from jspec.drafting.base import Drafter
 from jspec.generate import GenerateOutput, generate
-from jspec.io.load import DEFAULT, QUANTIZED, load_checkpoint
+from jspec.io.load import DEFAULT, QUANTIZED, load_checkpoint, on_xla
 from jspec.io.tokenizer import Tokenizer
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
@@ -111,13 +111,13 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
       raise ValueError("--weights q4 runs jspec's CPU kernel, which reads each layer's weights in "
                        "its own layout and cannot scan. Fix: --weights int8 or bfloat16 with "
                        "--scan-layers, or drop --scan-layers.")
-    dtype = {"float32": "float32-xla", "int8": "int8-xla"}.get(dtype, dtype)
+    dtype = on_xla(dtype)
   if mesh is not None:
     if dtype in QUANTIZED:
       raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "
                        f"which is not placed on a mesh. Fix: --weights float32 or bfloat16 with "
                        f"--mesh, or drop --mesh.")
-    dtype = "float32-xla" if dtype == "float32" else dtype
+    dtype = on_xla(dtype)
   cfg, params, tokenizer, path = load_checkpoint(name_or_path, dtype)
   if mesh is not None:
     # tp over more devices than KV heads: one KV head a device rather than all on every device.

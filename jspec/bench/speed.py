@@ -29,9 +29,9 @@ from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
 from jspec.io.load import resolve_path
 from jspec.model import Model
-from jspec.models import llama, quant
+from jspec.models import quant
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, param_bytes
+from jspec.models.llama import forward, layers_stacked, param_bytes
 from jspec.models.numerics import engine_jit, precision_label
 from jspec.sampling.processing import GREEDY, SamplingParams, argmax
 from jspec.tree.shapes import TreeShape
@@ -413,7 +413,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           # "native": jspec's CPU kernels (float32 or quantized weights), "xla": XLA's dots
           "matmul_kernel": "native" if quant.attention_kernel(model.params) == "native" else "xla",
           # "stacked": one lax.scan over the layers (--scan-layers), else unrolled.
-          "layers": "stacked" if llama.layers_stacked(model.params) else "unrolled",
+          "layers": "stacked" if layers_stacked(model.params) else "unrolled",
           # "highest" under --precision exact (jspec.models.numerics), else the backend default.
           "matmul_precision": precision_label(),
           "machine": machine_info()}

@@ -26,7 +26,7 @@ from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafte
 from jspec.io.datastore import default_table, load_table, read_metadata
 from jspec.io.fetch import default_model_path
 from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
-                           resolve_path, source_exists)
+                           on_xla, resolve_path, source_exists)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
@@ -161,12 +161,11 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
   if mesh is None and not stacked:
     return _load_drafter(name, target, dtype)
   if dtype == "q4":
-    raise ValueError(f"--drafter-weights q4 runs jspec's CPU kernel, which cannot run "
-                     f"{'on a mesh' if mesh is not None else 'stacked layers'}. Fix: "
-                     f"--drafter-weights float32 or int8 with "
-                     f"{'--mesh' if mesh is not None else '--scan-layers'}, or drop it.")
-  drafter = _load_drafter(name, target, {"float32": "float32-xla", "int8": "int8-xla"}.get(
-      dtype, dtype))
+    where, flag = ("on a mesh", "--mesh") if mesh is not None else ("stacked layers",
+                                                                     "--scan-layers")
+    raise ValueError(f"--drafter-weights q4 runs jspec's CPU kernel, which cannot run {where}. "
+                     f"Fix: --drafter-weights float32 or int8 with {flag}, or drop {flag}.")
+  drafter = _load_drafter(name, target, on_xla(dtype))
   if drafter is not None and stacked:
     drafter = _with_stacked_models(drafter)
   if drafter is not None and mesh is not None:
