@@ -222,6 +222,11 @@ def _dataset_prompts(model, dataset: str, n: int | None) -> list[list[int]]:
   return [model.encode(t, chat=chat) for t in data.load_prompts(dataset, n)]
 
 
+def _progress(line: str) -> None:
+  """A progress line on stderr (records and tables go to stdout)."""
+  print(f"jspec bench: {line}", file=sys.stderr, flush=True)
+
+
 def cmd_bench(args) -> int:
   from jspec.bench import speed
   from jspec.drafting.registry import load_drafter
@@ -235,10 +240,16 @@ def cmd_bench(args) -> int:
     raise ValueError(f"jspec bench runs one prompt at a time, which cannot split over --mesh "
                      f"dp={mesh.shape['dp']}. Fix: --mesh tp=N (or measure dp with "
                      f"benchmarks/sharding.py)")
+  start = time.perf_counter()
   model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
+  _progress(f"loaded the target in {time.perf_counter() - start:.1f} s")
   drafter_weights = args.drafter_weights or args.dtype
-  drafters = [speed.NamedDrafter(name, load_drafter(name, model, drafter_weights))
-              for name in args.drafter.split(",") if name != "none"]
+  drafters = []
+  for name in args.drafter.split(","):
+    if name != "none":  # a line each: calibrating a drafter (skip:N) runs the target
+      start = time.perf_counter()
+      drafters.append(speed.NamedDrafter(name, load_drafter(name, model, drafter_weights)))
+      _progress(f"built drafter {name} in {time.perf_counter() - start:.1f} s")
   trees = [t for text in args.tree or () for t in parse_trees(text)]
   if trees and not drafters:
     raise ValueError("--tree needs a drafter to draft the trees: add --drafters model:PATH (or "

@@ -106,6 +106,25 @@ def test_calibration_skips_the_layers_that_change_the_stream_least(deep):
   assert calibrated_layers(influence, 1) == (0, 1, 3)
 
 
+def test_influence_reads_each_layers_input_and_output_and_ignores_the_padding(deep):
+  """The calibration pads its text to a prompt bucket; the padding must not enter the mean, and
+  tap L (the last layer's output) must be the stream the final norm reads."""
+  tokens = [4, 8, 15, 16, 23, 42, 7]  # 7 tokens: padded to 16
+  T, L = len(tokens), DEEP.num_layers
+  ids, positions = jnp.asarray([tokens]), jnp.arange(T)[None]
+  _, streams, _ = forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T),
+                          taps=tuple(range(L + 1)))
+  x = np.asarray(streams[0], np.float64).reshape(T, L + 1, -1)
+  cos = (x[:, :-1] * x[:, 1:]).sum(-1) / (np.linalg.norm(x[:, :-1], axis=-1)
+                                          * np.linalg.norm(x[:, 1:], axis=-1))
+  np.testing.assert_allclose(layer_influence(deep, DEEP, tokens), 1 - cos.mean(0), atol=1e-5)
+  _, hidden, _ = forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T))
+  last = x[:, L]
+  normed = last / np.sqrt((last ** 2).mean(-1, keepdims=True) + DEEP.rms_norm_eps)
+  np.testing.assert_allclose(normed * np.asarray(deep.final_norm), np.asarray(hidden[0]),
+                             rtol=1e-4, atol=1e-5)
+
+
 def test_bad_skip_sets_are_refused(deep):
   with pytest.raises(ValueError, match="non-empty ascending"):
     skip_drafter(deep, DEEP, ())

@@ -13,6 +13,7 @@ block influence) are skipped; the first and last layers always run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -21,11 +22,10 @@ import numpy as np
 
 from jspec.drafting.base import (DraftState, Features, HeadDrafter, Pick, check_stop, draft_chain,
                                  unsure)
-from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import (Params, attention_fn, decoder_layer, forward_layers, layer_list,
-                                rope_tables)
+from jspec.decode import prompt_bucket
+from jspec.models.llama import Params, forward, forward_layers, num_layers
 from jspec.sampling.processing import SamplingParams
 
 Array = jax.Array
@@ -113,26 +113,28 @@ class SkipDrafter(HeadDrafter):
 
 def layer_influence(params: Params, cfg: Config, tokens: Sequence[int]) -> np.ndarray:
   """[L]: 1 - the mean cosine similarity between each layer's input and output residual stream
-  over `tokens` (ShortGPT's block influence): how much the layer changes what flows through."""
-  ids = jnp.asarray([list(tokens)], jnp.int32)
+  over `tokens` (ShortGPT's block influence): how much the layer changes what flows through.
+  The model's own forward (one lax.scan over stacked layers), padded to a prompt bucket so that
+  calibration texts of similar length share one compiled program."""
+  n = len(tokens)
+  T = prompt_bucket(n)
+  ids = jnp.asarray([list(tokens) + [0] * (T - n)], jnp.int32)  # causal: the padding sees all
+  return np.asarray(_influence(params, cfg, ids, jnp.int32(n)))  # tokens, none sees it
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _influence(params: Params, cfg: Config, ids: Array, n: Array) -> Array:
   T = ids.shape[1]
-
-  @jax.jit
-  def run(params, ids):
-    cache = KVCache.init(cfg, 1, T, jnp.float32)
-    positions = jnp.arange(T)[None]
-    cos, sin = rope_tables(cfg, positions)
-    attend = attention_fn(cfg, cache.lengths, T, None, T, quant.attention_kernel(params))
-    x = quant.take_rows(params.embed, ids).astype(jnp.float32)
-    k_all, v_all, out = cache.k, cache.v, []
-    for i, lp in enumerate(layer_list(params)):
-      y, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, positions, attend)
-      sim = jnp.sum(x * y, -1) / (jnp.linalg.norm(x, axis=-1) * jnp.linalg.norm(y, axis=-1))
-      out.append(1.0 - jnp.mean(sim))
-      x = y
-    return jnp.stack(out)
-
-  return np.asarray(run(params, ids))
+  L = num_layers(params)
+  cache = KVCache.init(cfg, 1, T, jnp.float32)
+  _, streams, _ = forward(params, cfg, ids, jnp.arange(T)[None], cache,
+                          logits_indices=jnp.zeros((1, 1), jnp.int32), taps=tuple(range(L + 1)))
+  x = streams[0].reshape(T, L + 1, -1).astype(jnp.float32)  # [T, L + 1, E]: layer i's input
+  x_in, x_out = x[:, :-1], x[:, 1:]  # and output (tap L: the last layer's, before the norm)
+  sim = jnp.sum(x_in * x_out, -1) / (jnp.linalg.norm(x_in, axis=-1)
+                                     * jnp.linalg.norm(x_out, axis=-1))  # [T, L]
+  real = (jnp.arange(T) < n)[:, None]
+  return 1.0 - jnp.sum(jnp.where(real, sim, 0.0), axis=0) / n
 
 
 def calibrated_layers(influence: np.ndarray, n_skip: int) -> tuple[int, ...]:

@@ -414,7 +414,8 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
     appended: optional [B, M, E] input embeddings run after the T tokens as M more positions
       (mask-token probing, jspec.drafting.probe); positions and mask then cover T + M.
     taps: static; layers whose input residual stream to return as `hidden` instead, [B, T,
-      len(taps) * E] in the order given (EAGLE-3's fused features: `Drafter.feature_layers`).
+      len(taps) * E] in the order given (EAGLE-3's fused features: `Drafter.feature_layers`);
+      tap L (the number of layers) is the last layer's output, before the final norm.
 
   Returns:
     (logits [B, T or N, V] float32, hidden [B, T, E] after the final norm (or the taps), cache
@@ -541,7 +542,8 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
              records: Optional[list] = None) -> tuple[Array, KVCache]:
   """Embedding (then the `appended` embeddings), every layer (or only those in `layers`; the
   residual stream passes the others unchanged) with new K/V written at `slots` [B, T], final
-  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer.
+  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer
+  (and at key L, the one leaving the last layer, before the final norm).
   `records`: the list `attend` appends one array to per layer (`_recording_mass`)."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   if appended is not None:
@@ -551,15 +553,16 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
   if layers_stacked(params):
     x, k_all, v_all = _scanned_layers(params, cfg, x, k_all, v_all, cos, sin, slots, attend,
                                       layers, tapped, records)
-    hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
-    return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
-  for i, lp in enumerate(params.layers):
-    if tapped is not None:
-      tapped[i] = x
-    if layers is not None and i not in layers:
-      continue
-    with jax.named_scope(f"layer_{i}"):
-      x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
+  else:
+    for i, lp in enumerate(params.layers):
+      if tapped is not None:
+        tapped[i] = x
+      if layers is not None and i not in layers:
+        continue
+      with jax.named_scope(f"layer_{i}"):
+        x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
+  if tapped is not None:
+    tapped[num_layers(params)] = x  # the last layer's output, before the final norm
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
   return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
 
