@@ -46,9 +46,10 @@ kernels)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'
   export JSPEC_COMPILATION_CACHE=off
-  # Slots per program: 8192 (one program per head: what session 31 measured, 0.9-1.0x the
-  # reference at batch 1), 512 (the default) and 256; then float32 at the default.
-  for part in 8192 512 256; do
+  # Slots per program: 512 (the default), 256 and 128 (session 33 on an H100, per call: 1.23x
+  # and 1.47x the reference at batch 1, one program per head 0.90x); then float32 at the
+  # default. Each record also times the kernel and the reference as calls inside one program.
+  for part in 512 256 128; do
     jspec bench-kernel --kernel key-similarity --dtype bfloat16 --block-s 128 --part $part \
       --json "$OUT/keysim_bf16_b128_p$part.json"
   done

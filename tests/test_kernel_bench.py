@@ -3,6 +3,7 @@
 timing and a failing exit code."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,16 @@ def test_key_similarity_cli_interpret_writes_json(tmp_path, capsys):
   assert r["kernel"] == "key-similarity" and r["name"] == "tiny-keys" and r["correct"]
   assert r["rel_err"] < 1e-3 and r["speedup_vs_reference"] is None and r["block_s"] == 32
   assert "tiny-keys" in capsys.readouterr().out
+
+
+def test_in_program_timing_runs_the_call_once_per_iteration():
+  """The loop must run fn every iteration (not once, hoisted), and report seconds per call."""
+  calls = []
+
+  def fn(x, n):
+    jax.debug.callback(lambda: calls.append(1))
+    return x * n
+
+  seconds = kernel_bench.in_program_seconds(fn, (jnp.ones(4), jnp.float32(2)), iters=3, repeats=2)
+  assert seconds > 0 and math.isfinite(seconds)
+  assert len(calls) == 3 * (3 + 1)  # the warm run and two timed ones, each 1 + iters calls

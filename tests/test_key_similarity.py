@@ -40,13 +40,14 @@ def test_kernel_matches_reference_and_ignores_nan_past_lengths(L, B, S, K, D, bl
   assert np.isfinite(np.where(used, got, 0)).all()
 
 
-@pytest.mark.parametrize("part", [32, 64, 128])
-def test_slices_of_a_head_add_up_to_its_anchor(part):
+@pytest.mark.parametrize("S,part", [(128, 32), (128, 64), (128, 128), (96, 32), (160, 32)])
+def test_slices_of_a_head_add_up_to_its_anchor(S, part):
   """Several programs per head: lengths that end mid-slice, on a slice edge, before the second
   slice, and a full row; a slice that summed past its row's length (or skipped its last partial
-  block) would move the anchor."""
-  lengths = [45, 64, 3, 128]
-  keys, used = nan_padded_keys(2, 4, 128, 2, 16, lengths)
+  block) would move the anchor. 3 and 5 slices pad the sums to 4 and 8 (Triton's powers of two):
+  padding that was not zero, or a slice left out, would too."""
+  lengths = [45, 64, 3, S]
+  keys, used = nan_padded_keys(2, 4, S, 2, 16, lengths)
   n = jnp.asarray(lengths, jnp.int32)
   got = key_similarity(keys, n, block_s=16, part=part, interpret=True, backend="gpu")
   np.testing.assert_allclose(np.where(used, got, 0),

@@ -6,9 +6,9 @@ anchor = mean over s' < lengths[b] of k[l, b, s', n] / ||k[l, b, s', n]||  (KeyD
 the mean of the *normalised* keys, so a few long keys do not pull it their way)
 
 Two passes over the keys, each with one program per (layer, row, KV head, slice of `part` slots)
-streaming its slice in blocks of `block_s`: the first sums the committed unit keys of its slice
-(XLA adds the slices' sums into the anchor, [L, B, K, D] of work), the second writes each slot's
-score. The cache is read as a free [L, B, S, K*D] view, so nothing is copied out of it first, and
+streaming its slice in blocks of `block_s`: the first sums the committed unit keys of its slice,
+the second adds its head's slice sums into the anchor's direction and writes each slot's score
+(two launches, nothing in XLA between them). The cache is read as a free [L, B, S, K*D] view, so nothing is copied out of it first, and
 the [S, S] or [S, D] intermediates of a jnp formulation never exist. (One program per head, one
 pass each, left the default model's 90 heads as 90 programs on a 132-SM H200: 0.9-1.0x the jnp
 reference at batch 1, 3.4-4.5x at batch 8; benchmarks/issue19_keysim_h200_*_per_head.json.) Selection (the `budget` best slots) stays in XLA
@@ -105,11 +105,13 @@ def _sum_kernel(lengths_ref, k_ref, o_ref, *, block_s: int):
   o_ref[...] = lax.fori_loop(0, n_blocks, add_block, jnp.zeros((1, D), jnp.float32))
 
 
-def _score_kernel(direction_ref, k_ref, o_ref, *, block_s: int):
+def _score_kernel(sums_ref, k_ref, o_ref, *, block_s: int):
   """Pass 2, program (l, b, n, p): o_ref [1, part] minus the cosine of each key of the slice to
-  the anchor's direction (direction_ref [1, D], unit length or zero)."""
+  the anchor's direction, which is the direction of the sum of pass 1's slice sums (sums_ref
+  [P2, D], zero rows past the last slice): dividing by the count would not change it."""
   part, _ = k_ref.shape
-  direction = direction_ref[...]
+  total = jnp.sum(sums_ref[...], axis=0, keepdims=True)  # [1, D]
+  direction = total / jnp.maximum(jnp.sqrt(jnp.sum(total * total)), EPS)
 
   def score_block(j, carry):
     o_ref[0, pl.ds(j * block_s, block_s)] = -jnp.sum(_unit_keys(k_ref, j, block_s) * direction,
@@ -148,31 +150,33 @@ def slice_size(S: int, block_s: int, target: int = 512) -> int:
 def _key_similarity(k, lengths, block_s, part, interpret, backend):
   L, B, S, K, D = k.shape
   P = S // part
+  P2 = 1 << (P - 1).bit_length()  # Triton blocks are powers of two: P2 - P slices of zeros
   k2 = k.reshape(L, B, S, K * D)  # a free view: head n is lanes [n*D, (n+1)*D)
   # Triton by name: without its compiler params, pallas_call on CUDA lowers to Mosaic GPU, whose
   # whole-block copies of the keys into shared memory do not fit a long cache.
   params = pltriton.CompilerParams(num_warps=4, num_stages=1) if backend == "gpu" else None
   keys = pl.BlockSpec((None, None, part, D), lambda l, b, n, p: (l, b, p, n))  # a head's slice
+  # Pass 1 over P2 slices: those past the cache read its last slice (a valid block) and, every
+  # slot of theirs lying past the length, write zeros.
+  padded = pl.BlockSpec((None, None, part, D), lambda l, b, n, p: (l, b, jnp.minimum(p, P - 1), n))
   sums = pl.pallas_call(
       functools.partial(_sum_kernel, block_s=block_s),
-      grid=(L, B, K, P),
-      in_specs=[pl.BlockSpec((None,), lambda l, b, n, p: (b,)), keys],  # lengths[b], keys
+      grid=(L, B, K, P2),
+      in_specs=[pl.BlockSpec((None,), lambda l, b, n, p: (b,)), padded],  # lengths[b], keys
       out_specs=pl.BlockSpec((None, None, None, 1, D), lambda l, b, n, p: (l, b, n, p, 0)),
-      out_shape=jax.ShapeDtypeStruct((L, B, K, P, D), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((L, B, K, P2, D), jnp.float32),
       compiler_params=params, interpret=interpret, name="key_similarity_sums",
   )(lengths.astype(jnp.int32), k2)
-  # The anchor (mean unit key) and its direction: [L, B, K, D] of work, left to XLA.
-  anchor = sums.sum(axis=3) / jnp.maximum(lengths, 1).astype(jnp.float32)[None, :, None, None]
-  norm = jnp.linalg.norm(anchor, axis=-1, keepdims=True)
-  direction = (anchor / jnp.maximum(norm, EPS))[:, :, :, None, :]  # [L, B, K, 1, D]
+  # Pass 2 reads its head's P2 slice sums and adds them itself: no XLA op between the passes.
   out = pl.pallas_call(
       functools.partial(_score_kernel, block_s=block_s),
       grid=(L, B, K, P),
-      in_specs=[pl.BlockSpec((None, None, None, 1, D), lambda l, b, n, p: (l, b, n, 0, 0)), keys],
+      in_specs=[pl.BlockSpec((None, None, None, P2, D), lambda l, b, n, p: (l, b, n, 0, 0)),
+                keys],
       out_specs=pl.BlockSpec((None, None, None, 1, part), lambda l, b, n, p: (l, b, n, 0, p)),
       out_shape=jax.ShapeDtypeStruct((L, B, K, 1, S), jnp.float32),
       compiler_params=params, interpret=interpret, name="key_similarity_scores",
-  )(direction, k2)
+  )(sums, k2)
   return jnp.moveaxis(out[:, :, :, 0], 2, 3)  # [L, B, S, K]
 
 
