@@ -87,13 +87,13 @@ table)
       tag=$(echo "$group" | tr ',:' '+-')
       timeout -s INT "${TABLE_S:-150}" bash -c "$(declare -f jspec); jspec bench --dataset $ds \
         $COMMON --drafters $group --json $OUT/issue20_${tag}_${ds}_t0_gpu.json" 2>&1 \
-        | tee "$OUT/issue20_${tag}_${ds}_t0.log"
+        | tee -a "$OUT/table.log"  # one log: a call brings back at most 8 files
     done
   done
   if [ "${T1_S:-150}" != 0 ]; then  # T1_S=0: greedy only
     timeout -s INT "${T1_S:-150}" bash -c "$(declare -f jspec); jspec bench --dataset mt-bench \
       $COMMON --temperature 1 --drafters default,ngram,mtp:3,skip:10 \
-      --json $OUT/issue20_chains_mt-bench_t1_gpu.json" 2>&1 | tee "$OUT/issue20_mt-bench_t1.log"
+      --json $OUT/issue20_chains_mt-bench_t1_gpu.json" 2>&1 | tee -a "$OUT/table.log"
   fi
   ;;
 *) echo "usage: $0 prepare|kernels|tests|table" >&2; exit 2 ;;
