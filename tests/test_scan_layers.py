@@ -57,13 +57,24 @@ def test_stacking_round_trips_and_matches_the_stacked_layout(unrolled, stacked):
   assert shapes(param_layout(DEEP, stacked=True)) == jax.tree.map(lambda a: a.shape, stacked)
 
 
-@pytest.mark.parametrize("taps", [(), (1, 3)])
+@pytest.mark.parametrize("taps", [(), (1, 3), (3, 0, 4)])
 def test_the_scan_computes_what_the_unrolled_layers_compute(unrolled, stacked, taps):
   want = forward(unrolled, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), taps=taps)
   got = forward(stacked, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), taps=taps)
   close(got, want)
   # The cache holds every layer's new entries, each in its own layer.
   assert all(float(jnp.abs(got[2].k[i]).max()) > 0 for i in range(4))
+
+
+def test_the_scan_keeps_only_the_tapped_streams(stacked):
+  """Taps ride in a [len(taps), B, T, E] buffer, not as every layer's stream [L, B, T, E] (at a
+  long prefill of a 1.5B model those would be gigabytes)."""
+  f = lambda p: forward(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), taps=(1, 3))
+  (scan,) = [e for e in jax.make_jaxpr(f)(stacked).jaxpr.eqns if e.primitive.name == "scan"]
+  shapes = [v.aval.shape for v in scan.outvars]
+  E = DEEP.hidden_size
+  assert (2,) + TOKENS.shape + (E,) in shapes
+  assert not [s for s in shapes if s[:1] == (4,) and s[-1:] == (E,)], shapes
 
 
 def test_a_layer_subset_leaves_the_skipped_layers_alone(unrolled, stacked):

@@ -435,7 +435,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
     attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
                                      mass_weights, cfg.kv_repeats)
-  tapped = {}
+  tapped = dict.fromkeys(taps)  # the layers to tap, filled by _decoder
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended,
                            tapped=tapped if taps else None, records=masses)
   if masses is not None:
@@ -483,7 +483,7 @@ def forward_visible(params: Params, cfg: Config, tokens: Array, positions: Array
   through the decoder layers `layers` (default all) → (hidden [B, T + M, E] after the final norm,
   or with `taps` the residual stream entering those layers [B, T + M, len(taps) E]; cache).
   Training passes whose visibility no block mask expresses use it (ConFu's contemplate tokens)."""
-  tapped = {}
+  tapped = dict.fromkeys(taps)
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots,
                            visible_attention(visible, quant.attention_kernel(params)), appended,
                            layers=layers, tapped=tapped if taps else None)
@@ -542,8 +542,8 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
              records: Optional[list] = None) -> tuple[Array, KVCache]:
   """Embedding (then the `appended` embeddings), every layer (or only those in `layers`; the
   residual stream passes the others unchanged) with new K/V written at `slots` [B, T], final
-  norm → hidden [B, T, E]. `tapped` (a dict) receives the residual stream entering each layer
-  (and at key L, the one leaving the last layer, before the final norm).
+  norm → hidden [B, T, E]. `tapped`: a dict whose keys are the layers to tap; each receives the
+  residual stream entering that layer (key L: the one leaving the last layer, before the norm).
   `records`: the list `attend` appends one array to per layer (`_recording_mass`)."""
   x = quant.take_rows(params.embed, tokens)  # [B, T, E]
   if appended is not None:
@@ -555,13 +555,13 @@ def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache
                                       layers, tapped, records)
   else:
     for i, lp in enumerate(params.layers):
-      if tapped is not None:
+      if tapped is not None and i in tapped:
         tapped[i] = x
       if layers is not None and i not in layers:
         continue
       with jax.named_scope(f"layer_{i}"):
         x, k_all, v_all = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
-  if tapped is not None:
+  if tapped is not None and num_layers(params) in tapped:
     tapped[num_layers(params)] = x  # the last layer's output, before the final norm
   hidden = rms_norm(x, params.final_norm, cfg.rms_norm_eps)  # [B, T, E]
   return hidden, dataclasses.replace(cache, k=k_all, v=v_all)
@@ -574,7 +574,8 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
   """`_decoder`'s layer loop over stacked layers as one `lax.scan`: the layer index is traced, so
   attention must read the cache at a traced layer (XLA's; not jspec's CPU kernels or the Pallas
   kernel, which take a static one). A `layers` subset runs the others as `lax.cond` identities;
-  taps and attention records come out as the scan's per-layer outputs."""
+  attention records come out as the scan's per-layer outputs, taps in a carried [len(taps), B,
+  T, E] buffer (not every layer's residual stream: [L, B, T, E] at a long prefill is gigabytes)."""
   if cfg.attention_impl != "xla" or quant.attention_kernel(params) == "native":
     raise ValueError(f"stacked layers (--scan-layers) need XLA's attention and dots: got "
                      f"attention_impl={cfg.attention_impl!r} with weights for kernel "
@@ -585,22 +586,30 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
     raise ValueError("attention records over a subset of layers are not supported")
   run = None if layers is None else jnp.asarray([i in layers for i in range(L)])  # [L] bool
 
+  wanted = sorted(i for i in tapped if i < L) if tapped is not None else []
+  tap_slot = jnp.asarray([wanted.index(i) if i in wanted else -1 for i in range(L)], jnp.int32)
+  buffer = jnp.zeros((len(wanted),) + x.shape, x.dtype) if wanted else None  # [N, B, T, E]
+
   def body(carry, xs):
-    lp, i, keep = xs
+    state, buffer = carry
+    lp, i, keep, slot = xs
+    if buffer is not None:  # the residual stream entering layer i, into its slot if tapped
+      at = jnp.maximum(slot, 0)
+      kept = jax.lax.dynamic_index_in_dim(buffer, at, keepdims=False)
+      buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, state[0], kept),
+                                                   at, 0)
     layer = lambda c: decoder_layer(cfg, c[0], lp, i, c[1], c[2], cos, sin, slots, attend)
     recorded = len(records) if records is not None else 0
-    new = layer(carry) if keep is None else jax.lax.cond(keep, layer, lambda c: c, carry)
+    new = layer(state) if keep is None else jax.lax.cond(keep, layer, lambda c: c, state)
     ys = {}
-    if tapped is not None:
-      ys["tap"] = carry[0]  # the residual stream entering layer i
     if records is not None and len(records) > recorded:
       ys["record"] = records.pop()
-    return new, ys
+    return (new, buffer), ys
 
-  xs = (params.layers, jnp.arange(L, dtype=jnp.int32), run)
-  (x, k_all, v_all), ys = jax.lax.scan(body, (x, k_all, v_all), xs)
-  if tapped is not None:
-    tapped.update({i: ys["tap"][i] for i in range(L)})
+  xs = (params.layers, jnp.arange(L, dtype=jnp.int32), run, tap_slot)
+  ((x, k_all, v_all), buffer), ys = jax.lax.scan(body, ((x, k_all, v_all), buffer), xs)
+  if wanted:
+    tapped.update({i: buffer[n] for n, i in enumerate(wanted)})
   if "record" in ys:
     records.extend(ys["record"][i] for i in range(L))
   return x, k_all, v_all
