@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.decode import prompt_bucket
 from jspec.drafting.base import (DraftState, Features, HeadDrafter, Pick, check_stop, draft_chain,
                                  unsure)
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.decode import prompt_bucket
 from jspec.models.llama import Params, forward, forward_layers, num_layers
 from jspec.sampling.processing import SamplingParams
 
@@ -118,8 +118,9 @@ def layer_influence(params: Params, cfg: Config, tokens: Sequence[int]) -> np.nd
   calibration texts of similar length share one compiled program."""
   n = len(tokens)
   T = prompt_bucket(n)
-  ids = jnp.asarray([list(tokens) + [0] * (T - n)], jnp.int32)  # causal: the padding sees all
-  return np.asarray(_influence(params, cfg, ids, jnp.int32(n)))  # tokens, none sees it
+  # Padding after the text: causal attention lets no real token see it; the mean leaves it out.
+  ids = jnp.asarray([list(tokens) + [0] * (T - n)], jnp.int32)
+  return np.asarray(_influence(params, cfg, ids, jnp.int32(n)))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -8,11 +8,13 @@ the mean of the *normalised* keys, so a few long keys do not pull it their way)
 Two passes over the keys, each with one program per (layer, row, KV head, slice of `part` slots)
 streaming its slice in blocks of `block_s`: the first sums the committed unit keys of its slice,
 the second adds its head's slice sums into the anchor's direction and writes each slot's score
-(two launches, nothing in XLA between them). The cache is read as a free [L, B, S, K*D] view, so nothing is copied out of it first, and
-the [S, S] or [S, D] intermediates of a jnp formulation never exist. (One program per head, one
-pass each, left the default model's 90 heads as 90 programs on a 132-SM H200: 0.9-1.0x the jnp
-reference at batch 1, 3.4-4.5x at batch 8; benchmarks/issue19_keysim_h200_*_per_head.json.) Selection (the `budget` best slots) stays in XLA
-(`jax.lax.top_k` in jspec.kv.evict): a sort does not profit from a hand-written kernel here.
+(two launches, nothing in XLA between them). The cache is read as a free [L, B, S, K*D] view, so
+nothing is copied out of it first, and the [S, S] or [S, D] intermediates of a jnp formulation
+never exist. One program per head left the default model's 90 heads as 90 programs on a 132-SM
+GPU: 0.90x the jnp reference at batch 1 on an H100, where slices of 256-512 slots gave 1.2-1.5x
+and 2.9-3.1x at batch 8 (benchmarks/issue19_keysim_h100_*.json, per call). Selection (the
+`budget` best slots) stays in XLA (`jax.lax.top_k` in jspec.kv.evict): a sort does not profit
+from a hand-written kernel here.
 
 Layout: 1. reference, 2. validation, 3. kernels, 4. jitted wrapper with `interpret`.
 """
