@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Callable, Protocol
 
+import jax
+
 from jspec.drafting.base import Drafter, place_drafter
 from jspec.drafting.confu import confu_drafter
 from jspec.drafting.feature import eagle3_drafter, eagle_drafter
@@ -31,8 +33,6 @@ from jspec.io.tokenizer import Tokenizer
 from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
-import jax
-
 from jspec.models.llama import Params, layers_stacked, num_layers, stack_layers
 from jspec.sharding import model_placement
 

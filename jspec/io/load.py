@@ -25,13 +25,13 @@ from jspec.models.llama import Params, native_float_params, quantize_params
 DTYPES = {"float32": jnp.float32, "float32-xla": jnp.float32, "bfloat16": jnp.bfloat16,
           "int8": jnp.float32, "int8-xla": jnp.float32, "q4": jnp.float32}
 QUANTIZED = ("int8", "int8-xla", "q4")
+DEFAULT = "default"
 
 
 def on_xla(name: str) -> str:
   """Format `name` with its matmuls on XLA's dots (what meshes and stacked layers need): float32
   and int8 become float32-xla and int8-xla; the others already are (q4 has no XLA form)."""
   return {"float32": "float32-xla", "int8": "int8-xla"}.get(name, name)
-DEFAULT = "default"
 
 
 def dtype_by_name(name: str):

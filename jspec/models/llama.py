@@ -624,6 +624,12 @@ _INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": 
                     "w_down": (0,)}
 
 
+def _check_unstacked_for_native(params: Params, alternative: str = "") -> None:
+  if layers_stacked(params):
+    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first"
+                     + (f", {alternative}" if alternative else ""))
+
+
 def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Params:
   """Every projection, the LM head and the embedding table as int8 per output channel
   (`jspec.models.quant.Int8Weight`, whose matmuls run `kernel`: "xla" or "native"); the
@@ -632,9 +638,8 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   if bits not in (4, 8) or (bits == 4 and kernel != "native"):
     raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
                      f"'native'), got {bits} bits with kernel {kernel!r}")
-  if kernel == "native" and layers_stacked(params):
-    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first, "
-                     "or quantize for kernel 'xla'")
+  if kernel == "native":
+    _check_unstacked_for_native(params, "or quantize for kernel 'xla'")
 
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
@@ -690,8 +695,7 @@ def native_float_params(params: Params) -> Params:
   def layer(lp: LayerParams) -> LayerParams:
     return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
-  if layers_stacked(params):
-    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first")
+  _check_unstacked_for_native(params)
   return dataclasses.replace(
       map_layers(params, layer), embed=quant.dense_native(params.embed, (1,)),
       lm_head=None if params.lm_head is None else quant.dense_native(params.lm_head, (0,)))
