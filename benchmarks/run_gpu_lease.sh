@@ -17,6 +17,10 @@
 # Session 33 (H100): kernels 63 s, tests cut at 130 s (38 passed); table cut at 190 s inside the
 # skip:10 drafter's calibration (an unrolled program compiled per text, since fixed), before any
 # record. The table now runs one process per drafter group; progress lines go to the logs.
+# Session 34 (H100): kernels 80 s; tests TEST_S=75; table 372 s for both datasets at TABLE_S=140,
+# the mtp:3,skip:10 groups cut while compiling and rerun on the warm machine (the compile cache
+# in /root/xla) in 24 s and 66 s; the T=1 chains (DATASETS=" " T1_S=150) 23 s. Budget ~200 s a
+# group cold on an H100, or run the table twice back to back on one warm machine.
 #
 # On a GPU machine with the model in ~/.cache/jspec already, `table` needs no parts: it runs
 # the same `jspec bench` commands (exact float32 precision, as the CPU tables). Results go to
@@ -84,7 +88,7 @@ table)
   DRAFTER_GROUPS=${DRAFTER_GROUPS:-mtp:3,skip:10 default,ngram,lookahead}
   for ds in ${DATASETS:-mt-bench humaneval}; do
     for group in $DRAFTER_GROUPS; do
-      tag=$(echo "$group" | tr ',:' '+-')
+      tag=$(echo "$group" | tr ',:' '_-')  # the device tool refuses '+' in names
       timeout -s INT "${TABLE_S:-150}" bash -c "$(declare -f jspec); jspec bench --dataset $ds \
         $COMMON --drafters $group --json $OUT/issue20_${tag}_${ds}_t0_gpu.json" 2>&1 \
         | tee -a "$OUT/table.log"  # one log: a call brings back at most 8 files

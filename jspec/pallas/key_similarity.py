@@ -11,8 +11,10 @@ the second adds its head's slice sums into the anchor's direction and writes eac
 (two launches, nothing in XLA between them). The cache is read as a free [L, B, S, K*D] view, so
 nothing is copied out of it first, and the [S, S] or [S, D] intermediates of a jnp formulation
 never exist. One program per head left the default model's 90 heads as 90 programs on a 132-SM
-GPU: 0.90x the jnp reference at batch 1 on an H100, where slices of 256-512 slots gave 1.2-1.5x
-and 2.9-3.1x at batch 8 (benchmarks/issue19_keysim_h100_*.json, per call). Selection (the
+GPU: 0.90x the jnp reference at batch 1 on an H100, where slices of 256-512 slots give 1.5x per
+call and 2.7-3.2x inside a compiled loop (where eviction runs), 3.0x and 4.3-4.5x at batch 8
+(benchmarks/issue19_keysim_h100_s34_*.json). On a Llama-3-8B cache both sides stream the keys
+twice near the HBM rate (~1.05x): beating that needs a one-pass anchor kept in the cache. Selection (the
 `budget` best slots) stays in XLA (`jax.lax.top_k` in jspec.kv.evict): a sort does not profit
 from a hand-written kernel here.
 
