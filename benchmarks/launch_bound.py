@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from jspec.bench.launches import FREE_OPS, computations, opcode
+
 SHAPES = {  # name: Config fields (random weights; the published models' shapes)
     "smollm2-135m": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -51,30 +53,22 @@ VARIANTS = {  # name: XLA_FLAGS added for the child process
 # Datasheet HBM bandwidth (GB/s): the measured copy rate of `memory_bandwidth` undershoots on GPUs
 # (an H100 decode streams 2.6 TB/s of weights, its 512 MB copy 2.05), so both fractions are kept.
 SPEC_GBPS = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H200": 4800}
-_FREE_OPS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
-             "opt-barrier", "partition-id", "replica-id"}
 
 
 def launches_per_step(hlo_text: str) -> dict:
   """Instructions that launch device work in the decode loop's body (a command-buffer call counts
-  once: its graph is one launch), from the optimized HLO; `by_op` splits them by opcode."""
-  computations, name = {}, None
-  for line in hlo_text.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-    if head:
-      name = head.group(1)
-      computations[name] = []
-    elif name and re.match(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", line):
-      computations[name].append(line)
-  bodies = [m.group(1) for lines in computations.values() for line in lines
+  once: its graph is one launch; a nested loop once, its body not expanded: see
+  jspec.bench.launches for the expanded count), from the optimized HLO; `by_op` splits them by
+  opcode."""
+  comps, _ = computations(hlo_text)
+  bodies = [m.group(1) for lines in comps.values() for line in lines
             for m in [re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)] if m]
   if not bodies:
     return {"launches": None, "by_op": {}}
   by_op: dict[str, int] = {}
-  for line in computations.get(bodies[-1], []):  # the outermost loop is the last one printed
-    op = re.search(r"= [^ ]+(?: [^ ]+)*? ([a-z][\w\-]*)\(", line)
-    op = op.group(1) if op else "?"
-    if op not in _FREE_OPS:
+  for line in comps.get(bodies[-1], []):  # the outermost loop is the last one printed
+    op = opcode(line)
+    if op not in FREE_OPS:
       by_op[op] = by_op.get(op, 0) + 1
   return {"launches": sum(by_op.values()), "by_op": by_op}
 

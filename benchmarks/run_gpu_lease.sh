@@ -7,6 +7,7 @@
 #   bash benchmarks/run_gpu_lease.sh kernels   # the key-similarity kernel vs its jnp reference
 #   bash benchmarks/run_gpu_lease.sh tests     # the KV and kernel tests, compiled
 #   bash benchmarks/run_gpu_lease.sh table     # #20's training-free drafters, greedy (+ T=1)
+#   bash benchmarks/run_gpu_lease.sh anatomy   # launches, conditionals and ms per round
 #
 # Every stage needs the gguf wheel (jspec's CLI imports it): carry .devcarry/c/whl in each call
 # and start it with `python3 -m pip install -q --no-index --no-deps --target /tmp/site
@@ -35,6 +36,18 @@ jspec() { python3 -c 'import sys; from jspec.cli import main; sys.exit(main())' 
 [ "${1:-}" = prepare ] || for part in .devcarry/*/part*; do
   [ -e "$part" ] && cp "$part" /root/stash/
 done
+
+assemble_model() {  # the model from its parts (checked as fetched), the prompt sets, gguf
+  if ls /root/stash/part* >/dev/null 2>&1; then
+    export JSPEC_CACHE=/root/jc
+    mkdir -p $JSPEC_CACHE/smollm2-135m-instruct
+    cat /root/stash/part0 /root/stash/part1 /root/stash/part2 \
+      > $JSPEC_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp -r .devcarry/c/cache/* $JSPEC_CACHE/
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      .devcarry/c/whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+}
 
 case "${1:-}" in
 prepare)  # on the development machine, with the default model and prompt sets in its cache
@@ -68,15 +81,7 @@ tests)
     --junitxml="$OUT/kv_tests.xml" tests/test_key_similarity.py tests/test_kv.py
   ;;
 table)
-  if ls /root/stash/part* >/dev/null 2>&1; then  # the model from its parts, checked as fetched
-    export JSPEC_CACHE=/root/jc
-    mkdir -p $JSPEC_CACHE/smollm2-135m-instruct
-    cat /root/stash/part0 /root/stash/part1 /root/stash/part2 \
-      > $JSPEC_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
-    cp -r .devcarry/c/cache/* $JSPEC_CACHE/
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      .devcarry/c/whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  fi
+  assemble_model
   # Stacked layers (one lax.scan) unless SCAN= (empty): session 32 added them for this table's
   # compile time; the records say "layers": "stacked".
   COMMON="--num-prompts 6 --max-new-tokens 64 --no-transformers --no-ttft --no-overhead --precision exact --gamma 3 ${SCAN---scan-layers}"
@@ -100,5 +105,17 @@ table)
       --json $OUT/issue20_chains_mt-bench_t1_gpu.json" 2>&1 | tee -a "$OUT/table.log"
   fi
   ;;
-*) echo "usage: $0 prepare|kernels|tests|table" >&2; exit 2 ;;
+anatomy)  # where a speculative round's time goes on this GPU (session 34: a round cost 2 tokens)
+  assemble_model
+  export JSPEC_COMPILATION_CACHE=/root/xla
+  A="--scan-layers --precision exact --drafters ngram,mtp:3,skip:10,default"
+  timeout -s INT "${ANATOMY_S:-150}" python3 benchmarks/round_anatomy.py $A \
+    --json "$OUT/round_anatomy_gpu.json" 2>&1 | grep -v -i warn | tail -8
+  # The same with XLA's CUDA graphs also capturing loops and conditionals: if a round's
+  # conditionals (each a predicate sent to the host) are what it costs, this run is faster.
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    timeout -s INT "${ANATOMY_S:-150}" python3 benchmarks/round_anatomy.py $A \
+    --json "$OUT/round_anatomy_graphs_gpu.json" 2>&1 | grep -v -i warn | tail -8
+  ;;
+*) echo "usage: $0 prepare|kernels|tests|table|anatomy" >&2; exit 2 ;;
 esac

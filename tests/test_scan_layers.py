@@ -7,6 +7,7 @@ that need a static layer are refused."""
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +19,9 @@ from jspec.drafting.skip import layer_influence, skip_drafter
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
-from jspec.models.llama import (forward, forward_layers, init_params, layer_list, layers_stacked,
-                                native_float_params, num_layers, param_layout, quantize_params,
-                                stack_layers, unstack_layers)
+from jspec.models.llama import (forward, forward_layers, forward_visible, init_params,
+                                layer_list, layers_stacked, native_float_params, num_layers,
+                                param_layout, quantize_params, stack_layers, unstack_layers)
 from jspec.sharding import is_spec
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
@@ -85,6 +86,36 @@ def test_a_layer_subset_leaves_the_skipped_layers_alone(unrolled, stacked):
   assert float(jnp.abs(got[1].k[1]).max()) == 0.0  # layer 1 ran as the identity
   np.testing.assert_allclose(layer_influence(stacked, DEEP, [4, 8, 15, 16]),
                              layer_influence(unrolled, DEEP, [4, 8, 15, 16]), atol=1e-5)
+
+
+def _primitives(jaxpr) -> list[str]:
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names += _primitives(sub)
+  return names
+
+
+def test_a_layer_subset_scans_the_kept_layers_without_conditionals(stacked):
+  """A skip draft step runs len(keep) scan iterations and no lax.cond: on a GPU each conditional
+  sends its predicate to the host (30 round trips a draft step of the default model)."""
+  keep = (0, 2, 3)
+  f = lambda p: forward_layers(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), keep)
+  jaxpr = jax.make_jaxpr(f)(stacked).jaxpr
+  assert "cond" not in _primitives(jaxpr)
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan.params["length"] == len(keep)
+
+
+@pytest.mark.parametrize("taps", [(1, 3), (0, 4)])
+def test_a_layer_subset_with_taps_matches_the_unrolled_layers(unrolled, stacked, taps):
+  keep = (0, 2, 3)
+  slots = POSITIONS
+  visible = jnp.broadcast_to(jnp.tril(jnp.ones((6, 8), bool)), (2, 6, 8))
+  run = lambda p: forward_visible(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), slots,
+                                  visible, layers=keep, taps=taps)
+  close(run(stacked), run(unrolled))
 
 
 def test_attention_records_come_out_per_layer(unrolled, stacked):

@@ -573,9 +573,10 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
                     records: Optional[list]) -> tuple[Array, Array, Array]:
   """`_decoder`'s layer loop over stacked layers as one `lax.scan`: the layer index is traced, so
   attention must read the cache at a traced layer (XLA's; not jspec's CPU kernels or the Pallas
-  kernel, which take a static one). A `layers` subset runs the others as `lax.cond` identities;
-  attention records come out as the scan's per-layer outputs, taps in a carried [len(taps), B,
-  T, E] buffer (not every layer's residual stream: [L, B, T, E] at a long prefill is gigabytes)."""
+  kernel, which take a static one). A `layers` subset scans over the kept layers' indices alone
+  (with taps, over every layer, the others `lax.cond` identities); attention records come out as
+  the scan's per-layer outputs, taps in a carried [len(taps), B, T, E] buffer (not every layer's
+  residual stream: [L, B, T, E] at a long prefill is gigabytes)."""
   if cfg.attention_impl != "xla" or quant.attention_kernel(params) == "native":
     raise ValueError(f"stacked layers (--scan-layers) need XLA's attention and dots: got "
                      f"attention_impl={cfg.attention_impl!r} with weights for kernel "
@@ -584,9 +585,21 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
   L = num_layers(params)
   if records is not None and layers is not None:
     raise ValueError("attention records over a subset of layers are not supported")
+  wanted = sorted(i for i in tapped if i < L) if tapped is not None else []
+  if layers is not None and not wanted:
+    # A layer-skip draft step. Not a lax.cond per skipped layer: on a GPU each one sends its
+    # predicate to the host, which waits for it (90 round trips a round of skip:10, gamma 3).
+    def kept_layer(state, i):
+      lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
+                        params.layers)
+      return decoder_layer(cfg, state[0], lp, i, state[1], state[2], cos, sin, slots,
+                           attend), None
+
+    kept = jnp.asarray(layers, jnp.int32)  # [len(layers)]
+    (x, k_all, v_all), _ = jax.lax.scan(kept_layer, (x, k_all, v_all), kept)
+    return x, k_all, v_all
   run = None if layers is None else jnp.asarray([i in layers for i in range(L)])  # [L] bool
 
-  wanted = sorted(i for i in tapped if i < L) if tapped is not None else []
   tap_slot = jnp.asarray([wanted.index(i) if i in wanted else -1 for i in range(L)], jnp.int32)
   buffer = jnp.zeros((len(wanted),) + x.shape, x.dtype) if wanted else None  # [N, B, T, E]
 

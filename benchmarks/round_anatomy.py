@@ -1,0 +1,138 @@
+"""Where a speculative round goes beyond a one-token step: kernel launches per iteration of each
+decode loop (read off the optimized HLO, by the JAX operation that made them) beside its measured
+time, and what a forward of T tokens costs alone, side by side in one process.
+
+On the H100 (session 34) a chain round with a drafter that does no model work (`ngram`) cost
+2.9 ms against 1.4-1.5 ms for an autoregressive token of the launch-bound default model: this says
+whether the round runs more kernels (and which) or its forward of gamma + 1 tokens costs more.
+
+  python benchmarks/round_anatomy.py --scan-layers --precision exact \
+      --drafters ngram,mtp:3,skip:10,default --json benchmarks/round_anatomy_cpu.json
+
+Per program: launches per loop iteration (`jspec.bench.launches.loop_launches`: nested loops
+expanded by their trip counts, a conditional by its largest branch), split by opcode and by the
+op_name prefix that made them; milliseconds per iteration (the compiled program's best wall time
+over its loop iterations: autoregressive tokens or speculative rounds, one prefill included);
+tau. Then `forward_width_s`: one target forward of 1, gamma + 1, ... tokens in a loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jspec import data
+from jspec.bench.launches import control_flow_sites, loop_launches
+from jspec.bench.profiling import save_script_record
+from jspec.bench.round_split import forward_width_s
+from jspec.drafting.registry import load_drafter
+from jspec.generate import generate_tokens
+from jspec.model import load
+from jspec.models.numerics import matmul_precision
+from jspec.sampling.processing import SamplingParams
+from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+
+_ar = jax.jit(generate_tokens, static_argnums=(1,),
+              static_argnames=("max_new_tokens", "cache_size"))
+_spec = jax.jit(speculative_generate_tokens, static_argnums=(1,),
+                static_argnames=("spec", "cache_size"))
+
+
+def best_wall(compiled, args, tries: int) -> tuple[float, object]:
+  out = jax.block_until_ready(compiled(*args))
+  best = float("inf")
+  for _ in range(tries):
+    start = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    best = min(best, time.perf_counter() - start)
+  return best, out
+
+
+def measure(name: str, lowered, args, tries: int, per) -> dict:
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  wall, out = best_wall(compiled, args, tries)
+  iterations, tokens = per(out)
+  return {"program": name, "compile_s": compile_s, "wall_s": wall, "iterations": iterations,
+          "tokens": tokens, "ms_per_iteration": wall / iterations * 1e3,
+          "tau": tokens / iterations, **loop_launches(compiled.as_text()),
+          "sites": control_flow_sites(lowered.compiler_ir("stablehlo"))}
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="default")
+  p.add_argument("--weights", default="float32")
+  p.add_argument("--scan-layers", action="store_true")
+  p.add_argument("--precision", default="exact", choices=("fast", "exact"))
+  p.add_argument("--drafters", default="ngram,mtp:3,skip:10,default", help="chain drafters")
+  p.add_argument("--gamma", type=int, default=3)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--dataset", default="mt-bench")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--prompt-bucket", type=int, default=128)
+  p.add_argument("--cache-size", type=int, default=512)
+  p.add_argument("--widths", default="1,4,7,16", help="forward widths to time")
+  p.add_argument("--tries", type=int, default=3)
+  p.add_argument("--json", required=True)
+  args = p.parse_args()
+  model = load(args.model, args.weights, scan_layers=args.scan_layers)
+  chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
+  ids = model.encode(data.load_prompts(args.dataset, 1)[0], chat=chat)[:args.prompt_bucket]
+  prompt = jnp.zeros((1, args.prompt_bucket), jnp.int32).at[0, :len(ids)].set(
+      jnp.asarray(ids, jnp.int32))
+  lengths = jnp.asarray([len(ids)], jnp.int32)
+  key = jax.random.key(0)
+  # Traced, as the engines receive them (jspec.decode.Batch): conditionals on them stay in the
+  # program, where constants would let XLA pick the branch at compile time.
+  sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature))
+  N, S = args.max_new_tokens, args.cache_size
+  rows = []
+  with matmul_precision(args.precision):
+    ar = _ar.lower(model.params, model.cfg, prompt, lengths, key, sampling, max_new_tokens=N,
+                   cache_size=S)
+    rows.append(measure("autoregressive", ar, (model.params, prompt, lengths, key, sampling),
+                        args.tries,
+                        lambda out: (N, N)))
+    print({k: v for k, v in rows[-1].items() if k not in ("by_op", "by_source")}, flush=True)
+    spec = SpecConfig(gamma=args.gamma, max_new_tokens=N)
+    for name in args.drafters.split(","):
+      drafter = load_drafter(name, model, args.weights)
+      lowered = _spec.lower(model.params, model.cfg, drafter, prompt, lengths, key, sampling,
+                            spec=spec, cache_size=S)
+      rows.append(measure(name, lowered, (model.params, drafter, prompt, lengths, key, sampling),
+                          args.tries, lambda out: (int(out.rounds.max()),
+                                                   int(out.lengths.max()))))
+      print({k: v for k, v in rows[-1].items() if k not in ("by_op", "by_source")}, flush=True)
+    widths = tuple(int(w) for w in args.widths.split(","))
+    forward = forward_width_s(model.params, model.cfg, widths, cache_size=S)
+  step = rows[0]
+  for row in rows[1:]:
+    row["launches_vs_ar_step"] = row["launches"] / step["launches"]
+    row["ms_vs_ar_step"] = row["ms_per_iteration"] / step["ms_per_iteration"]
+  record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
+            "precision": args.precision, "gamma": args.gamma, "temperature": args.temperature,
+            "max_new_tokens": N,
+            "cache_size": S, "prompt_tokens": len(ids), "xla_flags": os.environ.get("XLA_FLAGS"),
+            "programs": rows,
+            "forward_ms": {str(t): {k: v * 1e3 for k, v in f.items()}
+                           for t, f in forward.items()}}
+  print("program | launches / iteration | conditionals | ms / iteration | x AR step (launches, "
+        "ms) | tau")
+  for row in rows:
+    print(f"{row['program']} | {row['launches']} | {row['conditionals']} | "
+          f"{row['ms_per_iteration']:.3f} | "
+          f"{row.get('launches_vs_ar_step', 1):.2f}, {row.get('ms_vs_ar_step', 1):.2f} | "
+          f"{row['tau']:.2f}")
+  print("forward of T tokens, ms:", {t: round(f["total_s"] * 1e3, 3) for t, f in forward.items()})
+  save_script_record(record, args.json)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""How many device launches one iteration of a compiled decode loop makes, read off its optimized
+HLO, and where in the JAX program they come from.
+
+On a GPU a small model's decode step is bound by kernel launches, not bytes (benchmarks/README:
+715 kernels a step of the default model), so what a speculative round costs beyond a one-token
+step is mostly how many more kernels it runs. Counting them needs no timing: every instruction
+of the loop body that does device work counts once, a nested loop (the layer scan, a drafter's
+steps) counts its body times its known trip count, a conditional its largest branch. Each count
+is attributed to the JAX operation that made it (the HLO's `op_name` metadata, shortened), so the
+engine's own work (acceptance, cache moves) shows apart from the model's layers.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+# Instructions that move no data on the device (tuples, views, constants) or only mark ordering.
+FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+                      "after-all", "opt-barrier", "partition-id", "replica-id"})
+
+_HEAD = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ")
+_OPCODE = re.compile(r"= [^ ]+(?: [^ ]+)*? ([a-z][\w\-]*)\(")
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """({computation name: its instruction lines}, the entry computation's name)."""
+  comps: dict[str, list[str]] = {}
+  name = entry = None
+  for line in hlo_text.splitlines():
+    head = _HEAD.match(line)
+    if head:
+      name = head.group(1)
+      comps[name] = []
+      if line.startswith("ENTRY"):
+        entry = name
+    elif name and _INSTRUCTION.match(line):
+      comps[name].append(line)
+  return comps, entry
+
+
+def opcode(line: str) -> str:
+  found = _OPCODE.search(line)
+  return found.group(1) if found else "?"
+
+
+def source(line: str, depth: int = 3) -> str:
+  """The op_name that made an instruction, without the jit(...) root and the loop/call frames
+  every instruction of a body shares, cut to its first `depth` parts ("?" when absent)."""
+  found = re.search(r'op_name="([^"]+)"', line)
+  if not found:
+    return "?"
+  parts = [p for p in found.group(1).split("/")[1:]
+           if p not in ("while", "body", "cond", "closed_call")]
+  return "/".join(parts[:depth]) or "?"
+
+
+def _called(line: str, key: str) -> str | None:
+  found = re.search(key + r"=%?([\w.\-]+)", line)
+  return found.group(1) if found else None
+
+
+def _branches(line: str) -> list[str]:
+  listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+  if listed:
+    return [b.strip().lstrip("%") for b in listed.group(1).split(",")]
+  return [b for b in (_called(line, "true_computation"), _called(line, "false_computation")) if b]
+
+
+def _trip_count(line: str) -> int | None:
+  found = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+  return int(found.group(1)) if found else None
+
+
+def tally(comps: dict[str, list[str]], name: str, times: int = 1,
+          counts: collections.Counter | None = None, depth: int = 3) -> collections.Counter:
+  """Launches of one run of computation `name`, keyed (opcode, source): nested loops expanded by
+  their known trip count (once when unknown), conditionals by their largest branch, calls
+  inlined. A conditional also counts itself: on a GPU its predicate goes to the host, which
+  waits for it before launching the branch (the while instructions count nothing)."""
+  counts = collections.Counter() if counts is None else counts
+  for line in comps.get(name, []):
+    op = opcode(line)
+    if op == "while":
+      trips = _trip_count(line) or 1
+      tally(comps, _called(line, "body"), times * trips, counts, depth)
+      tally(comps, _called(line, "condition"), times * (trips + 1), counts, depth)
+    elif op == "conditional":
+      branches = [tally(comps, b, times, None, depth) for b in _branches(line)]
+      counts.update(max(branches, key=lambda c: sum(c.values()), default=collections.Counter()))
+      counts[("conditional", source(line, depth))] += times
+    elif op == "call" and _called(line, "to_apply"):
+      tally(comps, _called(line, "to_apply"), times, counts, depth)
+    elif op not in FREE_OPS:
+      counts[(op, source(line, depth))] += times
+  return counts
+
+
+def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
+  """Launches per iteration of the entry computation's heaviest while loop (the decode loop):
+  {"launches", "conditionals" (of them, conditionals run; where they come from:
+  `control_flow_sites`), "by_op": {opcode: n}, "by_source": {op_name prefix: n} (the `top`
+  largest), "loop_trip_count"}; {"launches": None} when the program has no loop."""
+  comps, entry = computations(hlo_text)
+  best = None
+  for line in comps.get(entry, []):
+    if opcode(line) == "while":
+      counts = tally(comps, _called(line, "body"), depth=depth)
+      if best is None or sum(counts.values()) > sum(best[0].values()):
+        best = counts, _trip_count(line)
+  if best is None:
+    return {"launches": None, "conditionals": None, "by_op": {}, "by_source": {},
+            "loop_trip_count": None}
+  counts, trips = best
+  by_op, by_source = collections.Counter(), collections.Counter()
+  for (op, where), n in counts.items():
+    by_op[op] += n
+    by_source[where] += n
+  return {"launches": sum(counts.values()), "conditionals": by_op.get("conditional", 0),
+          "by_op": dict(by_op.most_common()),
+          "by_source": dict(by_source.most_common(top)), "loop_trip_count": trips}
+
+
+_FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')
+
+
+def _short(path: str) -> str:
+  """jspec's files from the package root (sampling/verify.py), others by their name."""
+  return path.split("/jspec/")[-1] if "/jspec/" in path else path.rsplit("/", 1)[-1]
+
+
+def control_flow_sites(module) -> dict[str, dict[str, int]]:
+  """Where a lowered program's conditionals and while loops come from: {"conditional": {site:
+  n}, "while": {site: n}}, each site "function (file:line)" of the innermost traced frame (a
+  site inside a loop is listed once however often it runs). `module`: `jax.jit(f).lower(...)
+  .compiler_ir("stablehlo")`."""
+  sites = {"conditional": collections.Counter(), "while": collections.Counter()}
+  kinds = {"stablehlo.case": "conditional", "stablehlo.if": "conditional",
+           "stablehlo.while": "while"}
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          kind = kinds.get(inner.name)
+          if kind:
+            frame = _FRAME.search(str(inner.location))
+            where = "?" if frame is None else (
+                f"{frame.group(1)} ({_short(frame.group(2))}:{frame.group(3)})")
+            sites[kind][where] += 1
+          walk(inner)
+
+  walk(module.operation)
+  return {kind: dict(counter.most_common()) for kind, counter in sites.items()}
