@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jspec.generate import generate, generate_tokens
-from jspec.kv.evict import compact, evict, keep_scores, mass_weights, with_mass
+from jspec.kv.evict import compact, evict, evict_when_full, keep_scores, mass_weights, with_mass
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.kv.scores import caote, keydiff
@@ -86,6 +86,24 @@ def test_a_row_under_the_budget_is_left_exactly_as_it_was():
   assert out.lengths.tolist() == [5, 8] and dropped.tolist() == [0, 0]
   np.testing.assert_array_equal(out.k[:, 0, :5], k[:, 0, :5])
   np.testing.assert_array_equal(out.v[:, 1, :8], v[:, 1, :8])
+
+
+def test_decoding_evicts_the_rows_that_are_due_alone_at_any_batch():
+  """`evict_when_full` at batch 1 skips the merge with the old cache: its row must come out as at
+  batch 2, beside a row that is not due (and is left exactly as it was)."""
+  rng = np.random.default_rng(4)
+  k, v = rng.standard_normal((2, 2, 2, 16, 2, 4)).astype(np.float32)
+  policy = KVPolicy("keydiff", budget=8, sinks=1, window=2, chunk=2, evict_every=2)
+  both, dropped = evict_when_full(policy, cache_of(k, v, [10, 9]))  # row 0 due, row 1 not
+  assert both.lengths.tolist() == [8, 9] and dropped.tolist() == [2, 0]
+  np.testing.assert_array_equal(both.k[:, 1], k[:, 1])
+  alone, dropped = evict_when_full(policy, cache_of(k[:, :1], v[:, :1], [10]))
+  assert alone.lengths.tolist() == [8] and dropped.tolist() == [2]
+  np.testing.assert_array_equal(alone.k[:, 0], both.k[:, 0])
+  np.testing.assert_array_equal(alone.v[:, 0], both.v[:, 0])
+  kept, dropped = evict_when_full(policy, cache_of(k[:, 1:], v[:, 1:], [9]))  # not due
+  assert kept.lengths.tolist() == [9] and dropped.tolist() == [0]
+  np.testing.assert_array_equal(kept.k[:, 0], k[:, 1])
 
 
 def test_compacted_attention_equals_attention_over_the_kept_slots_of_each_head():

@@ -128,5 +128,7 @@ def evict_when_full(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:
   holds budget + evict_every entries, so each token is scored over the same cache whether it was
   decoded alone or verified in a block."""
   due = cache.lengths >= policy.budget + policy.evict_every
-  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, due),
+  # One row is due whenever the branch runs: no merge with the old cache (a pass over all of it).
+  rows = None if cache.lengths.shape[0] == 1 else due
+  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, rows),
                       lambda c: (c, jnp.zeros_like(c.lengths)), cache)
