@@ -56,10 +56,9 @@ SPEC_GBPS = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H200": 4800}
 
 
 def launches_per_step(hlo_text: str) -> dict:
-  """Instructions that launch device work in the decode loop's body (a command-buffer call counts
-  once: its graph is one launch; a nested loop once, its body not expanded: see
-  jspec.bench.launches for the expanded count), from the optimized HLO; `by_op` splits them by
-  opcode."""
+  """Instructions that launch device work in the decode loop's body (a nested loop counts once,
+  its body not expanded: jspec.bench.launches expands it), from the optimized HLO; `by_op` splits
+  them by opcode."""
   comps, _ = computations(hlo_text)
   bodies = [m.group(1) for lines in comps.values() for line in lines
             for m in [re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)] if m]

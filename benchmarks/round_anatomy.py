@@ -10,17 +10,20 @@ whether the round runs more kernels (and which) or its forward of gamma + 1 toke
       --drafters ngram,mtp:3,skip:10,default --json benchmarks/round_anatomy_cpu.json
 
 Per program: launches per loop iteration (`jspec.bench.launches.loop_launches`: nested loops
-expanded by their trip counts, a conditional by its largest branch), split by opcode and by the
-op_name prefix that made them; milliseconds per iteration (the compiled program's best wall time
-over its loop iterations: autoregressive tokens or speculative rounds, one prefill included);
-tau. Then `forward_width_s`: one target forward of 1, gamma + 1, ... tokens in a loop.
+expanded by their trip counts, every conditional by its largest branch, and by its smallest),
+split by opcode and by the op_name prefix that made them; host syncs (conditionals and loops of
+unknown trip count run) and where in jspec they come from; milliseconds per iteration (the
+compiled program's best wall time over its loop iterations: autoregressive tokens or speculative
+rounds, one prefill included); tau. Then `forward_width_s`: one target forward of 1, gamma + 1, ... tokens in a loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ from jspec.bench.profiling import save_script_record
 from jspec.bench.round_split import forward_width_s
 from jspec.drafting.registry import load_drafter
 from jspec.generate import generate_tokens
+from jspec.io import compilation_cache
 from jspec.model import load
 from jspec.models.numerics import matmul_precision
 from jspec.sampling.processing import SamplingParams
@@ -52,12 +56,12 @@ def best_wall(compiled, args, tries: int) -> tuple[float, object]:
   return best, out
 
 
-def measure(name: str, lowered, args, tries: int, per) -> dict:
+def measure(name: str, lowered, args, tries: int, count_iterations) -> dict:
   start = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   wall, out = best_wall(compiled, args, tries)
-  iterations, tokens = per(out)
+  iterations, tokens = count_iterations(out)
   return {"program": name, "compile_s": compile_s, "wall_s": wall, "iterations": iterations,
           "tokens": tokens, "ms_per_iteration": wall / iterations * 1e3,
           "tau": tokens / iterations, **loop_launches(compiled.as_text()),
@@ -81,6 +85,7 @@ def main() -> int:
   p.add_argument("--tries", type=int, default=3)
   p.add_argument("--json", required=True)
   args = p.parse_args()
+  compilation_cache.enable()  # $JSPEC_COMPILATION_CACHE: a rerun on a warm machine loads them
   model = load(args.model, args.weights, scan_layers=args.scan_layers)
   chat = data.is_chat(args.dataset) and model.tokenizer.chat_template is not None
   ids = model.encode(data.load_prompts(args.dataset, 1)[0], chat=chat)[:args.prompt_bucket]
@@ -93,44 +98,45 @@ def main() -> int:
   sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature))
   N, S = args.max_new_tokens, args.cache_size
   rows = []
+  record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
+            "precision": args.precision, "gamma": args.gamma, "temperature": args.temperature,
+            "max_new_tokens": N, "cache_size": S, "prompt_tokens": len(ids),
+            "xla_flags": os.environ.get("XLA_FLAGS"), "programs": rows, "complete": False}
+
+  def add(row: dict) -> None:  # each program's row kept as it comes: a lease may cut the run
+    if rows and row["launches"] and rows[0]["launches"]:
+      row["launches_vs_ar_step"] = row["launches"] / rows[0]["launches"]
+      row["ms_vs_ar_step"] = row["ms_per_iteration"] / rows[0]["ms_per_iteration"]
+    rows.append(row)
+    print({k: v for k, v in row.items() if k not in ("by_op", "by_source", "sites")},
+          flush=True)
+    Path(args.json).write_text(json.dumps(record, indent=1))
+
   with matmul_precision(args.precision):
     ar = _ar.lower(model.params, model.cfg, prompt, lengths, key, sampling, max_new_tokens=N,
                    cache_size=S)
-    rows.append(measure("autoregressive", ar, (model.params, prompt, lengths, key, sampling),
-                        args.tries,
-                        lambda out: (N, N)))
-    print({k: v for k, v in rows[-1].items() if k not in ("by_op", "by_source")}, flush=True)
+    add(measure("autoregressive", ar, (model.params, prompt, lengths, key, sampling),
+                args.tries, lambda out: (N, N)))
     spec = SpecConfig(gamma=args.gamma, max_new_tokens=N)
     for name in args.drafters.split(","):
       drafter = load_drafter(name, model, args.weights)
       lowered = _spec.lower(model.params, model.cfg, drafter, prompt, lengths, key, sampling,
                             spec=spec, cache_size=S)
-      rows.append(measure(name, lowered, (model.params, drafter, prompt, lengths, key, sampling),
-                          args.tries, lambda out: (int(out.rounds.max()),
-                                                   int(out.lengths.max()))))
-      print({k: v for k, v in rows[-1].items() if k not in ("by_op", "by_source")}, flush=True)
+      add(measure(name, lowered, (model.params, drafter, prompt, lengths, key, sampling),
+                  args.tries, lambda out: (int(out.rounds.max()), int(out.lengths.max()))))
     widths = tuple(int(w) for w in args.widths.split(","))
     forward = forward_width_s(model.params, model.cfg, widths, cache_size=S)
-  step = rows[0]
-  for row in rows[1:]:
-    row["launches_vs_ar_step"] = row["launches"] / step["launches"]
-    row["ms_vs_ar_step"] = row["ms_per_iteration"] / step["ms_per_iteration"]
-  record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
-            "precision": args.precision, "gamma": args.gamma, "temperature": args.temperature,
-            "max_new_tokens": N,
-            "cache_size": S, "prompt_tokens": len(ids), "xla_flags": os.environ.get("XLA_FLAGS"),
-            "programs": rows,
-            "forward_ms": {str(t): {k.replace("_s", "_ms"): v * 1e3 for k, v in f.items()}
-                           for t, f in forward.items()}}
-  print("program | launches / iteration | conditionals | ms / iteration | x AR step (launches, "
-        "ms) | tau")
+  record.update(complete=True, forward_ms={
+      str(t): {k.replace("_s", "_ms"): v * 1e3 for k, v in f.items()} for t, f in forward.items()})
+  save_script_record(record, args.json)
+  print("program | launches / iteration (smallest branches) | host syncs | ms / iteration | "
+        "x AR step (launches, ms) | tau")
   for row in rows:
-    print(f"{row['program']} | {row['launches']} | {row['conditionals']} | "
-          f"{row['ms_per_iteration']:.3f} | "
+    print(f"{row['program']} | {row['launches']} ({row['launches_smallest']}) | "
+          f"{row['host_syncs']} | {row['ms_per_iteration']:.3f} | "
           f"{row.get('launches_vs_ar_step', 1):.2f}, {row.get('ms_vs_ar_step', 1):.2f} | "
           f"{row['tau']:.2f}")
   print("forward of T tokens, ms:", {t: round(f["total_s"] * 1e3, 3) for t, f in forward.items()})
-  save_script_record(record, args.json)
   return 0
 
 

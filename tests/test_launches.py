@@ -42,7 +42,67 @@ def test_a_conditional_counts_its_largest_branch():
   heavy = loop_launches(_program(4, heavy_branch=True))
   assert heavy["by_op"].get("sort", 0) >= 1 and "sort" not in light["by_op"]
   assert heavy["launches"] > light["launches"]
-  assert heavy["conditionals"] == 1  # one lax.cond a loop iteration
+  assert heavy["by_op"]["conditional"] == 1  # one lax.cond a loop iteration
+  # Summing the branches instead of taking the largest would count the light one's work too.
+  assert heavy["launches_smallest"] < heavy["launches"]
+
+
+# Optimized-HLO text in the other spellings XLA prints: a pred conditional with true/false
+# computations, and a loop whose trip count is not known (each iteration a predicate to the host).
+_SYNTHETIC = """\
+HloModule synthetic
+
+%add_one (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %a = f32[4]{0} add(%p, %p), metadata={op_name="jit(run)/while/body/cond/branch_1_fun/add"}
+}
+
+%twice (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = f32[4]{0} multiply(%p, %p)
+  %e = f32[4]{0} exponential(%m)
+  ROOT %n = f32[4]{0} negate(%e)
+}
+
+%inner_body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %y = f32[4]{0} sine(%x)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %y)
+}
+
+%inner_cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] compare(%i, %n), direction=LT
+}
+
+%body (s: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%s), index=1
+  %c = f32[4]{0} conditional(%q, %x, %x), true_computation=%twice, false_computation=%add_one
+  %w = (s32[], f32[4]{0}) while(%t0), condition=%inner_cond, body=%inner_body
+  ROOT %t = (s32[], f32[4]{0}) tuple(%i, %c)
+}
+
+%cond (s: (s32[], f32[4])) -> pred[] {
+  %s = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body
+  ROOT %r = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_true_false_conditionals_and_loops_of_unknown_trip_count():
+  found = loop_launches(_SYNTHETIC)
+  # twice (3) + the conditional + the inner loop's predicate, body (sine) and condition (2 runs)
+  assert found["launches"] == 3 + 1 + 1 + 1 + 2
+  assert found["launches_smallest"] == 1 + 1 + 1 + 1 + 2  # add_one instead of twice
+  assert found["host_syncs"] == 2  # the conditional, the inner loop
 
 
 def test_a_program_without_a_loop_has_no_count():
@@ -56,6 +116,8 @@ def test_source_drops_the_frames_every_body_instruction_shares():
   assert source(line) == "attention/vmap()/scatter"
   assert source(line, depth=1) == "attention"
   assert source("%g = f32[2]{0} add(%a, %b)") == "?"
+  branch = 'metadata={op_name="jit(run)/while/body/cond/branch_1_fun/branch_0_fun/verify/argmax"}'
+  assert source(branch) == "verify/argmax"
 
 
 def test_control_flow_sites_name_the_function_and_line():

@@ -78,8 +78,8 @@ def test_the_scan_keeps_only_the_tapped_streams(stacked):
   assert not [s for s in shapes if s[:1] == (4,) and s[-1:] == (E,)], shapes
 
 
-def test_a_layer_subset_leaves_the_skipped_layers_alone(unrolled, stacked):
-  keep = (0, 2, 3)
+@pytest.mark.parametrize("keep", [(0, 2, 3), (3, 0, 2, 2)])
+def test_a_layer_subset_leaves_the_skipped_layers_alone(unrolled, stacked, keep):
   want = forward_layers(unrolled, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), keep)
   got = forward_layers(stacked, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), keep)
   close(got, want)

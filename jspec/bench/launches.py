@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import re
+from typing import Callable
 
 # Instructions that move no data on the device (tuples, views, constants) or only mark ordering.
 FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
@@ -45,6 +46,9 @@ def opcode(line: str) -> str:
   return found.group(1) if found else "?"
 
 
+_BRANCH = re.compile(r"branch_\d+_fun")
+
+
 def source(line: str, depth: int = 3) -> str:
   """The op_name that made an instruction, without the jit(...) root and the loop/call frames
   every instruction of a body shares, cut to its first `depth` parts ("?" when absent)."""
@@ -52,7 +56,7 @@ def source(line: str, depth: int = 3) -> str:
   if not found:
     return "?"
   parts = [p for p in found.group(1).split("/")[1:]
-           if p not in ("while", "body", "cond", "closed_call")]
+           if p not in ("while", "body", "cond", "closed_call") and not _BRANCH.fullmatch(p)]
   return "/".join(parts[:depth]) or "?"
 
 
@@ -74,50 +78,59 @@ def _trip_count(line: str) -> int | None:
 
 
 def tally(comps: dict[str, list[str]], name: str, times: int = 1,
-          counts: collections.Counter | None = None, depth: int = 3) -> collections.Counter:
+          counts: collections.Counter | None = None, depth: int = 3,
+          branch: Callable = max) -> collections.Counter:
   """Launches of one run of computation `name`, keyed (opcode, source): nested loops expanded by
-  their known trip count (once when unknown), conditionals by their largest branch, calls
-  inlined. A conditional also counts itself: on a GPU its predicate goes to the host, which
-  waits for it before launching the branch (the while instructions count nothing)."""
+  their known trip count (once when unknown), conditionals by their largest branch (`branch=min`:
+  the smallest), calls inlined. What makes the host wait counts too: a conditional (on a GPU its
+  predicate goes to the host before the branch is launched) and a while loop of unknown trip
+  count (the same, each iteration; counted once)."""
   counts = collections.Counter() if counts is None else counts
   for line in comps.get(name, []):
     op = opcode(line)
     if op == "while":
-      trips = _trip_count(line) or 1
-      tally(comps, _called(line, "body"), times * trips, counts, depth)
-      tally(comps, _called(line, "condition"), times * (trips + 1), counts, depth)
+      trips = _trip_count(line)
+      if trips is None:
+        counts[("while", source(line, depth))] += times
+      tally(comps, _called(line, "body"), times * (trips or 1), counts, depth, branch)
+      tally(comps, _called(line, "condition"), times * ((trips or 1) + 1), counts, depth, branch)
     elif op == "conditional":
-      branches = [tally(comps, b, times, None, depth) for b in _branches(line)]
-      counts.update(max(branches, key=lambda c: sum(c.values()), default=collections.Counter()))
+      branches = [tally(comps, b, times, None, depth, branch) for b in _branches(line)]
+      counts.update(branch(branches, key=lambda c: sum(c.values()),
+                           default=collections.Counter()))
       counts[("conditional", source(line, depth))] += times
     elif op == "call" and _called(line, "to_apply"):
-      tally(comps, _called(line, "to_apply"), times, counts, depth)
+      tally(comps, _called(line, "to_apply"), times, counts, depth, branch)
     elif op not in FREE_OPS:
       counts[(op, source(line, depth))] += times
   return counts
 
 
 def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
-  """Launches per iteration of the entry computation's heaviest while loop (the decode loop):
-  {"launches", "conditionals" (of them, conditionals run; where they come from:
-  `control_flow_sites`), "by_op": {opcode: n}, "by_source": {op_name prefix: n} (the `top`
-  largest), "loop_trip_count"}; {"launches": None} when the program has no loop."""
+  """Launches per iteration of the entry computation's heaviest while loop (the decode loop),
+  every conditional taking its largest branch: {"launches", "launches_smallest" (every
+  conditional taking its smallest: greedy decoding usually does), "host_syncs" (conditionals and
+  loops of unknown trip count run; where they come from: `control_flow_sites`), "by_op": {opcode:
+  n}, "by_source": {op_name prefix: n} (the `top` largest), "loop_trip_count"}; {"launches":
+  None} when the program has no loop."""
   comps, entry = computations(hlo_text)
   best = None
   for line in comps.get(entry, []):
     if opcode(line) == "while":
       counts = tally(comps, _called(line, "body"), depth=depth)
       if best is None or sum(counts.values()) > sum(best[0].values()):
-        best = counts, _trip_count(line)
+        best = counts, _trip_count(line), _called(line, "body")
   if best is None:
-    return {"launches": None, "conditionals": None, "by_op": {}, "by_source": {},
-            "loop_trip_count": None}
-  counts, trips = best
+    return {"launches": None, "launches_smallest": None, "host_syncs": None, "by_op": {},
+            "by_source": {}, "loop_trip_count": None}
+  counts, trips, body = best
+  smallest = tally(comps, body, depth=depth, branch=min)
   by_op, by_source = collections.Counter(), collections.Counter()
   for (op, where), n in counts.items():
     by_op[op] += n
     by_source[where] += n
-  return {"launches": sum(counts.values()), "conditionals": by_op.get("conditional", 0),
+  return {"launches": sum(counts.values()), "launches_smallest": sum(smallest.values()),
+          "host_syncs": by_op["conditional"] + by_op["while"],
           "by_op": dict(by_op.most_common()),
           "by_source": dict(by_source.most_common(top)), "loop_trip_count": trips}
 

@@ -587,7 +587,7 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
     raise ValueError("attention records over a subset of layers are not supported")
   wanted = sorted(i for i in tapped if i < L) if tapped is not None else []
   if layers is not None and not wanted:
-    # A layer-skip draft step. Not a lax.cond per skipped layer: on a GPU each one sends its
+    # A layer-skip draft step. Not a lax.cond around every layer: on a GPU each one sends its
     # predicate to the host, which waits for it (90 round trips a round of skip:10, gamma 3).
     def kept_layer(state, i):
       lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
@@ -595,8 +595,9 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
       return decoder_layer(cfg, state[0], lp, i, state[1], state[2], cos, sin, slots,
                            attend), None
 
-    kept = jnp.asarray(layers, jnp.int32)  # [len(layers)]
-    (x, k_all, v_all), _ = jax.lax.scan(kept_layer, (x, k_all, v_all), kept)
+    # In layer order, each once, as the unrolled loop runs them.
+    kept_ids = jnp.asarray(sorted({i for i in layers if 0 <= i < L}), jnp.int32)
+    (x, k_all, v_all), _ = jax.lax.scan(kept_layer, (x, k_all, v_all), kept_ids)
     return x, k_all, v_all
   run = None if layers is None else jnp.asarray([i in layers for i in range(L)])  # [L] bool
 
