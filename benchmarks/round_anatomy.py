@@ -14,12 +14,15 @@ expanded by their trip counts, every conditional by its largest branch, and by i
 split by opcode and by the op_name prefix that made them; host syncs (conditionals and loops of
 unknown trip count run) and where in jspec they come from; milliseconds per iteration (the
 compiled program's best wall time over its loop iterations: autoregressive tokens or speculative
-rounds, one prefill included); tau. Then `forward_width_s`: one target forward of 1, gamma + 1, ... tokens in a loop.
+rounds, one prefill included); tau. Then `forward_width_s`: one target forward of 1, gamma + 1,
+... tokens in a loop. `--constant-sampling` compiles the sampling settings in, which takes the
+greedy/sampled conditionals out of the loop: set beside a plain run, what they cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -77,6 +80,9 @@ def main() -> int:
   p.add_argument("--drafters", default="ngram,mtp:3,skip:10,default", help="chain drafters")
   p.add_argument("--gamma", type=int, default=3)
   p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--constant-sampling", action="store_true",
+                 help="compile the sampling settings in (the engines trace them, so a new "
+                      "temperature does not recompile): their conditionals leave the program")
   p.add_argument("--dataset", default="mt-bench")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--prompt-bucket", type=int, default=128)
@@ -96,10 +102,19 @@ def main() -> int:
   # Traced, as the engines receive them (jspec.decode.Batch): conditionals on them stay in the
   # program, where constants would let XLA pick the branch at compile time.
   sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature))
+  ar_fn, spec_fn, traced = _ar, _spec, (sampling,)
+  if args.constant_sampling:  # compiled in: XLA keeps only the branches these settings take
+    fixed = SamplingParams(temperature=args.temperature)
+    ar_fn = jax.jit(functools.partial(generate_tokens, sampling=fixed), static_argnums=(1,),
+                    static_argnames=("max_new_tokens", "cache_size"))
+    spec_fn = jax.jit(functools.partial(speculative_generate_tokens, sampling=fixed),
+                      static_argnums=(1,), static_argnames=("spec", "cache_size"))
+    traced = ()
   N, S = args.max_new_tokens, args.cache_size
   rows = []
   record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
             "precision": args.precision, "gamma": args.gamma, "temperature": args.temperature,
+            "constant_sampling": args.constant_sampling,
             "max_new_tokens": N, "cache_size": S, "prompt_tokens": len(ids),
             "xla_flags": os.environ.get("XLA_FLAGS"), "programs": rows, "complete": False}
 
@@ -113,16 +128,16 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(record, indent=1))
 
   with matmul_precision(args.precision):
-    ar = _ar.lower(model.params, model.cfg, prompt, lengths, key, sampling, max_new_tokens=N,
-                   cache_size=S)
-    add(measure("autoregressive", ar, (model.params, prompt, lengths, key, sampling),
+    ar = ar_fn.lower(model.params, model.cfg, prompt, lengths, key, *traced, max_new_tokens=N,
+                     cache_size=S)
+    add(measure("autoregressive", ar, (model.params, prompt, lengths, key, *traced),
                 args.tries, lambda out: (N, N)))
     spec = SpecConfig(gamma=args.gamma, max_new_tokens=N)
     for name in args.drafters.split(","):
       drafter = load_drafter(name, model, args.weights)
-      lowered = _spec.lower(model.params, model.cfg, drafter, prompt, lengths, key, sampling,
-                            spec=spec, cache_size=S)
-      add(measure(name, lowered, (model.params, drafter, prompt, lengths, key, sampling),
+      lowered = spec_fn.lower(model.params, model.cfg, drafter, prompt, lengths, key, *traced,
+                              spec=spec, cache_size=S)
+      add(measure(name, lowered, (model.params, drafter, prompt, lengths, key, *traced),
                   args.tries, lambda out: (int(out.rounds.max()), int(out.lengths.max()))))
     widths = tuple(int(w) for w in args.widths.split(","))
     forward = forward_width_s(model.params, model.cfg, widths, cache_size=S)

@@ -109,14 +109,19 @@ anatomy)  # where a speculative round's time goes on this GPU (session 34: a rou
   assemble_model
   export JSPEC_COMPILATION_CACHE=/root/xla
   A="--scan-layers --precision exact --drafters ngram,mtp:3,skip:10,default"
-  timeout -s INT "${ANATOMY_S:-200}" python3 benchmarks/round_anatomy.py $A \
-    --json "$OUT/round_anatomy_gpu.json" 2>&1 | grep -v -i warn | grep '|' | tail -8
-  # The same with XLA's CUDA graphs also capturing loops and conditionals: if a round's
-  # conditionals (each a predicate sent to the host) are what it costs, this run is faster.
+  # plain: as the engines run. constant: the sampling settings compiled in, so the greedy/sampled
+  # conditionals leave the loop body. graphs: XLA's CUDA graphs also capture loops and
+  # conditionals. If a round's conditionals (each a predicate sent to the host) are what it
+  # costs, the last two runs are faster than the first.
   GRAPHS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=$GRAPHS" timeout -s INT "${ANATOMY_S:-200}" \
-    python3 benchmarks/round_anatomy.py $A --json "$OUT/round_anatomy_graphs_gpu.json" 2>&1 \
-    | grep -v -i warn | grep '|' | tail -8
+  for run in ${ANATOMY_RUNS:-plain constant graphs}; do
+    flags=() extra=()
+    [ "$run" = constant ] && extra=(--constant-sampling)
+    [ "$run" = graphs ] && flags=(XLA_FLAGS="--xla_gpu_enable_command_buffer=$GRAPHS")
+    env "${flags[@]}" timeout -s INT "${ANATOMY_S:-150}" python3 benchmarks/round_anatomy.py $A \
+      "${extra[@]}" --json "$OUT/round_anatomy_${run}_gpu.json" 2>&1 | grep -v -i warn \
+      | grep '|' | tail -7
+  done
   ;;
 *) echo "usage: $0 prepare|kernels|tests|table|anatomy" >&2; exit 2 ;;
 esac
