@@ -16,29 +16,21 @@ import collections
 import re
 from typing import Callable
 
+from jspec.bench.collectives import parse_computations
+
 # Instructions that move no data on the device (tuples, views, constants) or only mark ordering.
 FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant",
                       "after-all", "opt-barrier", "partition-id", "replica-id"})
 
-_HEAD = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ")
 _OPCODE = re.compile(r"= [^ ]+(?: [^ ]+)*? ([a-z][\w\-]*)\(")
 
 
 def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   """({computation name: its instruction lines}, the entry computation's name)."""
-  comps: dict[str, list[str]] = {}
-  name = entry = None
-  for line in hlo_text.splitlines():
-    head = _HEAD.match(line)
-    if head:
-      name = head.group(1)
-      comps[name] = []
-      if line.startswith("ENTRY"):
-        entry = name
-    elif name and _INSTRUCTION.match(line):
-      comps[name].append(line)
-  return comps, entry
+  comps, entry = parse_computations(hlo_text)
+  return ({name: [line for line in lines if _INSTRUCTION.match(line)]
+           for name, lines in comps.items()}, entry or None)
 
 
 def opcode(line: str) -> str:
