@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import re
+from pathlib import Path
 from typing import Callable
 
 from jspec.bench.collectives import parse_computations
@@ -130,9 +131,13 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
 _FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')
 
 
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"  # .../jspec/
+
+
 def _short(path: str) -> str:
   """jspec's files from the package root (sampling/verify.py), others by their name."""
-  return path.split("/jspec/")[-1] if "/jspec/" in path else path.rsplit("/", 1)[-1]
+  path = str(Path(path).resolve())
+  return path[len(_PACKAGE):] if path.startswith(_PACKAGE) else path.rsplit("/", 1)[-1]
 
 
 def control_flow_sites(module) -> dict[str, dict[str, int]]:
