@@ -16,7 +16,8 @@ unknown trip count run) and where in jspec they come from; milliseconds per iter
 compiled program's best wall time over its loop iterations: autoregressive tokens or speculative
 rounds, one prefill included); tau. Then `forward_width_s`: one target forward of 1, gamma + 1,
 ... tokens in a loop. `--constant-sampling` compiles the sampling settings in, which takes the
-greedy/sampled conditionals out of the loop: set beside a plain run, what they cost.
+greedy/sampled conditionals out of the loop: set beside a plain run, what they cost (`sites`
+is read before XLA optimizes, so it still lists them; `host_syncs` counts what is left).
 """
 
 from __future__ import annotations

@@ -112,13 +112,15 @@ anatomy)  # where a speculative round's time goes on this GPU (session 34: a rou
   # plain: as the engines run. constant: the sampling settings compiled in, so the greedy/sampled
   # conditionals leave the loop body. graphs: XLA's CUDA graphs also capture loops and
   # conditionals. If a round's conditionals (each a predicate sent to the host) are what it
-  # costs, the last two runs are faster than the first.
+  # costs, the last two runs are faster than the first. Each run compiles its own programs (new
+  # flags or constants miss the compile cache): ~200 s cold on an H100, so give a call one or two
+  # runs (ANATOMY_RUNS="plain constant", then ANATOMY_RUNS=graphs) if ANATOMY_S is cut short.
   GRAPHS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
   for run in ${ANATOMY_RUNS:-plain constant graphs}; do
     flags=() extra=()
     [ "$run" = constant ] && extra=(--constant-sampling)
     [ "$run" = graphs ] && flags=(XLA_FLAGS="--xla_gpu_enable_command_buffer=$GRAPHS")
-    env "${flags[@]}" timeout -s INT "${ANATOMY_S:-150}" python3 benchmarks/round_anatomy.py $A \
+    env "${flags[@]}" timeout -s INT "${ANATOMY_S:-180}" python3 benchmarks/round_anatomy.py $A \
       "${extra[@]}" --json "$OUT/round_anatomy_${run}_gpu.json" 2>&1 | grep -v -i warn \
       | grep '|' | tail -7
   done
