@@ -89,8 +89,8 @@ def test_a_row_under_the_budget_is_left_exactly_as_it_was():
 
 
 def test_decoding_evicts_the_rows_that_are_due_alone_at_any_batch():
-  """`evict_when_full` at batch 1 skips the merge with the old cache: its row must come out as at
-  batch 2, beside a row that is not due (and is left exactly as it was)."""
+  """Rows not due keep every slot where it is (no merge pass over the old cache): a due row must
+  come out as it does alone, beside a row that is not due and is left exactly as it was."""
   rng = np.random.default_rng(4)
   k, v = rng.standard_normal((2, 2, 2, 16, 2, 4)).astype(np.float32)
   policy = KVPolicy("keydiff", budget=8, sinks=1, window=2, chunk=2, evict_every=2)

@@ -31,11 +31,18 @@ def keep_scores(policy: KVPolicy, cache: KVCache) -> Array:
   return jnp.where(valid[None, :, :, None], scores, -jnp.inf)
 
 
-def compact(cache: KVCache, scores: Array, budget: int) -> KVCache:
+def compact(cache: KVCache, scores: Array, budget: int, due: Array | None = None) -> KVCache:
   """Move the `budget` highest-scoring slots of each layer, row and KV head to slots
-  [0, budget) in their original order; lengths become min(lengths, budget)."""
+  [0, budget) in their original order; lengths become min(lengths, budget). With `due` [B] bool,
+  only those rows: the others keep every slot where it is (their first `budget` slots gathered
+  onto themselves), so no pass over the old cache merges them back."""
   _, keep = jax.lax.top_k(jnp.moveaxis(scores, 2, -1), budget)  # [L, B, K, budget]
-  keep = jnp.moveaxis(jnp.sort(keep, axis=-1), -1, 2)[..., None]  # [L, B, budget, K, 1]
+  keep = jnp.sort(keep, axis=-1)
+  lengths = jnp.minimum(cache.lengths, budget)
+  if due is not None:
+    keep = jnp.where(due[None, :, None, None], keep, jnp.arange(budget))
+    lengths = jnp.where(due, lengths, cache.lengths)
+  keep = jnp.moveaxis(keep, -1, 2)[..., None]  # [L, B, budget, K, 1]
 
   def gather(x):  # [L, B, S, K, D] → same, slots [0, budget) replaced
     kept = jnp.take_along_axis(x, keep, axis=2)
@@ -46,7 +53,7 @@ def compact(cache: KVCache, scores: Array, budget: int) -> KVCache:
     mass = jnp.concatenate([jnp.take_along_axis(mass, keep[..., 0], axis=2),
                             mass[:, :, budget:]], axis=2)
   return dataclasses.replace(cache, k=gather(cache.k), v=gather(cache.v), mass=mass,
-                             lengths=jnp.minimum(cache.lengths, budget))
+                             lengths=lengths)
 
 
 def mass_weights(policy: KVPolicy, n_new: Array, T: int) -> Array:
@@ -114,12 +121,7 @@ def fold_block_mass(policy: KVPolicy, before: KVCache, after: KVCache, n_new: Ar
 def evict(policy: KVPolicy, cache: KVCache, due: Array | None = None) -> tuple[KVCache, Array]:
   """(cache evicted down to the budget, [B] entries dropped per row); with `due` [B] bool, only
   those rows are evicted (the others are returned as they were)."""
-  evicted = compact(cache, keep_scores(policy, cache), policy.budget)
-  if due is not None:
-    rows = lambda new, old: jnp.where(due.reshape((1, -1) + (1,) * (new.ndim - 2)), new, old)
-    evicted = KVCache(k=rows(evicted.k, cache.k), v=rows(evicted.v, cache.v),
-                      lengths=jnp.where(due, evicted.lengths, cache.lengths),
-                      mass=None if cache.mass is None else rows(evicted.mass, cache.mass))
+  evicted = compact(cache, keep_scores(policy, cache), policy.budget, due)
   return evicted, cache.lengths - evicted.lengths
 
 
@@ -128,7 +130,5 @@ def evict_when_full(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:
   holds budget + evict_every entries, so each token is scored over the same cache whether it was
   decoded alone or verified in a block."""
   due = cache.lengths >= policy.budget + policy.evict_every
-  # One row is due whenever the branch runs: no merge with the old cache (a pass over all of it).
-  rows = None if cache.lengths.shape[0] == 1 else due
-  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, rows),
+  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, due),
                       lambda c: (c, jnp.zeros_like(c.lengths)), cache)
