@@ -108,9 +108,9 @@ def test_a_layer_subset_scans_the_kept_layers_without_conditionals(stacked):
   assert scan.params["length"] == len(keep)
 
 
-@pytest.mark.parametrize("taps", [(1, 3), (0, 4)])
-def test_a_layer_subset_with_taps_matches_the_unrolled_layers(unrolled, stacked, taps):
-  keep = (0, 2, 3)
+@pytest.mark.parametrize("keep,taps", [((0, 2, 3), (1, 3)), ((0, 2, 3), (0, 4)),
+                                       ((0, 1), (3, 2, 1))])  # taps past the last kept layer
+def test_a_layer_subset_with_taps_matches_the_unrolled_layers(unrolled, stacked, keep, taps):
   slots = POSITIONS
   visible = jnp.broadcast_to(jnp.tril(jnp.ones((6, 8), bool)), (2, 6, 8))
   run = lambda p: forward_visible(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8), slots,

@@ -573,8 +573,8 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
                     records: Optional[list]) -> tuple[Array, Array, Array]:
   """`_decoder`'s layer loop over stacked layers as one `lax.scan`: the layer index is traced, so
   attention must read the cache at a traced layer (XLA's; not jspec's CPU kernels or the Pallas
-  kernel, which take a static one). A `layers` subset scans over the kept layers' indices alone
-  (with taps, over every layer, the others `lax.cond` identities); attention records come out as
+  kernel, which take a static one). The scan runs over the indices of the layers that run (all,
+  or a `layers` subset), each reading its weights at its index; attention records come out as
   the scan's per-layer outputs, taps in a carried [len(taps), B, T, E] buffer (not every layer's
   residual stream: [L, B, T, E] at a long prefill is gigabytes)."""
   if cfg.attention_impl != "xla" or quant.attention_kernel(params) == "native":
@@ -585,45 +585,37 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
   L = num_layers(params)
   if records is not None and layers is not None:
     raise ValueError("attention records over a subset of layers are not supported")
-  wanted = sorted(i for i in tapped if i < L) if tapped is not None else []
-  if layers is not None and not wanted:
-    # A layer-skip draft step. Not a lax.cond around every layer: on a GPU each one sends its
-    # predicate to the host, which waits for it (90 round trips a round of skip:10, gamma 3).
-    def kept_layer(state, i):
-      lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
-                        params.layers)
-      return decoder_layer(cfg, state[0], lp, i, state[1], state[2], cos, sin, slots,
-                           attend), None
-
-    # In layer order, each once, as the unrolled loop runs them.
-    kept_ids = jnp.asarray(sorted({i for i in layers if 0 <= i < L}), jnp.int32)
-    (x, k_all, v_all), _ = jax.lax.scan(kept_layer, (x, k_all, v_all), kept_ids)
-    return x, k_all, v_all
-  run = None if layers is None else jnp.asarray([i in layers for i in range(L)])  # [L] bool
-
-  tap_slot = jnp.asarray([wanted.index(i) if i in wanted else -1 for i in range(L)], jnp.int32)
+  # The layers that run, in order, each once (as the unrolled loop runs them). A subset is not a
+  # lax.cond around every layer: on a GPU each one sends its predicate to the host, which waits
+  # for it (90 round trips a round of skip:10, gamma 3).
+  ids = list(range(L)) if layers is None else sorted({i for i in layers if 0 <= i < L})
+  # A skipped layer passes the stream on unchanged, so its tap is the next run layer's (or the
+  # output's). Each run layer that some tap needs writes one slot of a carried buffer.
+  source = {i: next((j for j in ids if j >= i), L) for i in (tapped or {}) if i < L}
+  wanted = sorted({j for j in source.values() if j < L})
+  tap_slot = jnp.asarray([wanted.index(j) if j in wanted else -1 for j in ids], jnp.int32)
   buffer = jnp.zeros((len(wanted),) + x.shape, x.dtype) if wanted else None  # [N, B, T, E]
 
   def body(carry, xs):
-    state, buffer = carry
-    lp, i, keep, slot = xs
+    (x, k_all, v_all), buffer = carry
+    i, slot = xs
     if buffer is not None:  # the residual stream entering layer i, into its slot if tapped
       at = jnp.maximum(slot, 0)
       kept = jax.lax.dynamic_index_in_dim(buffer, at, keepdims=False)
-      buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, state[0], kept),
-                                                   at, 0)
-    layer = lambda c: decoder_layer(cfg, c[0], lp, i, c[1], c[2], cos, sin, slots, attend)
+      buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, x, kept), at, 0)
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
+                      params.layers)
     recorded = len(records) if records is not None else 0
-    new = layer(state) if keep is None else jax.lax.cond(keep, layer, lambda c: c, state)
+    new = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
     ys = {}
     if records is not None and len(records) > recorded:
       ys["record"] = records.pop()
     return (new, buffer), ys
 
-  xs = (params.layers, jnp.arange(L, dtype=jnp.int32), run, tap_slot)
+  xs = (jnp.asarray(ids, jnp.int32), tap_slot)
   ((x, k_all, v_all), buffer), ys = jax.lax.scan(body, ((x, k_all, v_all), buffer), xs)
-  if wanted:
-    tapped.update({i: buffer[n] for n, i in enumerate(wanted)})
+  if tapped is not None:
+    tapped.update({i: x if j == L else buffer[wanted.index(j)] for i, j in source.items()})
   if "record" in ys:
     records.extend(ys["record"][i] for i in range(L))
   return x, k_all, v_all
