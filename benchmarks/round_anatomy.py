@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jspec import data
 from jspec.bench.launches import control_flow_sites, loop_launches
 from jspec.bench.profiling import save_script_record
-from jspec.bench.round_split import forward_width_s
+from jspec.bench.round_split import best_seconds, forward_width_s
 from jspec.drafting.registry import load_drafter
 from jspec.generate import generate_tokens
 from jspec.io import compilation_cache
@@ -50,21 +50,12 @@ _spec = jax.jit(speculative_generate_tokens, static_argnums=(1,),
                 static_argnames=("spec", "cache_size"))
 
 
-def best_wall(compiled, args, tries: int) -> tuple[float, object]:
-  out = jax.block_until_ready(compiled(*args))
-  best = float("inf")
-  for _ in range(tries):
-    start = time.perf_counter()
-    out = jax.block_until_ready(compiled(*args))
-    best = min(best, time.perf_counter() - start)
-  return best, out
-
-
 def measure(name: str, lowered, args, tries: int, count_iterations) -> dict:
   start = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
-  wall, out = best_wall(compiled, args, tries)
+  wall = best_seconds(compiled, *args, repeats=1, tries=tries)
+  out = compiled(*args)
   iterations, tokens = count_iterations(out)
   return {"program": name, "compile_s": compile_s, "wall_s": wall, "iterations": iterations,
           "tokens": tokens, "ms_per_iteration": wall / iterations * 1e3,
