@@ -131,8 +131,10 @@ def check_compiles_once():
   mesh = make_mesh(2, 4)
   spec = SpecConfig(gamma=3, max_new_tokens=8)
   drafter = ModelDrafter(draft, DRAFT)
-  generate(target, TARGET, PROMPTS, max_new_tokens=8, mesh=mesh)
-  speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, mesh=mesh)
+  for temp in (0.0, 0.5):  # a greedy program and a sampled one (SamplingParams' static mode)
+    sp = SamplingParams(temperature=temp)
+    generate(target, TARGET, PROMPTS, max_new_tokens=8, sampling=sp, mesh=mesh)
+    speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, mesh=mesh)
   with CompileCounter() as counter:
     for shift, temp in ((1, 0.0), (2, 1.0)):
       prompts = [[(t + shift) % 256 for t in p] for p in PROMPTS]

@@ -152,7 +152,9 @@ def test_sampling_is_lossless(tiny_target, name, hybrid):
 def test_one_program_no_recompile(target):
   drafter = ngram_drafter(TARGET.vocab_size, 2, 4, fallback=noised_drafter(target, 0.5))
   spec = SpecConfig(gamma=3, max_new_tokens=12)
-  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  for temp in (0.0, 0.5):  # a greedy program and a sampled one (SamplingParams' static mode)
+    speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec,
+                         sampling=SamplingParams(temperature=temp))
   with CompileCounter() as counter:
     for prompt, temp in (([4, 5, 4, 5], 0.0), ([9] * 11, 1.0), ([2, 2], 0.7)):
       jax.block_until_ready(speculative_generate(

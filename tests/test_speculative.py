@@ -124,9 +124,12 @@ def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
 
 
 def assert_one_program(target, cfg: Config, drafter) -> None:
-  """New prompts (one bucket) and another temperature reuse the first call's compiled program."""
+  """New prompts (one bucket) and new temperatures reuse the first calls' compiled programs: one
+  greedy, one sampled (SamplingParams' static mode)."""
   spec = SpecConfig(gamma=3, max_new_tokens=12)
-  speculative_generate(target, cfg, drafter, [[1, 2, 3]], spec=spec)
+  for temp in (0.0, 0.5):
+    speculative_generate(target, cfg, drafter, [[1, 2, 3]], spec=spec,
+                         sampling=SamplingParams(temperature=temp))
   with CompileCounter() as counter:
     for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0)):
       jax.block_until_ready(speculative_generate(
@@ -233,13 +236,15 @@ def test_trimmed_q_must_be_the_distribution_drawn_from(tiny_pair, monkeypatch):
 
 # ---------------------------------------------------------------------------- one program, errors
 def test_one_program_no_recompile(target, drafter):
+  """mode=None: greedy and sampling in one program, switched inside it."""
   spec = SpecConfig(gamma=3, max_new_tokens=12)
-  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec,
+                       sampling=SamplingParams(mode=None))
   with CompileCounter() as counter:
     for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0), ([2, 2], 0.7)):
       jax.block_until_ready(speculative_generate(
           target, TARGET, drafter, [prompt], spec=spec,
-          sampling=SamplingParams(temperature=temp), key=3))
+          sampling=SamplingParams(temperature=temp, mode=None), key=3))
   assert counter.compiles == 0
   lowered = jax.jit(speculative_generate_tokens, static_argnums=1,
                     static_argnames=("spec", "cache_size")).lower(

@@ -179,7 +179,9 @@ def test_rsd_accepts_more_than_specinfer(tiny_pair):
 # ---------------------------------------------------------------------------- one program, errors
 def test_one_program_no_recompile(target, drafter):
   spec = TreeSpecConfig(TREES["rsd-s"], max_new_tokens=12)
-  tree_speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec)
+  for temp in (0.0, 0.5):  # a greedy program and a sampled one (SamplingParams' static mode)
+    tree_speculative_generate(target, TARGET, drafter, [[1, 2, 3]], spec=spec,
+                              sampling=SamplingParams(temperature=temp))
   with CompileCounter() as counter:
     outs = [jax.block_until_ready(tree_speculative_generate(
         target, TARGET, drafter, [prompt], spec=spec, sampling=SamplingParams(temperature=temp),

@@ -129,6 +129,8 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
 
 
 _FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')
+# Helpers that only pass a lax.cond through: a site names the function that called them.
+_PASS_THROUGH = ("switch",)
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[1]) + "/"  # .../jspec/
@@ -142,8 +144,8 @@ def _short(path: str) -> str:
 
 def control_flow_sites(module) -> dict[str, dict[str, int]]:
   """Where a lowered program's conditionals and while loops come from: {"conditional": {site:
-  n}, "while": {site: n}}, each site "function (file:line)" of the innermost traced frame (a
-  site inside a loop is listed once however often it runs). `module`: `jax.jit(f).lower(...)
+  n}, "while": {site: n}}, each site "function (file:line)" of the innermost traced frame
+  outside `_PASS_THROUGH` (a site inside a loop is listed once however often it runs). `module`: `jax.jit(f).lower(...)
   .compiler_ir("stablehlo")`."""
   sites = {"conditional": collections.Counter(), "while": collections.Counter()}
   kinds = {"stablehlo.case": "conditional", "stablehlo.if": "conditional",
@@ -155,9 +157,9 @@ def control_flow_sites(module) -> dict[str, dict[str, int]]:
         for inner in block.operations:
           kind = kinds.get(inner.name)
           if kind:
-            frame = _FRAME.search(str(inner.location))
-            where = "?" if frame is None else (
-                f"{frame.group(1)} ({_short(frame.group(2))}:{frame.group(3)})")
+            frame = next((f for f in _FRAME.findall(str(inner.location))
+                          if f[0] not in _PASS_THROUGH), None)
+            where = "?" if frame is None else f"{frame[0]} ({_short(frame[1])}:{frame[2]})"
             sites[kind][where] += 1
           walk(inner)
 

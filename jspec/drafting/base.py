@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
-from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 from jspec.sharding import Placement
 from jspec.tree.structure import Tree
 
@@ -199,7 +199,7 @@ class Drafter(abc.ABC):
   def draft_tree(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
                  sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
     """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in
-    the full vocabulary. When `shape.greedy_variant`, a lax.cond drafts the temperature-0 variant.
+    the full vocabulary. When `shape.greedy_variant`, greedy sampling drafts the temperature-0 variant.
     """
     B = last2.shape[0]
 
@@ -209,7 +209,7 @@ class Drafter(abc.ABC):
       return tree, feeder.result(tree, shape.reindexes)
 
     if shape.greedy_variant:
-      return jax.lax.cond(sampling.is_greedy, lambda: run(True), lambda: run(False))
+      return switch(sampling.is_greedy, lambda: run(True), lambda: run(False))
     return run(False)
 
 
@@ -242,7 +242,7 @@ def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tu
     token = jax.random.categorical(key, logprobs, axis=-1).astype(jnp.int32)
     return token, jnp.exp(logprobs)
 
-  return jax.lax.cond(sampling.is_greedy, greedy, sampled)
+  return switch(sampling.is_greedy, greedy, sampled)
 
 
 def sample_full_vocab(key: Array, logits: Array, sampling: SamplingParams, keep_ids: Array | None,

@@ -7,29 +7,69 @@ same function (temperature, then top-k, then top-p) must serve both; it lives he
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Callable, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax.sharding import PartitionSpec
 
 from jspec.sharding import vocab_split
 
 Array = jax.Array
+T = TypeVar("T")
 
 
-@jax.tree_util.register_dataclass
+class Mode(NamedTuple):
+  """Which branches of sampling a program needs, when the settings are known while tracing."""
+
+  greedy: bool  # temperature 0: argmax and greedy verification, nothing else
+  filtered: bool  # top-k or top-p on: the threshold search runs
+
+
+def _concrete(value) -> float | None:
+  """value as a float when it is a number known on the host (not a tracer, not an array of rows)."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, (bool, int, float, np.generic)) or (
+      isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0):
+    return float(value)
+  return None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["temperature", "top_k", "top_p"], meta_fields=["mode"])
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off.
 
-  The fields are pytree data, not static: changing them does not recompile.
+  The three settings are pytree data, so new values do not recompile. Which branches a program
+  needs (`mode`: greedy or not, filters on or off) is static, read off the values when they are
+  numbers: a greedy program then holds no sampling code and no greedy/sampled switch (on a GPU
+  each lax.cond in the decode loop is a round trip to the host), and compiles in about half the
+  time. Going from greedy to sampling, or turning a filter on, compiles a second program; other
+  changes (0.7 -> 0.9) do not. `mode=None` keeps one program for every setting (the switches
+  decided inside it), as do values that are traced when the params are built.
   """
 
   temperature: float | Array = 0.0
   top_k: int | Array = 0
   top_p: float | Array = 1.0
+  mode: Mode | None | str = "auto"
+
+  def __post_init__(self):
+    if self.mode is None:
+      return
+    values = [_concrete(v) for v in (self.temperature, self.top_k, self.top_p)]
+    if None in values:  # traced: kept as flattened (unflatten passes the mode it was built with)
+      if self.mode == "auto":
+        object.__setattr__(self, "mode", None)
+      return
+    t, k, p = values
+    object.__setattr__(self, "mode", Mode(greedy=t == 0, filtered=k > 0 or p < 1))
 
   def validate(self) -> "SamplingParams":
     """Check concrete values on the host; returns self for chaining."""
@@ -43,8 +83,24 @@ class SamplingParams:
     return self
 
   @property
-  def is_greedy(self) -> Array:
+  def is_greedy(self) -> bool | Array:
+    """A Python bool when the mode is static, else a traced scalar."""
+    if self.mode is not None:
+      return self.mode.greedy
     return jnp.asarray(self.temperature) == 0
+
+  @property
+  def filters_on(self) -> bool | Array:
+    if self.mode is not None:
+      return self.mode.filtered
+    return (jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1)
+
+
+def switch(pred: bool | Array, on_true: Callable[[], T], on_false: Callable[[], T]) -> T:
+  """lax.cond when pred is traced; when it is a Python bool, only the branch it picks is traced."""
+  if isinstance(pred, bool):
+    return on_true() if pred else on_false()
+  return jax.lax.cond(pred, on_true, on_false)
 
 
 GREEDY = SamplingParams()
@@ -55,12 +111,12 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
 
   Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
   returns the temperature-1e-6 distribution; callers treat greedy separately with argmax. The
-  filters' threshold search is skipped (lax.cond) when both are off.
+  filters' threshold search is skipped when both are off (`switch` on `sp.filters_on`).
   """
   x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
   k = jnp.asarray(sp.top_k, jnp.int32)
   top_p = jnp.asarray(sp.top_p, jnp.float32)
-  filtered = jax.lax.cond((k > 0) | (top_p < 1), lambda: _top_k_top_p(x, k, top_p), lambda: x)
+  filtered = switch(sp.filters_on, lambda: _top_k_top_p(x, k, top_p), lambda: x)
   return jax.nn.log_softmax(filtered, axis=-1)
 
 
@@ -217,7 +273,7 @@ def argmax(logits: Array) -> Array:
 
 def sample(key: Array, logits: Array, sp: SamplingParams) -> Array:
   """One token per row from logits [B, V]: argmax when greedy, else the processed distribution."""
-  return jax.lax.cond(
+  return switch(
       sp.is_greedy,
       lambda: argmax(logits),
       lambda: jax.random.categorical(key, processed_logprobs(logits, sp), axis=-1).astype(jnp.int32),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 from jspec.sampling.verify import accept_draw, residual_distribution
 from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_tokens, take
 
@@ -113,7 +113,7 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
 def verify_tree(key: Array, tree: Tree, target_logits: Array,
                 sampling: SamplingParams) -> tuple[Array, Array, Array]:
   """Greedy tree verification at temperature 0, recursive rejection otherwise; one program."""
-  return jax.lax.cond(
+  return switch(
       sampling.is_greedy,
       lambda: verify_tree_greedy(tree, target_logits),
       lambda: verify_tree_sampled(key, tree, target_logits, sampling),

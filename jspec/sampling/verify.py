@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs
+from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 
 Array = jax.Array
 
@@ -91,7 +91,7 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
 def verify(key: Array, draft_tokens: Array, draft_probs: Array, target_logits: Array,
            sampling: SamplingParams) -> tuple[Array, Array]:
   """Greedy verification at temperature 0, speculative sampling otherwise; one compiled program."""
-  return jax.lax.cond(
+  return switch(
       sampling.is_greedy,
       lambda: verify_greedy(draft_tokens, target_logits),
       lambda: verify_sampled(key, draft_tokens, draft_probs, target_logits, sampling),

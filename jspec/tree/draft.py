@@ -33,7 +33,10 @@ NextLogits = Callable[[Tree, Array], Array]
 def _distributions(logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
   """(processed log q [..., V], ranking log-probs [..., V]: log-softmax of logits when greedy)."""
   logq = processed_logprobs(logits, sampling)
-  rank = jnp.where(sampling.is_greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
+  greedy = sampling.is_greedy
+  if isinstance(greedy, bool):  # static mode: only the ranking it uses
+    return logq, jax.nn.log_softmax(logits.astype(jnp.float32), -1) if greedy else logq
+  rank = jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
   return logq, rank
 
 
