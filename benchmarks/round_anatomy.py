@@ -15,15 +15,15 @@ split by opcode and by the op_name prefix that made them; host syncs (conditiona
 unknown trip count run) and where in jspec they come from; milliseconds per iteration (the
 compiled program's best wall time over its loop iterations: autoregressive tokens or speculative
 rounds, one prefill included); tau. Then `forward_width_s`: one target forward of 1, gamma + 1,
-... tokens in a loop. `--constant-sampling` compiles the sampling settings in, which takes the
-greedy/sampled conditionals out of the loop: set beside a plain run, what they cost (`sites`
-is read before XLA optimizes, so it still lists them; `host_syncs` counts what is left).
+... tokens in a loop. The sampling settings reach the programs as the engines pass them (arrays,
+SamplingParams' static mode: no greedy/sampled conditional in the loop); `--dynamic-sampling`
+(mode=None) puts those switches back in every iteration, as every program had them before
+session 35: set beside a default run, what they cost.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
@@ -72,9 +72,8 @@ def main() -> int:
   p.add_argument("--drafters", default="ngram,mtp:3,skip:10,default", help="chain drafters")
   p.add_argument("--gamma", type=int, default=3)
   p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--constant-sampling", action="store_true",
-                 help="compile the sampling settings in (the engines trace them, so a new "
-                      "temperature does not recompile): their conditionals leave the program")
+  p.add_argument("--dynamic-sampling", action="store_true",
+                 help="SamplingParams(mode=None): greedy and sampled decided inside the loop")
   p.add_argument("--dataset", default="mt-bench")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--prompt-bucket", type=int, default=128)
@@ -91,22 +90,15 @@ def main() -> int:
       jnp.asarray(ids, jnp.int32))
   lengths = jnp.asarray([len(ids)], jnp.int32)
   key = jax.random.key(0)
-  # Traced, as the engines receive them (jspec.decode.Batch): conditionals on them stay in the
-  # program, where constants would let XLA pick the branch at compile time.
-  sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature))
+  # Arrays, as the engines receive them (jspec.decode.Batch); the mode stays static unless asked.
+  mode = None if args.dynamic_sampling else "auto"
+  sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature, mode=mode))
   ar_fn, spec_fn, traced = _ar, _spec, (sampling,)
-  if args.constant_sampling:  # compiled in: XLA keeps only the branches these settings take
-    fixed = SamplingParams(temperature=args.temperature)
-    ar_fn = jax.jit(functools.partial(generate_tokens, sampling=fixed), static_argnums=(1,),
-                    static_argnames=("max_new_tokens", "cache_size"))
-    spec_fn = jax.jit(functools.partial(speculative_generate_tokens, sampling=fixed),
-                      static_argnums=(1,), static_argnames=("spec", "cache_size"))
-    traced = ()
   N, S = args.max_new_tokens, args.cache_size
   rows = []
   record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
             "precision": args.precision, "gamma": args.gamma, "temperature": args.temperature,
-            "constant_sampling": args.constant_sampling,
+            "sampling_mode": repr(sampling.mode),
             "max_new_tokens": N, "cache_size": S, "prompt_tokens": len(ids),
             "xla_flags": os.environ.get("XLA_FLAGS"), "programs": rows, "complete": False}
 

@@ -109,16 +109,17 @@ anatomy)  # where a speculative round's time goes on this GPU (session 34: a rou
   assemble_model
   export JSPEC_COMPILATION_CACHE=/root/xla
   A="--scan-layers --precision exact --drafters ngram,mtp:3,skip:10,default"
-  # plain: as the engines run. constant: the sampling settings compiled in, so the greedy/sampled
-  # conditionals leave the loop body. graphs: XLA's CUDA graphs also capture loops and
-  # conditionals. If a round's conditionals (each a predicate sent to the host) are what it
-  # costs, the last two runs are faster than the first. Each run compiles its own programs (new
-  # flags or constants miss the compile cache): ~200 s cold on an H100, so give a call one or two
-  # runs (ANATOMY_RUNS="plain constant", then ANATOMY_RUNS=graphs) if ANATOMY_S is cut short.
+  # plain: as the engines run (SamplingParams' static mode: no greedy/sampled conditional in the
+  # loop). dynamic: mode=None, those conditionals back in every iteration (every program before
+  # session 35). graphs: plain with XLA's CUDA graphs capturing loops and conditionals too. If
+  # host round trips (a conditional's predicate, a loop's condition) are what a round costs, plain
+  # beats dynamic and graphs beats plain. Each run compiles its own programs (new flags or modes
+  # miss the compile cache): ~200 s cold on an H100, so give a call one or two runs
+  # (ANATOMY_RUNS="plain dynamic", then ANATOMY_RUNS=graphs) if ANATOMY_S is cut short.
   GRAPHS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
-  for run in ${ANATOMY_RUNS:-plain constant graphs}; do
+  for run in ${ANATOMY_RUNS:-plain dynamic graphs}; do
     flags=() extra=()
-    [ "$run" = constant ] && extra=(--constant-sampling)
+    [ "$run" = dynamic ] && extra=(--dynamic-sampling)
     [ "$run" = graphs ] && flags=(XLA_FLAGS="--xla_gpu_enable_command_buffer=$GRAPHS")
     env "${flags[@]}" timeout -s INT "${ANATOMY_S:-180}" python3 benchmarks/round_anatomy.py $A \
       "${extra[@]}" --json "$OUT/round_anatomy_${run}_gpu.json" 2>&1 | grep -v -i warn \
