@@ -231,7 +231,7 @@ def test_rounds_the_lookup_matched_skip_the_fallback_and_change_nothing(target, 
             np.asarray(s.draft.inner.cache.k[:, 0, :known]))
 
   forgetful = _NoCatchUp(params=model.params, cfg=model.cfg)
-  differs = 0
+  differs, seen = 0, []
   for prompt in cycles + tails:
     tokens, hist, kv = run(model, False, prompt)
     skip_tokens, skip_hist, skip_kv = run(model, True, prompt)
@@ -240,4 +240,7 @@ def test_rounds_the_lookup_matched_skip_the_fallback_and_change_nothing(target, 
     np.testing.assert_allclose(skip_kv, kv, atol=1e-5)
     _, _, lost_kv = run(forgetful, True, prompt)
     differs += not np.allclose(lost_kv, kv, atol=1e-5)
-  assert differs >= (len(cycles) if temperature == 0 else 1), differs
+    seen.append((prompt, tokens.tolist(), hist.tolist(), float(np.abs(lost_kv - kv).max())))
+  # (Session 34's CI saw 0 here, on both temperatures, where every run since finds 4: what each
+  # prompt gave is in the message, so the next such run says whether the text left its cycle.)
+  assert differs >= (len(cycles) if temperature == 0 else 1), (differs, seen)
