@@ -31,13 +31,13 @@ class Mode(NamedTuple):
 
 
 def _concrete(value) -> float | None:
-  """value as a float when it is a number known on the host (not a tracer, not an array of rows)."""
-  if isinstance(value, jax.core.Tracer):
+  """value as a float when it is a number known on the host (not traced, not an array of rows)."""
+  if not isinstance(value, (bool, int, float, np.generic, np.ndarray, jax.Array)):
     return None
-  if isinstance(value, (bool, int, float, np.generic)) or (
-      isinstance(value, (np.ndarray, jax.Array)) and np.ndim(value) == 0):
-    return float(value)
-  return None
+  try:
+    return float(value) if np.ndim(value) == 0 else None
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
