@@ -78,7 +78,8 @@ kernels)
   ;;
 tests)
   timeout -s INT "${TEST_S:-150}" python3 -m pytest -q -n 8 -p no:cacheprovider -rfE \
-    --junitxml="$OUT/kv_tests.xml" tests/test_key_similarity.py tests/test_kv.py
+    --junitxml="$OUT/kv_tests.xml" tests/test_sampling_mode.py tests/test_key_similarity.py \
+    tests/test_kv.py
   ;;
 table)
   assemble_model
