@@ -8,7 +8,10 @@ inside the loop, as every program was before session 35).
 
 No compilation cache: every compile is cold. Per program and setting: compile seconds (best of
 `--tries`), host syncs and launches per loop iteration (`jspec.bench.launches.loop_launches`), and
-the sites of the conditionals left before optimization.
+the sites of the conditionals left before optimization. Host syncs (conditionals and loops of
+unknown trip count in the loop body) are counted along the largest branches (sampling with
+filters, their fallback search) and along the smallest (what a greedy run of a mode=None program
+executes).
 """
 
 from __future__ import annotations
@@ -82,11 +85,14 @@ def main() -> int:
         seconds, lowered, compiled = compile_seconds(lower, args.tries)
         launches = loop_launches(compiled.as_text())
         row[label] = {"mode": repr(sp.mode), "compile_s": seconds,
-                      "host_syncs": launches["host_syncs"], "launches": launches["launches"],
+                      "host_syncs": launches["host_syncs"],
+                      "host_syncs_smallest": launches["host_syncs_smallest"],
+                      "launches": launches["launches"],
                       "conditionals": control_flow_sites(
                           lowered.compiler_ir("stablehlo"))["conditional"]}
       row["compile_dynamic_over_static"] = row["dynamic"]["compile_s"] / row["static"]["compile_s"]
-      print({k: (v if not isinstance(v, dict) else {x: v[x] for x in ("compile_s", "host_syncs")})
+      print({k: (v if not isinstance(v, dict) else {
+          x: v[x] for x in ("compile_s", "host_syncs", "host_syncs_smallest")})
              for k, v in row.items()}, flush=True)
       rows.append(row)
   save_script_record({"model": args.model, "weights": args.weights,

@@ -131,3 +131,15 @@ def test_control_flow_sites_name_the_function_and_line():
   (conditional,) = sites["conditional"]
   assert re.search(r"\bpick \(test_launches\.py:\d+\)$", conditional), conditional
   assert [w for w in sites["while"] if re.search(r"\brun \(test_launches\.py:\d+\)$", w)]
+
+
+def test_host_syncs_along_the_smallest_branches():
+  """A conditional nested in the larger branch syncs only when that branch runs."""
+  def run(x, p, q, n):
+    def body(i, x):
+      return jax.lax.cond(p, lambda: jax.lax.cond(q, jnp.sin, jnp.cos, x) @ x, lambda: x + 1)
+    return jax.lax.fori_loop(0, n, body, x)
+
+  text = jax.jit(run).lower(jnp.ones((8, 8)), True, False, 3).compile().as_text()
+  found = loop_launches(text)
+  assert (found["host_syncs"], found["host_syncs_smallest"]) == (2, 1), found

@@ -11,15 +11,18 @@ import numpy as np
 import pytest
 
 from jspec.bench.launches import control_flow_sites
+from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate, generate_tokens
 from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.processing import Mode, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate_tokens
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+DRAFT_CFG = dataclasses.replace(CFG, num_layers=1)
 PROMPTS = [[5, 6, 7, 5, 6], [9, 3]]
 
 
@@ -34,14 +37,20 @@ def test_mode_is_read_off_the_values():
   assert SamplingParams(0.7, top_k=5).mode == Mode(greedy=False, filtered=True)
   assert SamplingParams(0.7, top_p=0.9).mode == Mode(greedy=False, filtered=True)
   assert SamplingParams(np.float32(0.0), jnp.asarray(3)).mode == Mode(greedy=True, filtered=True)
-  # a copy with new values gets their mode, never the old one's
+  # a copy with new values gets their mode, never the old one's: read again, or None
   assert dataclasses.replace(SamplingParams(0.7), temperature=0.0).mode.greedy
-  # values as arrays (what the engines receive) keep it; mode=None stays None
+  assert dataclasses.replace(SamplingParams(), temperature=jnp.asarray([0.0, 0.7])).mode is None
+  assert jax.jit(lambda t: jnp.asarray(
+      dataclasses.replace(SamplingParams(), temperature=t).mode is None))(0.7)
+  # values mapped to arrays (what the engines receive) keep it; to numbers, theirs
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7)).mode == Mode(False, False)
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7, mode=None)).mode is None
+  assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True)  # top_k 1
   # values traced when the params are built, or one per row: decided inside the program
   assert jax.jit(lambda t: jnp.asarray(SamplingParams(t).mode is None))(0.5)
   assert SamplingParams(jnp.asarray([0.0, 0.5])).mode is None
+  with pytest.raises(ValueError, match="mode must be 'auto'"):
+    SamplingParams(0.7, mode="static")
 
 
 def sampling_sites(lowered) -> set[str]:
@@ -54,24 +63,34 @@ def test_a_static_mode_compiles_only_its_branches(params):
   ar = jax.jit(generate_tokens, static_argnums=1, static_argnames=("max_new_tokens", "cache_size"))
   spec = jax.jit(speculative_generate_tokens, static_argnums=1,
                  static_argnames=("spec", "cache_size"))
+  tree = jax.jit(tree_speculative_generate_tokens, static_argnums=1,
+                 static_argnames=("spec", "cache_size"))
   prompt, lengths, key = jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]), jax.random.key(0)
-  drafter = ngram_drafter(CFG.vocab_size, 2, 4)
+  lookup = ngram_drafter(CFG.vocab_size, 2, 4)
+  model = ModelDrafter(init_params(DRAFT_CFG, jax.random.key(1), scale=0.3), DRAFT_CFG)
+  chain = SpecConfig(gamma=3, max_new_tokens=4)
 
-  def sites(sp):
+  def sites(sp) -> dict[str, set[str]]:
     sp = jax.tree.map(jnp.asarray, sp)  # as jspec.decode.Batch passes them
-    return (sampling_sites(ar.lower(params, CFG, prompt, lengths, key, sp, max_new_tokens=4,
-                                    cache_size=32)),
-            sampling_sites(spec.lower(params, CFG, drafter, prompt, lengths, key, sp,
-                                      spec=SpecConfig(gamma=3, max_new_tokens=4), cache_size=32)))
+    args = (prompt, lengths, key, sp)
+    lowered = {
+        "ar": ar.lower(params, CFG, *args, max_new_tokens=4, cache_size=32),
+        "ngram": spec.lower(params, CFG, lookup, *args, spec=chain, cache_size=32),
+        "model": spec.lower(params, CFG, model, *args, spec=chain, cache_size=32),
+        "tree": tree.lower(params, CFG, model, *args, cache_size=32,
+                           spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=4)),  # greedy_variant
+    }
+    return {name: sampling_sites(low) for name, low in lowered.items()}
 
-  assert sites(SamplingParams()) == (set(), set())
-  assert sites(SamplingParams(0.7)) == (set(), set())
-  ar_filtered, spec_filtered = sites(SamplingParams(0.7, top_p=0.9))
-  assert "sample" not in ar_filtered and "processed_logprobs" not in ar_filtered
-  assert "verify" not in spec_filtered and "_top_k_top_p" in spec_filtered  # the search's own
-  ar_dynamic, spec_dynamic = sites(SamplingParams(mode=None))
-  assert {"sample", "processed_logprobs"} <= ar_dynamic
-  assert {"verify", "processed_logprobs"} <= spec_dynamic
+  for sp in (SamplingParams(), SamplingParams(0.7)):
+    assert sites(sp) == dict.fromkeys(("ar", "ngram", "model", "tree"), set()), sp
+  for name, found in sites(SamplingParams(0.7, top_p=0.9)).items():  # the search's own alone
+    assert found == {"_top_k_top_p", "bisected_threshold"}, (name, found)
+  dynamic = sites(SamplingParams(mode=None))
+  assert {"sample", "processed_logprobs"} <= dynamic["ar"], dynamic["ar"]
+  assert {"verify", "processed_logprobs"} <= dynamic["ngram"], dynamic["ngram"]
+  assert {"verify", "sample_with_probs"} <= dynamic["model"], dynamic["model"]
+  assert {"verify_tree", "Drafter.draft_tree"} <= dynamic["tree"], dynamic["tree"]
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(temperature=0.8), dict(temperature=1.0,

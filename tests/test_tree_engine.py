@@ -191,7 +191,7 @@ def test_one_program_no_recompile(target, drafter):
   lowered = jax.jit(tree_speculative_generate_tokens, static_argnums=1,
                     static_argnames=("spec", "cache_size")).lower(
       target, TARGET, drafter, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
-      jax.random.key(0), spec=spec, cache_size=64)
+      jax.random.key(0), SamplingParams(mode=None), spec=spec, cache_size=64)  # every branch
   text = lowered.as_text()
   assert text.count("stablehlo.while") >= 1 and "callback" not in text
 

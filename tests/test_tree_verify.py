@@ -354,9 +354,12 @@ def test_dispatch_and_vmap():
   key = jax.random.key(9)  # threefry: its draws do not change under vmap (RBG's do)
   same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))
   verify_jit = jax.jit(verify_tree)
-  assert same(verify_jit(key, tree, logits, GREEDY), greedy_jit(tree, logits))
   sp = SamplingParams(temperature=1.0, top_k=3)
-  assert same(verify_jit(key, tree, logits, sp), sampled_jit(key, tree, logits, sp))
+  for mode in ("auto", None):  # the branch picked while tracing (static mode), or by lax.cond
+    assert same(verify_jit(key, tree, logits, SamplingParams(mode=mode)),
+                greedy_jit(tree, logits))
+    assert same(verify_jit(key, tree, logits, SamplingParams(1.0, top_k=3, mode=mode)),
+                sampled_jit(key, tree, logits, sp))
   assert not same(verify_jit(key, tree, logits, sp), greedy_jit(tree, logits))
   keys = jax.random.split(key, 3)
   batched = jax.jit(jax.vmap(verify_tree, in_axes=(0, None, None, None)))(keys, tree, logits, sp)

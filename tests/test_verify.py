@@ -284,10 +284,11 @@ def test_dispatch_greedy_vs_sampled():
   draft, q, logits = random_case()
   key = jax.random.key(12)
   greedy = greedy_jit(draft, logits)
-  assert same(verify_jit(key, draft, q, logits, GREEDY), greedy)
   sp = SamplingParams(temperature=1.0)
   sampled = sampled_jit(key, draft, q, logits, sp)
-  assert same(verify_jit(key, draft, q, logits, sp), sampled)
+  for mode in ("auto", None):  # the branch picked while tracing (static mode), or by lax.cond
+    assert same(verify_jit(key, draft, q, logits, SamplingParams(mode=mode)), greedy)
+    assert same(verify_jit(key, draft, q, logits, SamplingParams(1.0, mode=mode)), sampled)
   assert not same(sampled, greedy)  # the two really differ on this input
   # per-row sampling params under vmap (cond becomes select): row 0 greedy, row 1 sampled
   rows = jax.jit(jax.vmap(lambda k, d, qq, l, s: verify(k, d[None], qq[None], l[None], s)))(

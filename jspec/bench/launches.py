@@ -103,7 +103,8 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
   """Launches per iteration of the entry computation's heaviest while loop (the decode loop),
   every conditional taking its largest branch: {"launches", "launches_smallest" (every
   conditional taking its smallest: greedy decoding usually does), "host_syncs" (conditionals and
-  loops of unknown trip count run; where they come from: `control_flow_sites`), "by_op": {opcode:
+  loops of unknown trip count run; where they come from: `control_flow_sites`),
+  "host_syncs_smallest" (the same along the smallest branches), "by_op": {opcode:
   n}, "by_source": {op_name prefix: n} (the `top` largest), "loop_trip_count"}; {"launches":
   None} when the program has no loop."""
   comps, entry = computations(hlo_text)
@@ -114,7 +115,8 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
       if best is None or sum(counts.values()) > sum(best[0].values()):
         best = counts, _trip_count(line), _called(line, "body")
   if best is None:
-    return {"launches": None, "launches_smallest": None, "host_syncs": None, "by_op": {},
+    return {"launches": None, "launches_smallest": None, "host_syncs": None,
+            "host_syncs_smallest": None, "by_op": {},
             "by_source": {}, "loop_trip_count": None}
   counts, trips, body = best
   smallest = tally(comps, body, depth=depth, branch=min)
@@ -122,8 +124,10 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
   for (op, where), n in counts.items():
     by_op[op] += n
     by_source[where] += n
+  syncs_smallest = sum(n for (op, _), n in smallest.items() if op in ("conditional", "while"))
   return {"launches": sum(counts.values()), "launches_smallest": sum(smallest.values()),
           "host_syncs": by_op["conditional"] + by_op["while"],
+          "host_syncs_smallest": syncs_smallest,
           "by_op": dict(by_op.most_common()),
           "by_source": dict(by_source.most_common(top)), "loop_trip_count": trips}
 
@@ -145,8 +149,8 @@ def _short(path: str) -> str:
 def control_flow_sites(module) -> dict[str, dict[str, int]]:
   """Where a lowered program's conditionals and while loops come from: {"conditional": {site:
   n}, "while": {site: n}}, each site "function (file:line)" of the innermost traced frame
-  outside `_PASS_THROUGH` (a site inside a loop is listed once however often it runs). `module`: `jax.jit(f).lower(...)
-  .compiler_ir("stablehlo")`."""
+  outside `_PASS_THROUGH` (a site inside a loop is listed once however often it runs).
+  `module`: `jax.jit(f).lower(...).compiler_ir("stablehlo")`."""
   sites = {"conditional": collections.Counter(), "while": collections.Counter()}
   kinds = {"stablehlo.case": "conditional", "stablehlo.if": "conditional",
            "stablehlo.while": "while"}

@@ -199,7 +199,8 @@ class Drafter(abc.ABC):
   def draft_tree(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
                  sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
     """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in
-    the full vocabulary. When `shape.greedy_variant`, greedy sampling drafts the temperature-0 variant.
+    the full vocabulary. When `shape.greedy_variant`, greedy sampling drafts the temperature-0
+    variant.
     """
     B = last2.shape[0]
 

@@ -7,7 +7,6 @@ same function (temperature, then top-k, then top-p) must serve both; it lives he
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable, NamedTuple, TypeVar
 
@@ -30,18 +29,36 @@ class Mode(NamedTuple):
   filtered: bool  # top-k or top-p on: the threshold search runs
 
 
+def _host_number(value) -> float | None:
+  """value as a float when the host holds it as one number (Python or NumPy); None for arrays of
+  rows, jax arrays (reading one would wait for the device) and tracers."""
+  if isinstance(value, (bool, int, float, np.generic)) or (
+      isinstance(value, np.ndarray) and value.ndim == 0):
+    return float(value)
+  return None
+
+
 def _concrete(value) -> float | None:
-  """value as a float when it is a number known on the host (not traced, not an array of rows)."""
-  if not isinstance(value, (bool, int, float, np.generic, np.ndarray, jax.Array)):
+  """_host_number, and also a one-number jax array this host can read (not a tracer)."""
+  number = _host_number(value)
+  if number is not None or not isinstance(value, jax.Array):
+    return number
+  if value.ndim:
     return None
-  try:
-    return float(value) if np.ndim(value) == 0 else None
+  try:  # a tracer raises here; so does an array held by other hosts
+    return float(value) if value.is_fully_addressable else None
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
     return None
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["temperature", "top_k", "top_p"], meta_fields=["mode"])
+def _mode_of(values) -> Mode | None:
+  """The mode (temperature, top_k, top_p) give, or None when any is not a known number."""
+  if None in values:
+    return None
+  t, k, p = values
+  return Mode(greedy=t == 0, filtered=k > 0 or p < 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off.
@@ -49,10 +66,12 @@ class SamplingParams:
   The three settings are pytree data, so new values do not recompile. Which branches a program
   needs (`mode`: greedy or not, filters on or off) is static, read off the values when they are
   numbers: a greedy program then holds no sampling code and no greedy/sampled switch (on a GPU
-  each lax.cond in the decode loop is a round trip to the host), and compiles in about half the
-  time. Going from greedy to sampling, or turning a filter on, compiles a second program; other
+  each lax.cond in the decode loop is a round trip to the host), and compiles 1.7-2x faster. A
+  change of mode (greedy to sampled, a filter turned on or off) compiles another program; other
   changes (0.7 -> 0.9) do not. `mode=None` keeps one program for every setting (the switches
-  decided inside it), as do values that are traced when the params are built.
+  decided inside it), as do values that are not numbers when the params are built (traced, or one
+  per row), `dataclasses.replace` included. Pytree operations keep the mode they flattened
+  (values mapped to arrays or tracers keep it; mapped to new Python numbers, it is read again).
   """
 
   temperature: float | Array = 0.0
@@ -63,13 +82,12 @@ class SamplingParams:
   def __post_init__(self):
     if self.mode is None:
       return
-    values = [_concrete(v) for v in (self.temperature, self.top_k, self.top_p)]
-    if None in values:  # traced: kept as flattened (unflatten passes the mode it was built with)
-      if self.mode == "auto":
-        object.__setattr__(self, "mode", None)
-      return
-    t, k, p = values
-    object.__setattr__(self, "mode", Mode(greedy=t == 0, filtered=k > 0 or p < 1))
+    if self.mode != "auto" and not isinstance(self.mode, Mode):
+      raise ValueError(f"SamplingParams mode must be 'auto' (read off the values), None (decided "
+                       f"inside the program) or a Mode; got {self.mode!r}")
+    # A Mode passed in (dataclasses.replace passes the old one) is read again from the values.
+    object.__setattr__(self, "mode", _mode_of(
+        [_concrete(v) for v in (self.temperature, self.top_k, self.top_p)]))
 
   def validate(self) -> "SamplingParams":
     """Check concrete values on the host; returns self for chaining."""
@@ -94,6 +112,27 @@ class SamplingParams:
     if self.mode is not None:
       return self.mode.filtered
     return (jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1)
+
+
+_FIELDS = ("temperature", "top_k", "top_p")
+
+
+def _unflatten(mode: Mode | None, values) -> SamplingParams:
+  """Without __init__: arrays and tracers keep the flattened mode; Python numbers give theirs."""
+  sp = object.__new__(SamplingParams)
+  for name, value in zip(_FIELDS, values):
+    object.__setattr__(sp, name, value)
+  if mode is not None:
+    mode = _mode_of([_host_number(v) for v in values]) or mode
+  object.__setattr__(sp, "mode", mode)
+  return sp
+
+
+jax.tree_util.register_pytree_with_keys(
+    SamplingParams,
+    lambda sp: (tuple((jax.tree_util.GetAttrKey(n), getattr(sp, n)) for n in _FIELDS), sp.mode),
+    _unflatten,
+    lambda sp: (tuple(getattr(sp, n) for n in _FIELDS), sp.mode))
 
 
 def switch(pred: bool | Array, on_true: Callable[[], T], on_false: Callable[[], T]) -> T:
