@@ -213,8 +213,8 @@ def check_filtered_sampling_moves_candidates():
   local_rows = rows // 2
   assert 0 < moved[True] <= local_rows * 4 * processing.CANDIDATES * 4, moved
   assert moved[False] >= local_rows * V * 4, moved  # the control
-  # In a decode step: sampling is one lax.cond deep (vs greedy), the filters two (on or off),
-  # the bisection past the candidates three: it moves [B/dp, 1] sums, never a row.
+  # In a decode step (SamplingParams' static mode: no greedy/sampled or filters-on switch), the
+  # bisection past the candidates is one lax.cond deep: it moves [B/dp, 1] sums, never a row.
   cfg = Config(arch="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
                num_heads=4, num_kv_heads=4, head_dim=8)
   b = prepare_batch(cfg, PROMPTS, max_new_tokens=8, sampling=FILTERED, key=0, stop_ids=(),
@@ -224,7 +224,7 @@ def check_filtered_sampling_moves_candidates():
                      b.sampling, max_new_tokens=8, cache_size=b.cache_size)
   gathers = [c for c in step if c.op != "all-reduce"]
   assert max(c.bytes for c in gathers) <= local_rows * 4 * 256 * 4, gathers
-  bisection = [c for c in step if c.depth == 3]
+  bisection = [c for c in step if c.depth == 1]
   assert bisection and all(c.op == "all-reduce" and c.bytes <= 2 * local_rows * 4
                            for c in bisection), bisection  # (pairs fused into one tuple)
 

@@ -38,4 +38,6 @@ def test_06_sharding():
   assert "ngram chain  mesh == one device: True" in text
   assert "does not divide the model's attention heads" in text
   m = re.search(r"'by_op': \{'all-reduce': (\d+)\}", text)
-  assert m and int(m.group(1)) == 2 * 30 + 1 + 1  # Megatron's 2L+1, plus the exit test
+  # Megatron's 2L+1, the exit test, and greedy argmax's two over the vocabulary shards (its max,
+  # then the first index holding it: outside any branch since SamplingParams' static mode)
+  assert m and int(m.group(1)) == 2 * 30 + 1 + 1 + 2
