@@ -7,7 +7,8 @@ inside the loop, as every program was before session 35).
       --json benchmarks/sampling_mode_cpu.json
 
 No compilation cache: every compile is cold. Per program and setting: compile seconds (best of
-`--tries`), host syncs and launches per loop iteration (`jspec.bench.launches.loop_launches`), and
+`--tries`), run seconds (a prompt of zeros, `--max-new-tokens` tokens; best of `--runs`, the
+two modes alternating), host syncs and launches per loop iteration (`jspec.bench.launches.loop_launches`), and
 the sites of the conditionals left before optimization. Host syncs (conditionals and loops of
 unknown trip count in the loop body) are counted along the largest branches (sampling with
 filters, their fallback search) and along the smallest (what a greedy run of a mode=None program
@@ -55,6 +56,8 @@ def main() -> int:
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--cache-size", type=int, default=256)
   p.add_argument("--tries", type=int, default=2)
+  p.add_argument("--runs", type=int, default=5,
+                 help="runs of each compiled program, the two modes alternating; best kept")
   p.add_argument("--json", required=True)
   args = p.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
@@ -67,6 +70,7 @@ def main() -> int:
     for setting in args.settings.split(","):
       t, _, top_p = setting.partition("/")
       row = {"program": name, "temperature": float(t), "top_p": float(top_p or 1.0)}
+      runs = {}
       for label, mode in (("static", "auto"), ("dynamic", None)):
         sp = jax.tree.map(jnp.asarray, SamplingParams(row["temperature"], top_p=row["top_p"],
                                                       mode=mode))
@@ -83,6 +87,9 @@ def main() -> int:
                           spec=SpecConfig(gamma=3, max_new_tokens=N), cache_size=S)
 
         seconds, lowered, compiled = compile_seconds(lower, args.tries)
+        call_args = (model.params,) + (() if drafter is None else (drafter,)) + (
+            prompt, lengths, key, sp)
+        runs[label] = (compiled, call_args)
         launches = loop_launches(compiled.as_text())
         row[label] = {"mode": repr(sp.mode), "compile_s": seconds,
                       "host_syncs": launches["host_syncs"],
@@ -91,8 +98,19 @@ def main() -> int:
                       "conditionals": control_flow_sites(
                           lowered.compiler_ir("stablehlo"))["conditional"]}
       row["compile_dynamic_over_static"] = row["dynamic"]["compile_s"] / row["static"]["compile_s"]
+      best = {label: float("inf") for label in runs}
+      for label, (compiled, call_args) in runs.items():
+        jax.block_until_ready(compiled(*call_args))  # warm
+      for _ in range(args.runs):
+        for label, (compiled, call_args) in runs.items():
+          start = time.perf_counter()
+          jax.block_until_ready(compiled(*call_args))
+          best[label] = min(best[label], time.perf_counter() - start)
+      for label in runs:
+        row[label]["run_s"] = best[label]
+      row["run_dynamic_over_static"] = best["dynamic"] / best["static"]
       print({k: (v if not isinstance(v, dict) else {
-          x: v[x] for x in ("compile_s", "host_syncs", "host_syncs_smallest")})
+          x: v[x] for x in ("compile_s", "run_s", "host_syncs", "host_syncs_smallest")})
              for k, v in row.items()}, flush=True)
       rows.append(row)
   save_script_record({"model": args.model, "weights": args.weights,
