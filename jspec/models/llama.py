@@ -337,12 +337,17 @@ def write_slots(cache: Array, layer: int, slots: Array, new: Array, by_row: bool
   split over a mesh's `dp`, each device writes its own rows without gathering the others' new
   entries (one scatter over explicit row indices made XLA gather them: 4 all-gathers a layer).
   Weights on jspec's CPU kernels (never on a mesh) keep the one scatter: beside the native
-  attention XLA:CPU decoded 0.68x as fast with the vmapped write; XLA's dot runs alike)."""
+  attention XLA:CPU decoded 0.68x as fast with the vmapped write; XLA's dot runs alike).
+  The rows are written into the layer's own [B, S, K, D] slice, which then goes back in place:
+  a vmap over the stacked cache's batch axis made XLA:CPU copy the whole [L, B, S, K, D] cache
+  into a batch-major layout and back at every layer of a stacked scan (4 copies of the cache a
+  layer: O(L^2) bytes a token)."""
   if not by_row:
     rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
     return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
-  write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
-  return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
+  write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
+  own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
+  return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
