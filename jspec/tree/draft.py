@@ -33,10 +33,8 @@ NextLogits = Callable[[Tree, Array], Array]
 def _distributions(logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
   """(processed log q [..., V], ranking log-probs [..., V]: log-softmax of logits when greedy)."""
   logq = processed_logprobs(logits, sampling)
-  greedy = sampling.is_greedy
-  if isinstance(greedy, bool):  # static mode: only the ranking it uses
-    return logq, jax.nn.log_softmax(logits.astype(jnp.float32), -1) if greedy else logq
-  rank = jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
+  # A static mode's Python bool makes this select a constant one: XLA keeps only its side.
+  rank = jnp.where(sampling.is_greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
   return logq, rank
 
 
