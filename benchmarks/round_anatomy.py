@@ -35,20 +35,14 @@ import jax.numpy as jnp
 from jspec import data
 from jspec.bench.launches import control_flow_sites, loop_launches
 from jspec.bench.profiling import save_script_record
+from jspec.bench.programs import lower_decode
 from jspec.bench.round_split import best_seconds, forward_width_s
 from jspec.drafting.registry import load_drafter
-from jspec.generate import generate_tokens
 from jspec.io import compilation_cache
 from jspec.model import load
 from jspec.models.numerics import matmul_precision
 from jspec.sampling.processing import SamplingParams
-from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
-
-_ar = jax.jit(generate_tokens, static_argnums=(1,),
-              static_argnames=("max_new_tokens", "cache_size"))
-_spec = jax.jit(speculative_generate_tokens, static_argnums=(1,),
-                static_argnames=("spec", "cache_size"))
-
+from jspec.speculative.chain import SpecConfig
 
 def measure(name: str, lowered, args, tries: int, count_iterations) -> dict:
   start = time.perf_counter()
@@ -93,7 +87,6 @@ def main() -> int:
   # Arrays, as the engines receive them (jspec.decode.Batch); the mode stays static unless asked.
   mode = None if args.dynamic_sampling else "auto"
   sampling = jax.tree.map(jnp.asarray, SamplingParams(temperature=args.temperature, mode=mode))
-  ar_fn, spec_fn, traced = _ar, _spec, (sampling,)
   N, S = args.max_new_tokens, args.cache_size
   rows = []
   record = {"model": args.model, "weights": args.weights, "scan_layers": args.scan_layers,
@@ -112,17 +105,16 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(record, indent=1))
 
   with matmul_precision(args.precision):
-    ar = ar_fn.lower(model.params, model.cfg, prompt, lengths, key, *traced, max_new_tokens=N,
-                     cache_size=S)
-    add(measure("autoregressive", ar, (model.params, prompt, lengths, key, *traced),
-                args.tries, lambda out: (N, N)))
+    ar, call = lower_decode(model.params, model.cfg, prompt, lengths, key, sampling,
+                            max_new_tokens=N, cache_size=S)
+    add(measure("autoregressive", ar, call, args.tries, lambda out: (N, N)))
     spec = SpecConfig(gamma=args.gamma, max_new_tokens=N)
     for name in args.drafters.split(","):
       drafter = load_drafter(name, model, args.weights)
-      lowered = spec_fn.lower(model.params, model.cfg, drafter, prompt, lengths, key, *traced,
-                              spec=spec, cache_size=S)
-      add(measure(name, lowered, (model.params, drafter, prompt, lengths, key, *traced),
-                  args.tries, lambda out: (int(out.rounds.max()), int(out.lengths.max()))))
+      lowered, call = lower_decode(model.params, model.cfg, prompt, lengths, key, sampling,
+                                   drafter=drafter, spec=spec, cache_size=S)
+      add(measure(name, lowered, call, args.tries,
+                  lambda out: (int(out.rounds.max()), int(out.lengths.max()))))
     widths = tuple(int(w) for w in args.widths.split(","))
     forward = forward_width_s(model.params, model.cfg, widths, cache_size=S)
   record.update(complete=True, forward_ms={

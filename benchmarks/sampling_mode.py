@@ -25,22 +25,22 @@ import jax.numpy as jnp
 
 from jspec.bench.launches import control_flow_sites, loop_launches
 from jspec.bench.profiling import save_script_record
+from jspec.bench.programs import lower_decode
 from jspec.drafting.registry import load_drafter
-from jspec.generate import generate_tokens
 from jspec.model import load
 from jspec.sampling.processing import SamplingParams
-from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
 
 
 def compile_seconds(lower, tries: int) -> tuple[float, object, object]:
-  """(best compile seconds, the lowered program, its compiled form); each try starts from cleared
-  caches (JAX keeps compiled programs in memory otherwise)."""
+  """(best compile seconds, what `lower()` gave: (the lowered program, its call arguments), the
+  compiled form); each try starts from cleared caches (JAX keeps compiled programs in memory
+  otherwise)."""
   best, lowered, compiled = float("inf"), None, None
   for _ in range(tries):
     jax.clear_caches()
     lowered = lower()
     start = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered[0].compile()
     best = min(best, time.perf_counter() - start)
   return best, lowered, compiled
 
@@ -76,19 +76,10 @@ def main() -> int:
                                                       mode=mode))
 
         def lower():
-          if drafter is None:
-            fn = jax.jit(generate_tokens, static_argnums=1,
-                         static_argnames=("max_new_tokens", "cache_size"))
-            return fn.lower(model.params, model.cfg, prompt, lengths, key, sp,
-                            max_new_tokens=N, cache_size=S)
-          fn = jax.jit(speculative_generate_tokens, static_argnums=1,
-                       static_argnames=("spec", "cache_size"))
-          return fn.lower(model.params, model.cfg, drafter, prompt, lengths, key, sp,
-                          spec=SpecConfig(gamma=3, max_new_tokens=N), cache_size=S)
+          return lower_decode(model.params, model.cfg, prompt, lengths, key, sp,
+                              drafter=drafter, max_new_tokens=N, cache_size=S)
 
-        seconds, lowered, compiled = compile_seconds(lower, args.tries)
-        call_args = (model.params,) + (() if drafter is None else (drafter,)) + (
-            prompt, lengths, key, sp)
+        seconds, (lowered, call_args), compiled = compile_seconds(lower, args.tries)
         runs[label] = (compiled, call_args)
         launches = loop_launches(compiled.as_text())
         row[label] = {"mode": repr(sp.mode), "compile_s": seconds,

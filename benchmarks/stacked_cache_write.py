@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench.launches import _called, _trip_count, computations, opcode
+from jspec.bench.launches import _called, computations, opcode, tally
 from jspec.bench.profiling import save_script_record
+from jspec.bench.programs import lower_decode
 from jspec.drafting.registry import load_drafter
-from jspec.generate import generate_tokens
 from jspec.model import load
 from jspec.models import llama
 from jspec.sampling.processing import SamplingParams
-from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
 
 _CURRENT = llama.write_slots
 
@@ -44,23 +43,18 @@ def _before(cache, layer, slots, new, by_row):
 
 def cache_copies(hlo: str, shape: str) -> int:
   """Copies of arrays of `shape` (e.g. "30,1,256,3,64", any order of its dims) in one iteration
-  of the heaviest loop of the entry computation."""
+  of the heaviest loop of the entry computation (`jspec.bench.launches.tally`: nested loops times
+  their trip counts, conditionals by their largest branch)."""
   comps, entry = computations(hlo)
   dims = sorted(shape.split(","))
 
-  def walk(name: str, times: int) -> int:
-    n = 0
-    for line in comps.get(name, []):
-      op = opcode(line)
-      if op == "copy":
-        m = re.search(r"= \w+\[([0-9,]*)\]", line)
-        n += times * bool(m and sorted(m.group(1).split(",")) == dims)
-      elif op == "while":
-        n += walk(_called(line, "body"), times * (_trip_count(line) or 1))
-    return n
+  def copy_of_shape(line: str) -> bool:
+    found = re.search(r"= \w+\[([0-9,]*)\]", line)
+    return opcode(line) == "copy" and bool(found and sorted(found.group(1).split(",")) == dims)
 
   loops = [_called(line, "body") for line in comps[entry] if opcode(line) == "while"]
-  return max((walk(body, 1) for body in loops), default=0)
+  return max((sum(n for (op, _), n in tally(comps, body, keep=copy_of_shape).items()
+                  if op == "copy") for body in loops), default=0)
 
 
 def main() -> int:
@@ -87,18 +81,9 @@ def main() -> int:
       llama.write_slots = write
       jax.clear_caches()  # a trace of the other write must not be reused
       try:
-        if drafter is None:
-          fn = jax.jit(generate_tokens, static_argnums=1,
-                       static_argnames=("max_new_tokens", "cache_size"))
-          call = (model.params, prompt, lengths, key, sp)
-          compiled = fn.lower(model.params, model.cfg, prompt, lengths, key, sp,
-                              max_new_tokens=N, cache_size=S).compile()
-        else:
-          fn = jax.jit(speculative_generate_tokens, static_argnums=1,
-                       static_argnames=("spec", "cache_size"))
-          call = (model.params, drafter, prompt, lengths, key, sp)
-          compiled = fn.lower(model.params, model.cfg, drafter, prompt, lengths, key, sp,
-                              spec=SpecConfig(gamma=3, max_new_tokens=N), cache_size=S).compile()
+        lowered, call = lower_decode(model.params, model.cfg, prompt, lengths, key, sp,
+                                     drafter=drafter, max_new_tokens=N, cache_size=S)
+        compiled = lowered.compile()
       finally:
         llama.write_slots = _CURRENT
       programs[label] = compiled, call

@@ -143,3 +143,18 @@ def test_host_syncs_along_the_smallest_branches():
   text = jax.jit(run).lower(jnp.ones((8, 8)), True, False, 3).compile().as_text()
   found = loop_launches(text)
   assert (found["host_syncs"], found["host_syncs_smallest"]) == (2, 1), found
+
+
+def test_tally_counts_only_what_keep_accepts_through_loops_and_branches():
+  from jspec.bench.launches import _called, computations, opcode, tally
+
+  hlo = _program(9, heavy_branch=True)
+  comps, entry = computations(hlo)
+  body = next(_called(line, "body") for line in comps[entry] if opcode(line) == "while")
+  dots = tally(comps, body, keep=lambda line: source(line).endswith("dot_general"))
+  everything = tally(comps, body)
+  control = {"conditional", "while"}
+  assert sum(n for (op, _), n in dots.items() if op not in control) == 9  # the scan's, times 9
+  assert all(where.endswith("dot_general") for op, where in dots if op not in control)
+  assert sum(n for (op, _), n in dots.items() if op == "conditional") == 1  # followed, counted
+  assert sum(everything.values()) > sum(dots.values())

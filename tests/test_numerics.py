@@ -117,3 +117,29 @@ def test_precision_names_are_checked(tiny):
   with pytest.raises(ValueError, match="precision must be"):
     with matmul_precision("bf16"):
       pass
+
+
+def test_benchmark_programs_compile_with_the_engines_cpu_options(tiny, monkeypatch):
+  """jspec.bench.programs.lower_decode jits as engine_jit does: the CPU's compiler options reach
+  the compile (a bogus one makes it fail), and its AR and chain programs decode alike."""
+  import jspec.bench.programs as programs
+  from jspec.sampling.processing import SamplingParams
+
+  prompt = jnp.asarray([[3, 1, 4, 1, 5, 0, 0, 0]], jnp.int32)
+  lengths, key = jnp.asarray([5], jnp.int32), jax.random.key(0)
+  sampling = jax.tree.map(jnp.asarray, SamplingParams())
+  lowered, call = programs.lower_decode(tiny.params, CFG, prompt, lengths, key, sampling,
+                                        max_new_tokens=6, cache_size=32)
+  ar = lowered.compile()(*call)
+  lowered, call = programs.lower_decode(tiny.params, CFG, prompt, lengths, key, sampling,
+                                        drafter=self_drafter(tiny.params, CFG),
+                                        max_new_tokens=6, cache_size=32)
+  chain = lowered.compile()(*call)
+  np.testing.assert_array_equal(np.asarray(chain.tokens)[:, :6], np.asarray(ar.tokens)[:, :6])
+  if jax.default_backend() != "cpu":
+    return
+  monkeypatch.setattr(programs, "cpu_compiler_options", lambda: {"xla_no_such_option": "1"})
+  lowered, _ = programs.lower_decode(tiny.params, CFG, prompt, lengths, key, sampling,
+                                     max_new_tokens=6, cache_size=32)
+  with pytest.raises(Exception, match="xla_no_such_option"):
+    lowered.compile()

@@ -72,12 +72,14 @@ def _trip_count(line: str) -> int | None:
 
 def tally(comps: dict[str, list[str]], name: str, times: int = 1,
           counts: collections.Counter | None = None, depth: int = 3,
-          branch: Callable = max) -> collections.Counter:
+          branch: Callable = max, keep: Callable[[str], bool] | None = None
+          ) -> collections.Counter:
   """Launches of one run of computation `name`, keyed (opcode, source): nested loops expanded by
   their known trip count (once when unknown), conditionals by their largest branch (`branch=min`:
   the smallest), calls inlined. What makes the host wait counts too: a conditional (on a GPU its
   predicate goes to the host before the branch is launched) and a while loop of unknown trip
-  count (the same, each iteration; counted once)."""
+  count (the same, each iteration; counted once). `keep(line)`: count only the instructions it
+  accepts (e.g. copies of one shape); loops, conditionals and calls are followed either way."""
   counts = collections.Counter() if counts is None else counts
   for line in comps.get(name, []):
     op = opcode(line)
@@ -85,16 +87,16 @@ def tally(comps: dict[str, list[str]], name: str, times: int = 1,
       trips = _trip_count(line)
       if trips is None:
         counts[("while", source(line, depth))] += times
-      tally(comps, _called(line, "body"), times * (trips or 1), counts, depth, branch)
-      tally(comps, _called(line, "condition"), times * ((trips or 1) + 1), counts, depth, branch)
+      for part, runs in (("body", trips or 1), ("condition", (trips or 1) + 1)):
+        tally(comps, _called(line, part), times * runs, counts, depth, branch, keep)
     elif op == "conditional":
-      branches = [tally(comps, b, times, None, depth, branch) for b in _branches(line)]
+      branches = [tally(comps, b, times, None, depth, branch, keep) for b in _branches(line)]
       counts.update(branch(branches, key=lambda c: sum(c.values()),
                            default=collections.Counter()))
       counts[("conditional", source(line, depth))] += times
     elif op == "call" and _called(line, "to_apply"):
-      tally(comps, _called(line, "to_apply"), times, counts, depth, branch)
-    elif op not in FREE_OPS:
+      tally(comps, _called(line, "to_apply"), times, counts, depth, branch, keep)
+    elif op not in FREE_OPS and (keep is None or keep(line)):
       counts[(op, source(line, depth))] += times
   return counts
 

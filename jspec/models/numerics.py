@@ -79,6 +79,12 @@ def _cpu_knows_options() -> bool:
     return False
 
 
+def cpu_compiler_options() -> dict:
+  """COMPILER_OPTIONS where this jaxlib knows them, else {}: what to pass `jax.jit` for a program
+  that runs on the CPU, compiled as the engines compile theirs."""
+  return dict(COMPILER_OPTIONS) if _cpu_knows_options() else {}
+
+
 def _platform(args) -> str | None:
   """Where a call runs: the platform of its first committed array (placed with device_put),
   else the default device's (`jax.default_device`), else the default backend; None when called
@@ -105,7 +111,7 @@ def engine_jit(fn, **kwargs):
 
   @functools.wraps(fn)
   def run(*args, precision: str = "fast", **kw):
-    cpu = _platform((args, kw)) == "cpu" and _cpu_knows_options()
+    cpu = _platform((args, kw)) == "cpu" and bool(cpu_compiler_options())
     with matmul_precision(precision):
       return (with_options if cpu else plain)(*args, **kw)
 

@@ -1,0 +1,45 @@
+"""A decoding program lowered for study: autoregressive `generate_tokens` or
+`speculative_generate_tokens` with a chain drafter, jitted as the engines jit them (the CPU's
+COMPILER_OPTIONS where it runs on the CPU), for benchmarks that read the compiled HLO, time a
+compile, or run one program many times side by side with another.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jspec.drafting.base import Drafter
+from jspec.generate import generate_tokens
+from jspec.models.config import Config
+from jspec.models.llama import Params
+from jspec.models.numerics import cpu_compiler_options
+from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+
+
+def lower_decode(params: Params, cfg: Config, prompt: jax.Array, lengths: jax.Array,
+                 key: jax.Array, sampling: SamplingParams = GREEDY, *,
+                 drafter: Drafter | None = None, spec: SpecConfig | None = None,
+                 max_new_tokens: int | None = None, cache_size: int) -> tuple:
+  """(the lowered program, the arguments its compiled form takes). Autoregressive when `drafter`
+  is None (`max_new_tokens` tokens), else a speculative chain under `spec` (`max_new_tokens`,
+  when given instead, makes SpecConfig(gamma=3, max_new_tokens)). Lowered now, so a caller that
+  swaps a jspec function first (benchmarks comparing two versions) gets the one in place."""
+  options = cpu_compiler_options() if jax.default_backend() == "cpu" else {}
+  if drafter is None:
+    if max_new_tokens is None:
+      raise ValueError("an autoregressive program needs max_new_tokens")
+    fn = jax.jit(generate_tokens, static_argnums=1, compiler_options=options,
+                 static_argnames=("max_new_tokens", "cache_size"))
+    lowered = fn.lower(params, cfg, prompt, lengths, key, sampling,
+                       max_new_tokens=max_new_tokens, cache_size=cache_size)
+    return lowered, (params, prompt, lengths, key, sampling)
+  if spec is None:
+    if max_new_tokens is None:
+      raise ValueError("a speculative program needs spec= or max_new_tokens")
+    spec = SpecConfig(gamma=3, max_new_tokens=max_new_tokens)
+  fn = jax.jit(speculative_generate_tokens, static_argnums=1, compiler_options=options,
+               static_argnames=("spec", "cache_size"))
+  lowered = fn.lower(params, cfg, drafter, prompt, lengths, key, sampling, spec=spec,
+                     cache_size=cache_size)
+  return lowered, (params, drafter, prompt, lengths, key, sampling)
