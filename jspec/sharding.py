@@ -245,6 +245,16 @@ class VocabSplit:
   batch: str | None
 
 
+def rows_split() -> bool:
+  """Whether the engine being traced (`traced_under_placement`) splits the batch over a mesh axis
+  of more than one device: then each device should write its own rows of the cache."""
+  placement = _TRACING.get()
+  if placement is None:
+    return False
+  mesh, rules = placement.mesh, placement.rules
+  return rules.batch in mesh.axis_names and mesh.shape[rules.batch] > 1
+
+
 def vocab_split(vocab_size: int) -> VocabSplit | None:
   """The vocabulary split of the engine being traced (`traced_under_placement`); None off a mesh,
   where the vocabulary is not split, or where the split does not divide `vocab_size`."""

@@ -134,6 +134,23 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
           "by_source": dict(by_source.most_common(top)), "loop_trip_count": trips}
 
 
+def copies_of_shape(hlo_text: str, shape: tuple[int, ...]) -> int:
+  """Copies of arrays of `shape` (its dims in any order: a layout change counts) run in one
+  iteration of the entry computation's heaviest loop by that count (nested loops times their trip
+  counts, conditionals by their largest branch): e.g. whole-KV-cache copies a decode step."""
+  comps, entry = computations(hlo_text)
+  dims = sorted(shape)
+
+  def copy_of_shape(line: str) -> bool:
+    found = re.search(r"= \w+\[([0-9,]*)\]", line)
+    return (opcode(line) == "copy" and found is not None
+            and sorted(int(d) for d in found.group(1).split(",") if d) == dims)
+
+  loops = [_called(line, "body") for line in comps.get(entry, []) if opcode(line) == "while"]
+  return max((sum(n for (op, _), n in tally(comps, body, keep=copy_of_shape).items()
+                  if op == "copy") for body in loops), default=0)
+
+
 _FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')
 # Helpers that only pass a lax.cond through: a site names the function that called them.
 _PASS_THROUGH = ("switch",)

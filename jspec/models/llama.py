@@ -24,7 +24,7 @@ from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config, rope_frequencies
 from jspec.models.numerics import engine_jit
-from jspec.sharding import ArraySpec, Placement, is_spec
+from jspec.sharding import ArraySpec, Placement, is_spec, rows_split
 
 Array = jax.Array
 
@@ -329,22 +329,24 @@ def _native_attention_bwd(layer, res, dout):
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
-def write_slots(cache: Array, layer: int, slots: Array, new: Array, by_row: bool) -> Array:
+def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_row: bool) -> Array:
   """cache [L, B, S, K, D] with new [B, T, K, D] written at layer `layer`, slots [B, T] of each
   row. Slots past the cache end are dropped (callers validate capacity before they get here).
 
-  by_row: written row by row (vmap), so the scatter names the batch as a batching dimension:
-  split over a mesh's `dp`, each device writes its own rows without gathering the others' new
-  entries (one scatter over explicit row indices made XLA gather them: 4 all-gathers a layer).
-  Weights on jspec's CPU kernels (never on a mesh) keep the one scatter: beside the native
-  attention XLA:CPU decoded 0.68x as fast with the vmapped write; XLA's dot runs alike).
-  The rows are written into the layer's own [B, S, K, D] slice, which then goes back in place:
-  a vmap over the stacked cache's batch axis made XLA:CPU copy the whole [L, B, S, K, D] cache
-  into a batch-major layout and back at every layer of a stacked scan (4 copies of the cache a
-  layer: O(L^2) bytes a token)."""
+  by_row (the batch split over a mesh's `dp`, `jspec.sharding.rows_split`): written row by row,
+  so the scatter names the batch as a batching dimension and each device writes its own rows
+  (one scatter over explicit row indices made XLA gather the others' new entries: 4 all-gathers
+  a layer). Otherwise one scatter, which XLA:CPU does in place in every layout; the row-by-row
+  forms cost whole-cache copies there (benchmarks/README, "cache write"): a vmap over the
+  stacked cache's batch axis inside the layer scan (4 a layer), and the layer's slice written
+  and put back where the layers are unrolled (2 a layer: the next layer's read is fused against
+  the old buffer). So row by row, a static layer takes the vmap, a traced one the slice."""
   if not by_row:
     rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
     return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
+  if isinstance(layer, int):
+    write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
+    return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
   write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
   own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
   return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
@@ -367,7 +369,7 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array
       q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
       k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    by_row = quant.attention_kernel(lp) != "native"
+    by_row = rows_split()  # never with the native kernels: they are refused on a mesh
     k_cache = write_slots(k_cache, i, slots, k, by_row)
     v_cache = write_slots(v_cache, i, slots, v, by_row)
     out = attend(q, k_cache, v_cache, i)
