@@ -7,8 +7,9 @@ compiled once per form of `write_slots`, then run alternately.
 Forms: "vmap" (up to session 34, off a mesh too: a vmap over the [L, B, S, K, D] cache's batch
 axis; XLA:CPU copied the whole stacked cache into a batch-major layout and back at every layer of
 the scan), "slice" (session 35: the rows written into the layer's own slice, put back in place;
-where the layers are unrolled, XLA:CPU copied the whole cache twice a layer), "now" (the one
-scatter off a mesh, `jspec.models.llama.write_slots`).
+where the layers are unrolled, XLA:CPU copied the whole cache twice a layer), "now"
+(`jspec.models.llama.write_slots` since session 36: the slice form for stacked layers, one
+scatter over explicit rows for unrolled ones off a mesh).
 
 Per program: seconds for `--max-new-tokens` tokens (best of `--runs`), each form's speed-up over
 the first, full-cache copies a loop iteration (copies whose shape is the cache's, nested loops

@@ -333,23 +333,23 @@ def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_r
   """cache [L, B, S, K, D] with new [B, T, K, D] written at layer `layer`, slots [B, T] of each
   row. Slots past the cache end are dropped (callers validate capacity before they get here).
 
-  by_row (the batch split over a mesh's `dp`, `jspec.sharding.rows_split`): written row by row,
-  so the scatter names the batch as a batching dimension and each device writes its own rows
-  (one scatter over explicit row indices made XLA gather the others' new entries: 4 all-gathers
-  a layer). Otherwise one scatter, which XLA:CPU does in place in every layout; the row-by-row
-  forms cost whole-cache copies there (benchmarks/README, "cache write"): a vmap over the
-  stacked cache's batch axis inside the layer scan (4 a layer), and the layer's slice written
-  and put back where the layers are unrolled (2 a layer: the next layer's read is fused against
-  the old buffer). So row by row, a static layer takes the vmap, a traced one the slice."""
-  if not by_row:
-    rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
-    return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
-  if isinstance(layer, int):
+  Each form is the one XLA:CPU runs in place (benchmarks/cache_write.py; the others copied the
+  whole cache): a traced layer (stacked layers' scan) writes the rows into the layer's own
+  [B, S, K, D] slice and puts it back (a vmap over the stacked cache's batch axis made 4 copies
+  a layer; one scatter ran 0.91x as fast); a static layer (unrolled) takes one scatter over
+  explicit rows (the slice form made 2 copies a layer: the next layer's read was fused against
+  the old buffer), or, by_row (the batch split over a mesh's `dp`, `jspec.sharding.rows_split`),
+  a vmap whose scatter names the batch as a batching dimension, so each device writes its own
+  rows (explicit row indices made XLA gather the others' new entries: 4 all-gathers a layer)."""
+  if not isinstance(layer, int):
+    write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
+    own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
+    return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
+  if by_row:
     write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
     return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
-  write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
-  own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
-  return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
+  rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
+  return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
 def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
