@@ -8,6 +8,7 @@
 #   bash benchmarks/run_gpu_lease.sh tests     # the KV and kernel tests, compiled
 #   bash benchmarks/run_gpu_lease.sh table     # #20's training-free drafters, greedy (+ T=1)
 #   bash benchmarks/run_gpu_lease.sh anatomy   # launches, conditionals and ms per round
+#   bash benchmarks/run_gpu_lease.sh cachewrite  # the KV cache write's forms, both layouts
 #
 # Every stage needs the gguf wheel (jspec's CLI imports it): carry .devcarry/c/whl in each call
 # and start it with `python3 -m pip install -q --no-index --no-deps --target /tmp/site
@@ -127,5 +128,17 @@ anatomy)  # where a speculative round's time goes on this GPU (session 34: a rou
       | grep '|' | tail -7
   done
   ;;
-*) echo "usage: $0 prepare|kernels|tests|table|anatomy" >&2; exit 2 ;;
+cachewrite)  # session 36 chose each layout's write form on XLA:CPU; is it XLA:GPU's best too?
+  assemble_model
+  export JSPEC_COMPILATION_CACHE=/root/xla
+  # AR and an ngram chain in every form (vmap: sessions <= 34, slice: 35, now: 36), seconds and
+  # whole-cache copies a loop iteration. Unrolled first: it is what a GPU runs without
+  # --scan-layers, and session 36 moved it to one scatter, never timed on a GPU before.
+  for layout in ${LAYOUTS:-unrolled stacked}; do
+    timeout -s INT "${CACHE_S:-150}" python3 benchmarks/cache_write.py --layout "$layout" \
+      --drafters ngram --runs 5 --json "$OUT/cache_write_${layout}_gpu.json" 2>&1 \
+      | grep "'program'"
+  done
+  ;;
+*) echo "usage: $0 prepare|kernels|tests|table|anatomy|cachewrite" >&2; exit 2 ;;
 esac
