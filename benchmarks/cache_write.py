@@ -29,27 +29,19 @@ from jspec.bench.launches import copies_of_shape
 from jspec.bench.profiling import save_script_record
 from jspec.bench.programs import lower_decode
 from jspec.drafting.registry import load_drafter
+from jspec.io import compilation_cache
 from jspec.model import load
 from jspec.models import llama
 from jspec.sampling.processing import SamplingParams
 
 _NOW = llama.write_slots
-
-
-def _vmap(cache, layer, slots, new, by_row):
-  """write_slots of XLA-dot weights up to session 34."""
-  write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
-  return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
-
-
-def _slice(cache, layer, slots, new, by_row):
-  """write_slots of XLA-dot weights in session 35."""
-  write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
-  own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
-  return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
-
-
-FORMS = {"vmap": _vmap, "slice": _slice, "now": _NOW}
+# Each form as write_slots took it: sessions <= 34 wrote every XLA-dot program row by row, 35
+# through the layer's slice.
+FORMS = {"vmap": lambda cache, layer, slots, new, by_row: llama.write_rows_batched(
+             cache, layer, slots, new),
+         "slice": lambda cache, layer, slots, new, by_row: llama.write_layer_slice(
+             cache, layer, slots, new),
+         "now": _NOW}
 
 
 def main() -> int:
@@ -66,6 +58,7 @@ def main() -> int:
   p.add_argument("--runs", type=int, default=5)
   p.add_argument("--json", required=True)
   args = p.parse_args()
+  compilation_cache.enable()  # $JSPEC_COMPILATION_CACHE: a rerun on a warm machine loads them
   model = load(args.model, args.weights, scan_layers=args.layout == "stacked")
   forms = args.forms.split(",")
   prompt, lengths, key = jnp.zeros((1, 64), jnp.int32), jnp.asarray([10]), jax.random.key(0)
@@ -102,10 +95,10 @@ def main() -> int:
            "same_tokens": all(np.array_equal(np.asarray(outs[first].tokens),
                                              np.asarray(outs[label].tokens)) for label in forms)}
     print(row, flush=True)
-    rows.append(row)
-  save_script_record({"model": args.model, "weights": args.weights, "layers": args.layout,
-                      "max_new_tokens": N, "cache_size": S, "greedy": True, "rows": rows},
-                     args.json)
+    rows.append(row)  # saved row by row: a lease's time limit may cut the run
+    save_script_record({"model": args.model, "weights": args.weights, "layers": args.layout,
+                        "forms": forms, "max_new_tokens": N, "cache_size": S, "greedy": True,
+                        "rows": rows}, args.json)
   return 0
 
 

@@ -44,6 +44,7 @@ from jspec.models.numerics import matmul_precision
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig
 
+
 def measure(name: str, lowered, args, tries: int, count_iterations) -> dict:
   start = time.perf_counter()
   compiled = lowered.compile()

@@ -118,11 +118,15 @@ anatomy)  # where a speculative round's time goes on this GPU (session 34: a rou
   # beats dynamic and graphs beats plain. Each run compiles its own programs (new flags or modes
   # miss the compile cache): ~200 s cold on an H100, so give a call one or two runs
   # (ANATOMY_RUNS="plain dynamic", then ANATOMY_RUNS=graphs) if ANATOMY_S is cut short.
+  # dsfusion: stacked layers slice each layer's weights out of the stacked arrays every step; on
+  # XLA:CPU that is a copy of every weight a token (session 36: ~425 MB on the default model).
+  # XLA:GPU's dynamic-slice fusion (off by default) hands cuBLAS the slice in place instead.
   GRAPHS=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
-  for run in ${ANATOMY_RUNS:-plain dynamic graphs}; do
+  for run in ${ANATOMY_RUNS:-plain dynamic graphs dsfusion}; do
     flags=() extra=()
     [ "$run" = dynamic ] && extra=(--dynamic-sampling)
     [ "$run" = graphs ] && flags=(XLA_FLAGS="--xla_gpu_enable_command_buffer=$GRAPHS")
+    [ "$run" = dsfusion ] && flags=(XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true")
     env "${flags[@]}" timeout -s INT "${ANATOMY_S:-180}" python3 benchmarks/round_anatomy.py $A \
       "${extra[@]}" --json "$OUT/round_anatomy_${run}_gpu.json" 2>&1 | grep -v -i warn \
       | grep '|' | tail -7

@@ -31,18 +31,18 @@ from jspec.model import load
 from jspec.sampling.processing import SamplingParams
 
 
-def compile_seconds(lower, tries: int) -> tuple[float, object, object]:
+def compile_seconds(lower, tries: int) -> tuple[float, tuple, object]:
   """(best compile seconds, what `lower()` gave: (the lowered program, its call arguments), the
   compiled form); each try starts from cleared caches (JAX keeps compiled programs in memory
   otherwise)."""
-  best, lowered, compiled = float("inf"), None, None
+  best, program, compiled = float("inf"), None, None
   for _ in range(tries):
     jax.clear_caches()
-    lowered = lower()
+    program = lower()  # (lowered, call arguments)
     start = time.perf_counter()
-    compiled = lowered[0].compile()
+    compiled = program[0].compile()
     best = min(best, time.perf_counter() - start)
-  return best, lowered, compiled
+  return best, program, compiled
 
 
 def main() -> int:

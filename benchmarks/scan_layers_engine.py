@@ -38,7 +38,7 @@ def measure(model, weights: str, method: str, prompts, n: int, gamma: int) -> di
   drafter = None if method == "none" else load_drafter(method, model, weights)
   with CompileCounter() as counter:  # every prompt's buckets: their programs are built here
     run(model, drafter, prompts, n, gamma)
-  with CompileCounter() as timed:  # so the timed pass compiles nothing (session 36: it did)
+  with CompileCounter() as timed:  # nothing compiles here (until session 36 the other buckets did)
     outs, seconds = run(model, drafter, prompts, n, gamma)
   new = sum(len(o.sequences()[0]) for o in outs)
   record = {"method": method, "compile_s": counter.seconds, "programs_built": counter.built,

@@ -137,18 +137,29 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
 def copies_of_shape(hlo_text: str, shape: tuple[int, ...]) -> int:
   """Copies of arrays of `shape` (its dims in any order: a layout change counts) run in one
   iteration of the entry computation's heaviest loop by that count (nested loops times their trip
-  counts, conditionals by their largest branch): e.g. whole-KV-cache copies a decode step."""
+  counts, conditionals by their largest branch): e.g. whole-KV-cache copies a decode step. A copy
+  is a `copy`, `copy-start` or `transpose` instruction of that shape, or a fusion whose root is
+  one (XLA:GPU wraps the copies it inserts in fusions)."""
   comps, entry = computations(hlo_text)
   dims = sorted(shape)
+  moves = ("copy", "copy-start", "transpose")
+
+  def of_shape(line: str) -> bool:
+    found = re.search(r"= \(?\w+\[([0-9,]*)\]", line)
+    return found is not None and sorted(int(d) for d in found.group(1).split(",") if d) == dims
+
+  def root_moves(name: str | None) -> bool:
+    root = next((line for line in comps.get(name, []) if line.lstrip().startswith("ROOT")), "")
+    return opcode(root) in moves
 
   def copy_of_shape(line: str) -> bool:
-    found = re.search(r"= \w+\[([0-9,]*)\]", line)
-    return (opcode(line) == "copy" and found is not None
-            and sorted(int(d) for d in found.group(1).split(",") if d) == dims)
+    op = opcode(line)
+    moved = op in moves or (op == "fusion" and root_moves(_called(line, "calls")))
+    return moved and of_shape(line)
 
   loops = [_called(line, "body") for line in comps.get(entry, []) if opcode(line) == "while"]
   return max((sum(n for (op, _), n in tally(comps, body, keep=copy_of_shape).items()
-                  if op == "copy") for body in loops), default=0)
+                  if op not in ("conditional", "while")) for body in loops), default=0)
 
 
 _FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')

@@ -31,6 +31,8 @@ def lower_decode(params: Params, cfg: Config, prompt: jax.Array, lengths: jax.Ar
   when given instead, makes SpecConfig(gamma=3, max_new_tokens)) or a tree under a
   TreeSpecConfig; `kv`: the target's KV budget. Lowered now, so a caller that swaps a jspec
   function first (benchmarks comparing two versions) gets the one in place."""
+  # Where the default backend runs it (engine_jit reads the arguments' placement instead: a
+  # benchmark's arguments are uncommitted arrays on the default device).
   options = cpu_compiler_options() if jax.default_backend() == "cpu" else {}
   if drafter is None:
     if max_new_tokens is None:

@@ -4,9 +4,9 @@ Two layouts of the same weights, one forward. By default each layer owns its arr
 loop is unrolled: jspec's CPU kernels (the default float32, int8 and q4 formats on CPU) and the
 Pallas tree attention take a static layer. `stack_layers` stacks every layer's arrays on a leading
 axis and the decoder becomes one `lax.scan`: one traced layer instead of L, so a program compiles
-in a fraction of the time (2-4x faster through the whole engine on CPU, 4.3x for a decode step on
-an H100 at equal decode speed: benchmarks/README.md, "Compile time"), which is what accelerators
-and deep targets need. The stacked KV cache is written in place either way.
+in a fraction of the time (2.8-3.8x faster through the whole engine on CPU, 4.3x for a decode
+step on an H100 at equal decode speed: benchmarks/README.md, "Compile time"), which is what
+accelerators and deep targets need. The stacked KV cache is written in place either way.
 """
 
 from __future__ import annotations
@@ -162,8 +162,9 @@ def stack_layers(params: Params) -> Params:
     raise ValueError("stacked layers (--scan-layers) run XLA's dots and attention, and these "
                      "weights are in jspec's CPU-kernel format (--weights float32, int8 or q4 on "
                      "CPU). Fix: --weights float32-xla, bfloat16 or int8-xla with --scan-layers, "
-                     "or drop --scan-layers (on CPU the default format, unrolled, decodes up to "
-                     "~13% faster; benchmarks/README.md, \"Compile time\").")
+                     "or drop --scan-layers (on CPU the default format, unrolled, decodes "
+                     "1.2-1.5x faster with most drafters; benchmarks/README.md, \"Compile "
+                     "time\").")
   return dataclasses.replace(params, layers=_stacked(tuple(params.layers)))
 
 
@@ -329,30 +330,46 @@ def _native_attention_bwd(layer, res, dout):
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
-def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_row: bool) -> Array:
-  """cache [L, B, S, K, D] with new [B, T, K, D] written at layer `layer`, slots [B, T] of each
-  row. Slots past the cache end are dropped (callers validate capacity before they get here).
+def write_rows_batched(cache: Array, layer: int | Array, slots: Array, new: Array) -> Array:
+  """write_slots' form for a batch split over a mesh: a vmap over the cache's batch axis, so the
+  scatter names the batch as a batching dimension and each device writes its own rows."""
+  write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
+  return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
 
-  Each form is the one XLA:CPU runs in place (benchmarks/cache_write.py; the others copied the
-  whole cache): a traced layer (stacked layers' scan) writes the rows into the layer's own
-  [B, S, K, D] slice and puts it back (a vmap over the stacked cache's batch axis made 4 copies
-  a layer; one scatter ran 0.91x as fast); a static layer (unrolled) takes one scatter over
-  explicit rows (the slice form made 2 copies a layer: the next layer's read was fused against
-  the old buffer), or, by_row (the batch split over a mesh's `dp`, `jspec.sharding.rows_split`),
-  a vmap whose scatter names the batch as a batching dimension, so each device writes its own
-  rows (explicit row indices made XLA gather the others' new entries: 4 all-gathers a layer)."""
-  if not isinstance(layer, int):
-    write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
-    own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
-    return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
-  if by_row:
-    write = lambda c, s, n: c.at[layer, s].set(n.astype(c.dtype), mode="drop")
-    return jax.vmap(write, in_axes=(1, 0, 0), out_axes=1)(cache, slots, new)
+
+def write_layer_slice(cache: Array, layer: int | Array, slots: Array, new: Array) -> Array:
+  """write_slots' form for a traced layer: the rows go into the layer's own [B, S, K, D] slice,
+  which goes back in place."""
+  write = lambda c, s, n: c.at[s].set(n.astype(c.dtype), mode="drop")  # one row's [S, K, D]
+  own = jax.vmap(write)(jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False), slots, new)
+  return jax.lax.dynamic_update_index_in_dim(cache, own, layer, 0)
+
+
+def write_one_scatter(cache: Array, layer: int | Array, slots: Array, new: Array) -> Array:
+  """write_slots' form for a static layer off a mesh: one scatter over explicit rows."""
   rows = jnp.arange(new.shape[0])[:, None]  # [B, 1]
   return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
-def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int, k_cache: Array,
+def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_row: bool) -> Array:
+  """cache [L, B, S, K, D] with new [B, T, K, D] written at layer `layer`, slots [B, T] of each
+  row. Slots past the cache end are dropped (callers validate capacity before they get here).
+
+  Each layout gets the form XLA:CPU runs in place (benchmarks/README.md, "The KV cache write";
+  the others copied the whole cache in some programs): a traced layer (stacked layers' scan), its
+  slice (the batched vmap made 4 copies a layer; one scatter ran 0.91x as fast); a static layer
+  (unrolled), one scatter (the slice made 2 copies a layer in autoregressive and `skip` programs:
+  the next layer's read was fused against the old buffer), or, by_row (the batch split over a
+  mesh's `dp`, `jspec.sharding.rows_split`), the batched vmap, so each device writes its own rows
+  (explicit row indices made XLA gather the others' new entries: 4 all-gathers a layer)."""
+  if isinstance(layer, jax.core.Tracer):
+    return write_layer_slice(cache, layer, slots, new)
+  if by_row:
+    return write_rows_batched(cache, layer, slots, new)
+  return write_one_scatter(cache, layer, slots, new)
+
+
+def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int | Array, k_cache: Array,
                   v_cache: Array, cos: Array, sin: Array, slots: Array, attend: Callable,
                   attn_in: Optional[Array] = None):
   """Decoder layer `i`; writes its new K/V into the stacked cache at `slots`. attn_in: what the
@@ -629,6 +646,8 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
 
 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.
+# Not traced under a placement: on a batch-sharded cache its write is one scatter over explicit
+# rows, correct but gathered over dp (the engines, `traced_under_placement`, write row by row).
 forward_jit = engine_jit(forward, static_argnums=(1,), donate_argnames=("cache",))
 
 

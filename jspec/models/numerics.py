@@ -111,7 +111,7 @@ def engine_jit(fn, **kwargs):
 
   @functools.wraps(fn)
   def run(*args, precision: str = "fast", **kw):
-    cpu = _platform((args, kw)) == "cpu" and bool(cpu_compiler_options())
+    cpu = _platform((args, kw)) == "cpu" and _cpu_knows_options()
     with matmul_precision(precision):
       return (with_options if cpu else plain)(*args, **kw)
 
