@@ -52,7 +52,8 @@ def main() -> int:
   p.add_argument("--layout", choices=("stacked", "unrolled"), default="stacked")
   p.add_argument("--forms", default="vmap,slice,now", help=f"of {sorted(FORMS)}; the first is "
                  "the baseline of the speed-ups")
-  p.add_argument("--drafters", default="ngram,default,skip:10", help="chain drafters beside AR")
+  p.add_argument("--drafters", default="ngram,default,skip:10",
+                 help="chain drafters beside AR ('' for AR alone)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--cache-size", type=int, default=256)
   p.add_argument("--runs", type=int, default=5)
@@ -67,7 +68,7 @@ def main() -> int:
   c = model.cfg
   shape = (c.num_layers, 1, S, c.num_kv_heads, c.head_dim)
   rows = []
-  for name in ["autoregressive"] + args.drafters.split(","):
+  for name in ["autoregressive"] + [d for d in args.drafters.split(",") if d]:
     drafter = None if name == "autoregressive" else load_drafter(name, model, args.weights)
     programs = {}
     for label in forms:

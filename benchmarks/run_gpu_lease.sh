@@ -137,11 +137,12 @@ cachewrite)  # session 36 chose each layout's write form on XLA:CPU; is it XLA:G
   export JSPEC_COMPILATION_CACHE=/root/xla
   # AR and an ngram chain in every form (vmap: sessions <= 34, slice: 35, now: 36), seconds and
   # whole-cache copies a loop iteration. Unrolled first: it is what a GPU runs without
-  # --scan-layers, and session 36 moved it to one scatter, never timed on a GPU before.
+  # --scan-layers, and session 36 moved it to one scatter, never timed on a GPU before. XLA:GPU
+  # compiles unrolled programs slowly (session 31): CW_FORMS=slice,now CW_DRAFTERS= for 2 programs.
   for layout in ${LAYOUTS:-unrolled stacked}; do
     timeout -s INT "${CACHE_S:-150}" python3 benchmarks/cache_write.py --layout "$layout" \
-      --drafters ngram --runs 5 --json "$OUT/cache_write_${layout}_gpu.json" 2>&1 \
-      | grep "'program'"
+      --forms "${CW_FORMS:-vmap,slice,now}" --drafters "${CW_DRAFTERS-ngram}" --runs 5 \
+      --json "$OUT/cache_write_${layout}_gpu.json" 2>&1 | grep "'program'"
   done
   ;;
 *) echo "usage: $0 prepare|kernels|tests|table|anatomy|cachewrite" >&2; exit 2 ;;
