@@ -357,11 +357,12 @@ def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_r
 
   Each layout gets the form XLA:CPU runs in place (benchmarks/README.md, "The KV cache write";
   the others copied the whole cache in some programs): a traced layer (stacked layers' scan), its
-  slice (the batched vmap made 4 copies a layer; one scatter ran 0.91x as fast); a static layer
-  (unrolled), one scatter (the slice made 2 copies a layer in autoregressive and `skip` programs:
-  the next layer's read was fused against the old buffer), or, by_row (the batch split over a
-  mesh's `dp`, `jspec.sharding.rows_split`), the batched vmap, so each device writes its own rows
-  (explicit row indices made XLA gather the others' new entries: 4 all-gathers a layer)."""
+  slice (the batched vmap made 4 copies a layer; one scatter ran 0.91-0.97x as fast); a static
+  layer (unrolled), one scatter (the slice made 2 copies a layer in autoregressive and `skip`
+  programs: the next layer's read was fused against the old buffer), or, by_row (the batch split
+  over a mesh's `dp`, `jspec.sharding.rows_split`), the batched vmap, so each device writes its
+  own rows (explicit row indices made XLA gather the others' new entries: 4 all-gathers a
+  layer)."""
   if isinstance(layer, jax.core.Tracer):
     return write_layer_slice(cache, layer, slots, new)
   if by_row:
