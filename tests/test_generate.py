@@ -12,6 +12,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
+from jspec.bench.programs import lower_decode
 from jspec.sampling import processing
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 
@@ -207,9 +208,8 @@ def test_no_recompile_within_bucket(params):
 def test_loop_is_one_program(params):
   """The whole generate lowers to one HLO module with a while loop and no host callbacks."""
   prompt = jnp.zeros((1, 16), jnp.int32)
-  lowered = jax.jit(generate_tokens, static_argnums=1, static_argnames=(
-      "max_new_tokens", "cache_size")).lower(params, CFG, prompt, jnp.asarray([3]),
-                                             jax.random.key(0), max_new_tokens=8, cache_size=32)
+  lowered, _ = lower_decode(params, CFG, prompt, jnp.asarray([3]), jax.random.key(0),
+                            max_new_tokens=8, cache_size=32)
   text = lowered.as_text()
   assert "stablehlo.while" in text
   assert "callback" not in text

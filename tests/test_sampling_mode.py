@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 
 from jspec.bench.launches import control_flow_sites
+from jspec.bench.programs import lower_decode
 from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
-from jspec.generate import generate, generate_tokens
+from jspec.generate import generate
 from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.processing import Mode, SamplingParams
-from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
-from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate_tokens
+from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -60,11 +61,6 @@ def sampling_sites(lowered) -> set[str]:
 
 
 def test_a_static_mode_compiles_only_its_branches(params):
-  ar = jax.jit(generate_tokens, static_argnums=1, static_argnames=("max_new_tokens", "cache_size"))
-  spec = jax.jit(speculative_generate_tokens, static_argnums=1,
-                 static_argnames=("spec", "cache_size"))
-  tree = jax.jit(tree_speculative_generate_tokens, static_argnums=1,
-                 static_argnames=("spec", "cache_size"))
   prompt, lengths, key = jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]), jax.random.key(0)
   lookup = ngram_drafter(CFG.vocab_size, 2, 4)
   model = ModelDrafter(init_params(DRAFT_CFG, jax.random.key(1), scale=0.3), DRAFT_CFG)
@@ -74,13 +70,14 @@ def test_a_static_mode_compiles_only_its_branches(params):
     sp = jax.tree.map(jnp.asarray, sp)  # as jspec.decode.Batch passes them
     args = (prompt, lengths, key, sp)
     lowered = {
-        "ar": ar.lower(params, CFG, *args, max_new_tokens=4, cache_size=32),
-        "ngram": spec.lower(params, CFG, lookup, *args, spec=chain, cache_size=32),
-        "model": spec.lower(params, CFG, model, *args, spec=chain, cache_size=32),
-        "tree": tree.lower(params, CFG, model, *args, cache_size=32,
-                           spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=4)),  # greedy_variant
+        "ar": lower_decode(params, CFG, *args, max_new_tokens=4, cache_size=32),
+        "ngram": lower_decode(params, CFG, *args, drafter=lookup, spec=chain, cache_size=32),
+        "model": lower_decode(params, CFG, *args, drafter=model, spec=chain, cache_size=32),
+        "tree": lower_decode(  # the tree's draft has a greedy_variant
+            params, CFG, *args, drafter=model, cache_size=32,
+            spec=TreeSpecConfig("fixed:3-2-1", max_new_tokens=4)),
     }
-    return {name: sampling_sites(low) for name, low in lowered.items()}
+    return {name: sampling_sites(low) for name, (low, _) in lowered.items()}
 
   for sp in (SamplingParams(), SamplingParams(0.7)):
     assert sites(sp) == dict.fromkeys(("ar", "ngram", "model", "tree"), set()), sp

@@ -13,6 +13,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
+from jspec.bench.programs import lower_decode
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.speculative import chain as engine
 from jspec.drafting import base as drafters_module
@@ -246,10 +247,9 @@ def test_one_program_no_recompile(target, drafter):
           target, TARGET, drafter, [prompt], spec=spec,
           sampling=SamplingParams(temperature=temp, mode=None), key=3))
   assert counter.compiles == 0
-  lowered = jax.jit(speculative_generate_tokens, static_argnums=1,
-                    static_argnames=("spec", "cache_size")).lower(
-      target, TARGET, drafter, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
-      jax.random.key(0), SamplingParams(mode=None), spec=spec, cache_size=64)  # every branch
+  lowered, _ = lower_decode(target, TARGET, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
+                            jax.random.key(0), SamplingParams(mode=None),  # every branch
+                            drafter=drafter, spec=spec, cache_size=64)
   text = lowered.as_text()
   assert text.count("stablehlo.while") >= 1 and "callback" not in text
 

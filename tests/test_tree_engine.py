@@ -16,6 +16,7 @@ from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
+from jspec.bench.programs import lower_decode
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.drafting.model import ModelDrafter, trimmed_drafter
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
@@ -188,10 +189,9 @@ def test_one_program_no_recompile(target, drafter):
         key=3)) for prompt, temp in (([4, 5, 6, 7], 0.0), ([9] * 11, 1.0), ([2, 2], 0.7))]
   assert counter.compiles == 0
   assert all(np.asarray(out.lengths)[0] == 12 for out in outs)
-  lowered = jax.jit(tree_speculative_generate_tokens, static_argnums=1,
-                    static_argnames=("spec", "cache_size")).lower(
-      target, TARGET, drafter, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
-      jax.random.key(0), SamplingParams(mode=None), spec=spec, cache_size=64)  # every branch
+  lowered, _ = lower_decode(target, TARGET, jnp.zeros((1, 16), jnp.int32), jnp.asarray([3]),
+                            jax.random.key(0), SamplingParams(mode=None),  # every branch
+                            drafter=drafter, spec=spec, cache_size=64)
   text = lowered.as_text()
   assert text.count("stablehlo.while") >= 1 and "callback" not in text
 
