@@ -56,10 +56,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_scan_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--scan-layers", action="store_true",
                  help="stack the layers and run them as one lax.scan: programs compile several "
-                      "times faster (what GPUs, TPUs and deep targets want; on CPU the default "
-                      "float32, unrolled on jspec's kernel, decodes 1.2-1.5x faster with most "
-                      "drafters). XLA's dots: float32 and int8 mean float32-xla and int8-xla; "
-                      "model drafters are stacked too")
+                      "times faster (3-6x on CPU at the same decode speed and tokens, jspec's "
+                      "CPU kernels reading each layer in place; what GPUs, TPUs and deep targets "
+                      "want too); every weight format; model drafters are stacked too")
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:

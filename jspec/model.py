@@ -101,17 +101,9 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
 
   scan_layers: every layer's arrays stacked on a leading axis, so the decoder is one `lax.scan`
   (`jspec.models.llama.stack_layers`): programs compile several times faster, which accelerators
-  and deep targets want; on CPU the default float32 (unrolled, jspec's kernel) decodes 1.2-1.5x
-  faster with most drafters. XLA's dots and attention only: with it, "float32" means
-  "float32-xla" and "int8" means "int8-xla"; q4 is refused. Model drafters loaded for this
-  target are stacked too."""
+  and deep targets want; every weight format scans (jspec's CPU kernels read the layer in place
+  from the stacked weights). Model drafters loaded for this target are stacked too."""
   mesh = mesh_from(mesh)
-  if scan_layers:
-    if dtype == "q4":
-      raise ValueError("--weights q4 runs jspec's CPU kernel, which reads each layer's weights in "
-                       "its own layout and cannot scan. Fix: --weights int8 or bfloat16 with "
-                       "--scan-layers, or drop --scan-layers.")
-    dtype = on_xla(dtype)
   if mesh is not None:
     if dtype in QUANTIZED:
       raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "

@@ -135,7 +135,7 @@ def test_native_attention_matches_the_reference(B, T, H, K, D, S):
 
 def test_native_attention_refuses_bad_operands():
   q, kv = jnp.zeros((1, 2, 4, 8)), jnp.zeros((2, 1, 16, 2, 8))
-  with pytest.raises(ValueError, match="0 <= layer < L"):
+  with pytest.raises(ValueError, match=r"layer 2 is out of \[0, 2\)"):
     native.attention(q, kv, kv, jnp.ones((1, 2, 16), bool), 2)
   with pytest.raises(ValueError, match="float32 cache"):
     native.attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16),
@@ -464,3 +464,50 @@ def test_a_float_prefill_past_the_row_limit_runs_xla():
   at, past = hlo(limit), hlo(limit + 1)
   assert at.count(f"@{native.F32_LINEAR}") >= 7 * WIDE.num_layers + 1 and "dot_general" not in at
   assert native.F32_LINEAR not in past and "dot_general" in past
+
+
+# ------------------------------------------------------------------ a traced layer of stacked weights
+
+
+def _stacked_cases(rng, M=3, N=37, K=96, L=3):
+  """(kernel, per-layer operands, stacked operands) for each kernel that reads a layer."""
+  x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+  f32 = [rng.standard_normal((N, K)).astype(np.float32) for _ in range(L)]
+  i8 = [(_int8(rng, (N, K)), rng.random(N).astype(np.float32)) for _ in range(L)]
+  q4 = [(rng.integers(0, 256, (N, K // 2)).astype(np.uint8),
+         rng.random((N, K // 32)).astype(np.float16)) for _ in range(L)]
+  stack = lambda layers: tuple(jnp.asarray(np.stack(a)) for a in zip(*layers))
+  return x, [(native.f32_linear, [(w,) for w in f32], stack([(w,) for w in f32])),
+             (native.int8_linear, i8, stack(i8)), (native.q4_matmul, q4, stack(q4))]
+
+
+def test_kernels_read_a_traced_layer_of_stacked_weights_in_place():
+  """Every kernel given weights stacked on [L] and a layer, traced or not, gives the bits the
+  layer's own weights give; a layer out of range is refused (known) or fails the call (traced)."""
+  x, cases = _stacked_cases(np.random.default_rng(5))
+  for kernel, layers, stacked in cases:
+    traced = jax.jit(lambda x, i, *w: kernel(x, *w, layer=i))
+    for i, own in enumerate(layers):
+      want = np.asarray(kernel(x, *map(jnp.asarray, own)))
+      np.testing.assert_array_equal(np.asarray(kernel(x, *stacked, layer=i)), want)
+      np.testing.assert_array_equal(np.asarray(traced(x, jnp.int32(i), *stacked)), want)
+    with pytest.raises(ValueError, match=r"layer 3 is out of \[0, 3\)"):
+      kernel(x, *stacked, layer=3)
+    with pytest.raises(Exception, match="layer must be an int32 in"):
+      jax.block_until_ready(traced(x, jnp.int32(3), *stacked))
+    with pytest.raises(ValueError, match="leading \\[L\\] axis"):
+      kernel(x, *map(jnp.asarray, layers[0]), layer=0)
+
+
+def test_native_attention_reads_a_traced_layer():
+  rng = np.random.default_rng(6)
+  k, v = (jnp.asarray(rng.standard_normal((3, 1, 20, 2, 16)).astype(np.float32)) for _ in "kv")
+  q = jnp.asarray(rng.standard_normal((1, 2, 4, 16)).astype(np.float32))
+  visible = jnp.asarray(rng.random((1, 2, 20)) < 0.7)
+  traced = jax.jit(native.attention)
+  outs = [np.asarray(traced(q, k, v, visible, jnp.int32(i))) for i in range(3)]
+  for i in range(3):
+    np.testing.assert_array_equal(outs[i], np.asarray(native.attention(q, k, v, visible, i)))
+  assert not np.allclose(outs[0], outs[1])
+  with pytest.raises(Exception, match="0 <= layer < L"):
+    jax.block_until_ready(traced(q, k, v, visible, jnp.int32(3)))

@@ -1,8 +1,9 @@
 """Stacked layers (`llama.stack_layers`, `--scan-layers`): the decoder as one `lax.scan` computes
 what the unrolled loop computes (logits, cache, taps, a layer subset, attention records), the
 engines stay lossless over it (greedy speculative == greedy autoregressive, chains, trees, layer
-skipping, probing, an evicting cache), a program holds one layer whatever the depth, and formats
-that need a static layer are refused."""
+skipping, probing, an evicting cache), jspec's CPU kernels read a traced layer of the stacked
+weights in place, a program holds one layer whatever the depth, and the Pallas attention, which
+needs a static layer, is refused."""
 
 import dataclasses
 
@@ -182,15 +183,56 @@ def test_repeated_calls_do_not_recompile(stacked):
   assert counter.compiles == 0
 
 
+NATIVE_FORMATS = {"float32": native_float_params,
+                  "int8": lambda p: quantize_params(p, "native"),
+                  "q4": lambda p: quantize_params(p, "native", bits=4)}
+
+
+@pytest.mark.parametrize("fmt", NATIVE_FORMATS)
+def test_the_cpu_kernels_read_a_traced_layer_of_stacked_weights(unrolled, fmt):
+  """jspec's CPU kernels over stacked layers: the same numbers as unrolled, stacking before or
+  after the conversion, and lossless chains and trees over it."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("jspec's CPU kernels")
+  convert = NATIVE_FORMATS[fmt]
+  flat, stacked = convert(unrolled), stack_layers(convert(unrolled))
+  assert layers_stacked(convert(stack_layers(unrolled)))
+  run = lambda p: forward(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8))
+  want, got = run(flat), run(stacked)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[2].k), np.asarray(want[2].k), atol=2e-5, rtol=1e-5)
+  after = run(convert(stack_layers(unrolled)))[0]
+  np.testing.assert_array_equal(np.asarray(after), np.asarray(got[0]))
+  # Each layer's own weights: reading one layer for all (a kernel ignoring `layer`) fails this.
+  same = stack_layers(dataclasses.replace(flat, layers=(flat.layers[0],) * 4))
+  assert not np.allclose(np.asarray(run(same)[0]), np.asarray(got[0]), atol=1e-3)
+  ar = generate(stacked, DEEP, PROMPTS, max_new_tokens=12).sequences()
+  assert generate(flat, DEEP, PROMPTS, max_new_tokens=12).sequences() == ar
+  for d in (skip_drafter(stacked, DEEP, (0, 3)), probe_drafter(stacked, DEEP, 3)):
+    chain = speculative_generate(stacked, DEEP, d, PROMPTS,
+                                 spec=SpecConfig(gamma=3, max_new_tokens=12))
+    assert chain.sequences() == ar
+  tree = tree_speculative_generate(stacked, DEEP, early_exit_drafter(stacked, DEEP, 2), PROMPTS,
+                                   spec=TreeSpecConfig(tree="dynamic:6", max_new_tokens=12))
+  assert tree.sequences() == ar
+
+
+def test_stacked_cpu_kernel_weights_are_read_in_place(unrolled):
+  """The scan hands the kernels the whole stacked weight and the traced layer: no weight is
+  sliced out (XLA's dots slice every layer's weights each step, the whole model's bytes)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("jspec's CPU kernels")
+  f = lambda p: forward(p, DEEP, TOKENS[:, :1], POSITIONS[:, :1], KVCache.init(DEEP, 2, 8))[0]
+  def slices(params):
+    hlo = jax.jit(f).lower(params).as_text()
+    return sum(line.count("dynamic_slice") for line in hlo.splitlines())
+  wq = unrolled.layers[0].wq.shape
+  stacked_native, stacked_xla = stack_layers(native_float_params(unrolled)), stack_layers(unrolled)
+  # XLA's dots: one slice per weight and norm; the kernels' weights: only the norms'.
+  assert slices(stacked_xla) - slices(stacked_native) >= 7, (wq, slices(stacked_native))
+
+
 def test_formats_that_need_a_static_layer_are_refused(unrolled, stacked):
-  with pytest.raises(ValueError, match="--weights float32-xla, bfloat16 or int8-xla"):
-    stack_layers(native_float_params(unrolled))
-  with pytest.raises(ValueError, match="--weights float32-xla, bfloat16 or int8-xla"):
-    stack_layers(quantize_params(unrolled, "native"))
-  with pytest.raises(ValueError, match="unstacked layers"):
-    quantize_params(stacked, "native")
-  with pytest.raises(ValueError, match="unstacked layers"):
-    native_float_params(stacked)
   interpreted = dataclasses.replace(DEEP, attention_impl="pallas-interpret")
   with pytest.raises(ValueError, match="attention_impl='xla'"):
     forward(stacked, interpreted, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 16))

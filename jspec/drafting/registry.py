@@ -153,19 +153,18 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
 
   A target loaded on a mesh (`jspec.model.load(..., mesh=)`) gets its drafter placed there once
   (`place_drafter`), a draft model's weights in XLA's formats (jspec's CPU kernels do not shard).
-  A target with stacked layers (`load(..., scan_layers=True)`) gets draft models stacked alike,
-  in XLA's formats too.
+  A target with stacked layers (`load(..., scan_layers=True)`) gets draft models stacked alike.
   """
   mesh = getattr(target, "mesh", None)
   stacked = layers_stacked(target.params)
   if mesh is None and not stacked:
     return _load_drafter(name, target, dtype)
-  if dtype == "q4":
-    where, flag = ("on a mesh", "--mesh") if mesh is not None else ("stacked layers",
-                                                                     "--scan-layers")
-    raise ValueError(f"--drafter-weights q4 runs jspec's CPU kernel, which cannot run {where}. "
-                     f"Fix: --drafter-weights float32 or int8 with {flag}, or drop {flag}.")
-  drafter = _load_drafter(name, target, on_xla(dtype))
+  if mesh is not None:
+    if dtype == "q4":
+      raise ValueError("--drafter-weights q4 runs jspec's CPU kernel, which cannot run on a "
+                       "mesh. Fix: --drafter-weights float32 or int8 with --mesh, or drop --mesh.")
+    dtype = on_xla(dtype)
+  drafter = _load_drafter(name, target, dtype)
   if drafter is not None and stacked:
     drafter = _with_stacked_models(drafter)
   if drafter is not None and mesh is not None:

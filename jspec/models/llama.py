@@ -153,18 +153,11 @@ def map_layers(params: Params, fn: Callable[[LayerParams], LayerParams]) -> Para
 
 def stack_layers(params: Params) -> Params:
   """The same weights with every layer's arrays stacked on a leading [L] axis: the decoder then
-  runs one `lax.scan` over them (one traced layer: programs compile several times faster) with
-  XLA's attention and dots. jspec's CPU kernels read a static layer's weights in their own layout,
-  so their formats are refused: on CPU stack float32-xla, bfloat16 or int8-xla weights."""
+  runs one `lax.scan` over them (one traced layer: programs compile several times faster). XLA's
+  dots read each layer's slice; jspec's CPU kernels (float32, int8 and q4 weights on CPU) read
+  the layer in place from the stacked arrays."""
   if layers_stacked(params):
     return params
-  if quant.attention_kernel(params) == "native":
-    raise ValueError("stacked layers (--scan-layers) run XLA's dots and attention, and these "
-                     "weights are in jspec's CPU-kernel format (--weights float32, int8 or q4 on "
-                     "CPU). Fix: --weights float32-xla, bfloat16 or int8-xla with --scan-layers, "
-                     "or drop --scan-layers (on CPU the default format, unrolled, decodes "
-                     "1.2-1.5x faster with most drafters; benchmarks/README.md, \"Compile "
-                     "time\").")
   return dataclasses.replace(params, layers=_stacked(tuple(params.layers)))
 
 
@@ -308,23 +301,26 @@ def visible_attention(visible: Array, kernel: Optional[str] = None) -> Callable:
                                                      kernel is not None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _native_attention(q: Array, k_all: Array, v_all: Array, visible: Array, layer: int) -> Array:
-  """jspec's CPU attention kernel, differentiable: its gradients are XLA's masked attention's (a
-  model loaded for decoding can also be trained or probed for gradients)."""
+@jax.custom_vjp
+def _native_attention(q: Array, k_all: Array, v_all: Array, visible: Array,
+                      layer: int | Array) -> Array:
+  """jspec's CPU attention kernel at a static or traced layer, differentiable: its gradients are
+  XLA's masked attention's (a model loaded for decoding can also be trained or probed for
+  gradients)."""
   return native.attention(q, k_all, v_all, visible, layer)
 
 
 def _native_attention_fwd(q, k_all, v_all, visible, layer):
-  return native.attention(q, k_all, v_all, visible, layer), (q, k_all, v_all, visible)
+  return native.attention(q, k_all, v_all, visible, layer), (q, k_all, v_all, visible, layer)
 
 
-def _native_attention_bwd(layer, res, dout):
-  q, k_all, v_all, visible = res
+def _native_attention_bwd(res, dout):
+  q, k_all, v_all, visible, layer = res
   _, vjp = jax.vjp(lambda q, k, v: masked_attention(q, k, v, visible), q, k_all[layer],
                    v_all[layer])
   dq, dk, dv = vjp(dout)
-  return dq, jnp.zeros_like(k_all).at[layer].set(dk), jnp.zeros_like(v_all).at[layer].set(dv), None
+  return (dq, jnp.zeros_like(k_all).at[layer].set(dk), jnp.zeros_like(v_all).at[layer].set(dv),
+          None, None)
 
 
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
@@ -597,16 +593,15 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
                     layers: Optional[tuple[int, ...]], tapped: Optional[dict],
                     records: Optional[list]) -> tuple[Array, Array, Array]:
   """`_decoder`'s layer loop over stacked layers as one `lax.scan`: the layer index is traced, so
-  attention must read the cache at a traced layer (XLA's; not jspec's CPU kernels or the Pallas
-  kernel, which take a static one). The scan runs over the indices of the layers that run (all,
+  attention must read the cache at a traced layer (XLA's or jspec's CPU kernel; not the Pallas
+  kernel, which takes a static one). The scan runs over the indices of the layers that run (all,
   or a `layers` subset), each reading its weights at its index; attention records come out as
   the scan's per-layer outputs, taps in a carried [len(taps), B, T, E] buffer (not every layer's
   residual stream: [L, B, T, E] at a long prefill is gigabytes)."""
-  if cfg.attention_impl != "xla" or quant.attention_kernel(params) == "native":
-    raise ValueError(f"stacked layers (--scan-layers) need XLA's attention and dots: got "
-                     f"attention_impl={cfg.attention_impl!r} with weights for kernel "
-                     f"{quant.attention_kernel(params)!r}. Fix: attention_impl='xla' and "
-                     f"--weights float32-xla, bfloat16 or int8-xla, or unstacked layers.")
+  if cfg.attention_impl != "xla":
+    raise ValueError(f"stacked layers (--scan-layers) need attention_impl='xla' (the tree "
+                     f"attention kernel reads a static layer), got {cfg.attention_impl!r}. Fix: "
+                     f"attention_impl='xla', or unstacked layers.")
   L = num_layers(params)
   if records is not None and layers is not None:
     raise ValueError("attention records over a subset of layers are not supported")
@@ -628,8 +623,8 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
       at = jnp.maximum(slot, 0)
       kept = jax.lax.dynamic_index_in_dim(buffer, at, keepdims=False)
       buffer = jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, x, kept), at, 0)
-    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False),
-                      params.layers)
+    # XLA's dots read layer i's slice of each weight; jspec's CPU kernels read it in place.
+    lp = jax.tree.map(lambda w: quant.at_layer(w, i), params.layers, is_leaf=quant.on_native_kernel)
     recorded = len(records) if records is not None else 0
     new = decoder_layer(cfg, x, lp, i, k_all, v_all, cos, sin, slots, attend)
     ys = {}
@@ -657,12 +652,6 @@ _INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": 
                     "w_down": (0,)}
 
 
-def _check_unstacked_for_native(params: Params, alternative: str = "") -> None:
-  if layers_stacked(params):
-    raise ValueError("jspec's CPU kernels take unstacked layers: unstack_layers(params) first"
-                     + (f", {alternative}" if alternative else ""))
-
-
 def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Params:
   """Every projection, the LM head and the embedding table as int8 per output channel
   (`jspec.models.quant.Int8Weight`, whose matmuls run `kernel`: "xla" or "native"); the
@@ -671,8 +660,6 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   if bits not in (4, 8) or (bits == 4 and kernel != "native"):
     raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
                      f"'native'), got {bits} bits with kernel {kernel!r}")
-  if kernel == "native":
-    _check_unstacked_for_native(params, "or quantize for kernel 'xla'")
 
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
@@ -728,7 +715,6 @@ def native_float_params(params: Params) -> Params:
   def layer(lp: LayerParams) -> LayerParams:
     return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
                                       for name, axes in _INT8_INPUT_AXES.items()})
-  _check_unstacked_for_native(params)
   return dataclasses.replace(
       map_layers(params, layer), embed=quant.dense_native(params.embed, (1,)),
       lm_head=None if params.lm_head is None else quant.dense_native(params.lm_head, (0,)))

@@ -235,6 +235,52 @@ class DenseWeight:
     return np.asarray(self.dense(), dtype)
 
 
+def on_native_kernel(w) -> bool:
+  """Whether w is a weight one of jspec's CPU kernels reads in its own layout."""
+  return (isinstance(w, (Q4Weight, DenseWeight))
+          or (isinstance(w, Int8Weight) and w.kernel == "native"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerOf:
+  """Layer `layer` of a weight for jspec's CPU kernels whose arrays are stacked on a leading [L]
+  axis (stacked layers: `llama.stack_layers`), a traced layer inside the decoder's scan. The
+  kernels read that layer's rows in place, so a step copies no weights (slicing a layer out of
+  every stacked weight wrote the whole model each step). Reads as the one layer's weight."""
+
+  stacked: Int8Weight | Q4Weight | DenseWeight  # every array [L, ...]
+  layer: Array  # int32 []
+
+  def _one(self):
+    """The one layer's weight, abstract (its shape, dtype and static fields)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.stacked)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self._one().shape
+
+  @property
+  def dtype(self):
+    return self._one().dtype
+
+  @property
+  def in_axes(self) -> tuple[int, ...]:
+    return self.stacked.in_axes
+
+  def reshape(self, *shape) -> "LayerOf":
+    """The one layer's `reshape`, made on every layer at once (the stored bytes do not move)."""
+    return LayerOf(jax.vmap(lambda w: w.reshape(*shape))(self.stacked), self.layer)
+
+
+def at_layer(w, layer: Array):
+  """Layer `layer` (traced) of a stacked weight or array: a `LayerOf` view for the CPU kernels'
+  weights, the sliced array otherwise (XLA's dots read a layer's slice)."""
+  if on_native_kernel(w):
+    return LayerOf(w, layer)
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), w)
+
+
 def dense_native(w: Array, in_axes: tuple[int, ...]) -> DenseWeight:
   """float32 w with input axes `in_axes` in the CPU kernel's output-major layout."""
   if isinstance(w, DenseWeight) and w.in_axes == tuple(in_axes):
@@ -375,15 +421,13 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   """jnp.einsum(spec, x, w) for a float w, or the int8 x int8 matmul for an Int8Weight. `spec`
   contracts x's last axis (or axes already flattened into it) with w's input axes; its output is
   x's leading axes then w's output axes (the layout every projection of the decoder has)."""
-  if isinstance(w, Q4Weight):
-    return _q4_einsum(x, w, preferred_element_type)
-  if isinstance(w, DenseWeight):
-    return _f32_einsum(x, w, preferred_element_type)
+  if isinstance(w, LayerOf):
+    return _kernel_einsum(x, w.stacked, w.layer, preferred_element_type)
+  if on_native_kernel(w):
+    return _kernel_einsum(x, w, None, preferred_element_type)
   if not isinstance(w, Int8Weight):
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
   lead = x.shape[:-1]
-  if w.kernel == "native":
-    return _native_einsum(x, w, preferred_element_type)
   single = int(np.prod(lead)) == 1
   if single:  # XLA's int8 matrix-vector path is 3x slower than its 2-row matmul: add a zero row
     x = jnp.concatenate([x, jnp.zeros_like(x)], axis=-2)
@@ -397,20 +441,17 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   return y.astype(preferred_element_type or x.dtype)
 
 
-def _as_rows(x: Array, stored: Array, n_in: int) -> tuple[Array, Array, tuple[int, ...]]:
-  """For a native kernel: x as rows [M, K], an output-major stored weight as [N, K], and the
-  output axes' shape to unflatten N into."""
-  out_shape = stored.shape[:stored.ndim - n_in]
-  K = int(np.prod(stored.shape[stored.ndim - n_in:]))
-  return x.reshape(-1, K).astype(jnp.float32), stored.reshape(-1, K), out_shape
-
-
-def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Array:
-  """quant.einsum through jspec's CPU kernel: every row of x against w's output-major codes, the
-  activations quantized and the result scaled inside the call (the same bits as XLA's path)."""
-  rows, q, out_shape = _as_rows(x, w.q, len(w.in_axes))
-  y = native.int8_linear(rows, q, w.out_scale().reshape(-1).astype(jnp.float32))  # [M, N]
-  return y.reshape(*x.shape[:-1], *out_shape).astype(preferred_element_type or x.dtype)
+def _kernel_operands(w) -> tuple[Array, ...]:
+  """The arrays w's CPU kernel reads: the output-major weight as [N, K] (4 bits: codes [N, K / 2]
+  and scales [N, K / 32]; int8: its [N] scales too)."""
+  if isinstance(w, Q4Weight):
+    return w.codes, w.scale
+  stored = w.stored if isinstance(w, DenseWeight) else w.q
+  n_in = len(w.in_axes)
+  table = stored.reshape(-1, int(np.prod(stored.shape[stored.ndim - n_in:])))
+  if isinstance(w, DenseWeight):
+    return (table,)
+  return table, w.out_scale().reshape(-1).astype(jnp.float32)
 
 
 # Rows up to which float32 matmuls run jspec's kernel: decode steps, verification blocks and trees
@@ -420,22 +461,32 @@ def _native_einsum(x: Array, w: Int8Weight, preferred_element_type=None) -> Arra
 NATIVE_F32_MAX_ROWS = 64
 
 
-def _f32_einsum(x: Array, w: DenseWeight, preferred_element_type=None) -> Array:
-  """quant.einsum for float32 weights: jspec's CPU kernel, or XLA's dot past
-  NATIVE_F32_MAX_ROWS rows, every row of x against w's output-major rows."""
-  rows, table, out_shape = _as_rows(x, w.stored, len(w.in_axes))
-  if rows.shape[0] > NATIVE_F32_MAX_ROWS:
+def _kernel_einsum(x: Array, w, layer: Optional[Array], preferred_element_type=None) -> Array:
+  """quant.einsum through jspec's CPU kernels: every row of x against w's output-major rows (int8
+  and 4 bits: the activations quantized and the result scaled inside the call, the same bits as
+  XLA's int8 path). `layer`: w's arrays are stacked on a leading [L] axis, read at that layer."""
+  if layer is None:
+    one, operands = w, _kernel_operands(w)
+  else:
+    one, operands = LayerOf(w, layer)._one(), jax.vmap(_kernel_operands)(w)
+  lead = x.shape[:-1]
+  if isinstance(one, Q4Weight):  # input axes first
+    out_shape = one.shape[len(one.in_axes):]
+  else:  # stored output-major
+    stored = one.stored if isinstance(one, DenseWeight) else one.q
+    out_shape = stored.shape[:len(stored.shape) - len(one.in_axes)]
+  rows = x.reshape(int(np.prod(lead)), -1).astype(jnp.float32)  # [M, K]
+  if isinstance(one, Q4Weight):
+    y = native.q4_matmul(rows, *operands, layer=layer)
+  elif isinstance(one, Int8Weight):
+    y = native.int8_linear(rows, *operands, layer=layer)
+  elif rows.shape[0] > NATIVE_F32_MAX_ROWS:
+    table = operands[0] if layer is None else jax.lax.dynamic_index_in_dim(
+        operands[0], layer, keepdims=False)  # one layer's weights, for a prefill
     y = jnp.einsum("mk,nk->mn", rows, table, preferred_element_type=jnp.float32)
   else:
-    y = native.f32_linear(rows, table)  # [M, N]
-  return y.reshape(*x.shape[:-1], *out_shape).astype(preferred_element_type or x.dtype)
-
-
-def _q4_einsum(x: Array, w: Q4Weight, preferred_element_type=None) -> Array:
-  """quant.einsum for 4-bit weights through jspec's CPU kernel (activations quantized inside)."""
-  lead = x.shape[:-1]
-  y = native.q4_matmul(x.reshape(-1, x.shape[-1]).astype(jnp.float32), w.codes, w.scale)
-  return y.reshape(*lead, *w.shape[len(w.in_axes):]).astype(preferred_element_type or x.dtype)
+    y = native.f32_linear(rows, operands[0], layer=layer)  # [M, N]
+  return y.reshape(*lead, *out_shape).astype(preferred_element_type or x.dtype)
 
 
 def take_rows(table, ids: Array) -> Array:

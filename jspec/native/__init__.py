@@ -154,59 +154,93 @@ def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return jax.ffi.ffi_call(INT8, out, vmap_method="sequential")(x, w)
 
 
-def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+def _layer_index(layer, L: int, name: str) -> jax.Array:
+  """`layer` (a Python or traced integer) as the int32 scalar the kernels read; out of [0, L)
+  raises here when it is known, and fails the kernel's call when it is traced."""
+  index = jnp.asarray(layer)
+  if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
+    raise ValueError(f"{name}: layer must be an integer scalar, got {index.dtype}{index.shape}")
+  if not isinstance(index, jax.core.Tracer) and not 0 <= int(index) < L:
+    raise ValueError(f"{name}: layer {int(index)} is out of [0, {L})")
+  return index.astype(jnp.int32)
+
+
+def _stacked(w: jax.Array, layer, ndim: int, name: str) -> tuple[jax.Array, jax.Array]:
+  """(w with a leading layers axis, the layer to read): the kernels read one layer of weights
+  stacked on a leading [L] axis in place, whatever the layer (a traced one in a scan over stacked
+  layers); a single layer's weights [...] come as [1, ...] and layer 0."""
+  if layer is None:
+    return w[None], jnp.zeros((), jnp.int32)
+  if w.ndim != ndim + 1:
+    raise ValueError(f"{name} with a layer takes weights stacked on a leading [L] axis, got "
+                     f"shape {w.shape}")
+  return w, _layer_index(layer, w.shape[0], name)
+
+
+def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array, layer=None) -> jax.Array:
   """y [M, N] float32 = quantize(x) . w^T * x_scale * w_scale for float32 x [M, K], int8 w [N, K]
   and its per-row scale w_scale [N]: x quantized per row as `jspec.models.quant.quantize_rows`
-  does, to the bit, and the int8 sums exact (CPU only). A projection in one call."""
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w_scale.shape != w.shape[:1]:
-    raise ValueError(f"int8_linear takes x [M, K], w [N, K] and w_scale [N], got {x.shape}, "
-                     f"{w.shape} and {w_scale.shape}")
+  does, to the bit, and the int8 sums exact (CPU only). A projection in one call. `layer` (an
+  integer, traced or not): w [L, N, K] and w_scale [L, N] hold every layer's, read at `layer`."""
+  w, index = _stacked(w, layer, 2, "int8_linear")
+  w_scale, _ = _stacked(w_scale, layer, 1, "int8_linear")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w_scale.shape != w.shape[:2]:
+    raise ValueError(f"int8_linear takes x [M, K], w [N, K] and w_scale [N] (each with a leading "
+                     f"[L] with a layer), got {x.shape}, {w.shape} and {w_scale.shape}")
   if x.dtype != jnp.float32 or w.dtype != jnp.int8 or w_scale.dtype != jnp.float32:
     raise ValueError(f"int8_linear takes float32 x, int8 w and float32 w_scale, got {x.dtype}, "
                      f"{w.dtype} and {w_scale.dtype}")
   _library()
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(INT8_LINEAR, out, vmap_method="sequential")(x, w, w_scale)
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(INT8_LINEAR, out, vmap_method="sequential")(x, w, w_scale, index)
 
 
-def f32_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def f32_linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
   """y [M, N] float32 = x [M, K] . w [N, K]^T, every y[m, n] summed in the same order whatever M
-  (CPU only). Differentiable: its gradients are XLA dots."""
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-    raise ValueError(f"f32_linear takes x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+  (CPU only). `layer` (an integer, traced or not): w [L, N, K] holds every layer's, read at
+  `layer` in place. Differentiable: its gradients are XLA dots."""
+  w, index = _stacked(w, layer, 2, "f32_linear")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+    raise ValueError(f"f32_linear takes x [M, K] and w [N, K] (or [L, N, K] with a layer), got "
+                     f"{x.shape} and {w.shape}")
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
     raise ValueError(f"f32_linear takes float32 operands, got {x.dtype} and {w.dtype}")
   _library()
-  return _f32_linear(x, w)
+  return _f32_linear(x, w, index)
 
 
 @jax.custom_vjp
-def _f32_linear(x: jax.Array, w: jax.Array) -> jax.Array:
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(F32_LINEAR, out, vmap_method="sequential")(x, w)
+def _f32_linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(F32_LINEAR, out, vmap_method="sequential")(x, w, layer)
 
 
-def _f32_linear_fwd(x, w):
-  return _f32_linear(x, w), (x, w)
+def _f32_linear_fwd(x, w, layer):
+  return _f32_linear(x, w, layer), (x, w, layer)
 
 
 def _f32_linear_bwd(res, dy):
-  x, w = res
-  return dy @ w, dy.T @ x  # dx [M, K], dw [N, K]
+  x, w, layer = res
+  dw = jnp.zeros_like(w).at[layer].set(dy.T @ x)  # [L, N, K]: only the layer read
+  return dy @ w[layer], dw, None
 
 
 _f32_linear.defvjp(_f32_linear_fwd, _f32_linear_bwd)
 
 
-def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
+def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, layer=None) -> jax.Array:
   """y [M, N] float32 = quantize(x) . w^T * x_scale for float32 x [M, K] (quantized per row as
   `jspec.models.quant.quantize_rows` does) and 4-bit w given as codes [N, K / 2] uint8 (two codes
   a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32] float16,
-  one per group of 32 inputs (CPU only)."""
+  one per group of 32 inputs (CPU only). `layer` (an integer, traced or not): codes and scale hold
+  every layer's on a leading [L] axis, read at `layer` in place."""
+  codes, index = _stacked(codes, layer, 2, "q4_matmul")
+  scale, _ = _stacked(scale, layer, 2, "q4_matmul")
   M, K = x.shape
-  N = codes.shape[0]
-  if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (N, K // 2)
-      or scale.shape != (N, K // Q4_GROUP)):
+  N = codes.shape[1]
+  L = codes.shape[0]
+  if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (L, N, K // 2)
+      or scale.shape != (L, N, K // Q4_GROUP)):
     raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
                      f"and scale [N, K / {Q4_GROUP}], got {x.shape}, {codes.shape}, {scale.shape}")
   if x.dtype != jnp.float32 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
@@ -214,18 +248,20 @@ def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
                      f"{codes.dtype}, {scale.dtype}")
   _library()
   out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-  return jax.ffi.ffi_call(Q4, out, vmap_method="sequential")(x, codes, scale)
+  return jax.ffi.ffi_call(Q4, out, vmap_method="sequential")(x, codes, scale, index)
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Array,
-              layer: int) -> jax.Array:
-  """GQA attention of q [B, T, H, D] over layer `layer` of the stacked cache k_all, v_all
-  [L, B, S, K, D] (float32), each token seeing the slots visible [B, T, S] marks -> [B, T, H, D].
-  A token's bits depend only on its query and its visible slots (CPU only)."""
+              layer) -> jax.Array:
+  """GQA attention of q [B, T, H, D] over layer `layer` (an integer, traced or not) of the stacked
+  cache k_all, v_all [L, B, S, K, D] (float32), each token seeing the slots visible [B, T, S]
+  marks -> [B, T, H, D]. A token's bits depend only on its query and its visible slots (CPU
+  only)."""
   B, T, H, D = q.shape
   L, Bk, S, K, Dk = k_all.shape
+  index = _layer_index(layer, L, "attention")
   if (v_all.shape != k_all.shape or (Bk, Dk) != (B, D) or visible.shape != (B, T, S)
-      or H % K or H // K > 64 or not 0 <= layer < L):
+      or H % K or H // K > 64):
     raise ValueError(f"attention takes q [B, T, H, D], k, v [L, B, S, K, D], visible [B, T, S] "
                      f"(at most 64 query heads per KV head) and 0 <= layer < L, got {q.shape}, "
                      f"{k_all.shape}, {v_all.shape}, "
@@ -236,4 +272,4 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Arr
   _library()
   out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
   return jax.ffi.ffi_call(ATTENTION, out, vmap_method="sequential")(
-      q, k_all, v_all, visible.astype(jnp.bool_), layer=np.int64(layer))
+      q, k_all, v_all, visible.astype(jnp.bool_), index)

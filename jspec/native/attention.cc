@@ -242,17 +242,18 @@ void Item(const Operands& o, int64_t item) {
 #endif
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible, int64_t layer,
-                         ffi::ResultBuffer<ffi::F32> out) {
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible,
+                         ffi::Buffer<ffi::S32> layer_operand, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();  // [B, T, H, D]
   const auto kd = k.dimensions();  // [L, B, S, K, D]
   const auto md = visible.dimensions();  // [B, T, S]
   const auto vd = v.dimensions();
   bool same_kv = vd.size() == kd.size();
+  const int64_t layer = kd.size() == 5 ? jspec::LayerOperand(layer_operand, kd[0]) : -1;
   for (size_t i = 0; same_kv && i < kd.size(); ++i) same_kv = vd[i] == kd[i];
   if (qd.size() != 4 || kd.size() != 5 || md.size() != 3 || !same_kv ||
       kd[1] != qd[0] || kd[4] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[2] ||
-      qd[2] % kd[3] != 0 || qd[2] / kd[3] > kMaxGroup || layer < 0 || layer >= kd[0])
+      qd[2] % kd[3] != 0 || qd[2] / kd[3] > kMaxGroup || layer < 0)
     return ffi::Error::InvalidArgument(
         "jspec_attention: q [B, T, H, D], k and v [L, B, S, K, D], visible [B, T, S], "
         "0 <= layer < L, at most 64 query heads per KV head");
@@ -277,5 +278,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Attr<int64_t>("layer")
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

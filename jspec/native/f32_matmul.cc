@@ -138,13 +138,16 @@ void Rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_
 }
 
 ffi::Error F32LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                         ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
-    return ffi::Error::InvalidArgument("jspec_f32_linear: x must be [M, K] and w [N, K]");
-  const int64_t M = xd[0], N = wd[0], K = xd[1];
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2])
+    return ffi::Error::InvalidArgument("jspec_f32_linear: x must be [M, K] and w [L, N, K]");
+  const int64_t l = jspec::LayerOperand(layer, wd[0]);
+  if (l < 0)
+    return ffi::Error::InvalidArgument("jspec_f32_linear: layer must be an int32 in [0, L)");
+  const int64_t M = xd[0], N = wd[1], K = xd[1];
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const float* wp = w.typed_data() + l * N * K;
   float* yp = y->typed_data();
   jspec::ParallelFor(pool, (N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
     Rows(xp, wp, yp, M, N, K, c * kChunkRows, std::min(N, (c + 1) * kChunkRows));
@@ -159,6 +162,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecF32Linear, F32LinearImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int JspecF32LinearPath() { return JSPEC_F32_AVX512 ? 1 : 0; }

@@ -185,21 +185,26 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
 // float32 x in, float32 y out: x quantized per row here (quantize.h), then the exact int8 sums
 // scaled by x's and w's scales.
 ffi::Error Int8LinearImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> layer,
+                          ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = w_scale.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || sd.size() != 1 || sd[0] != wd[0])
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2] || sd.size() != 2 || sd[0] != wd[0] ||
+      sd[1] != wd[1])
     return ffi::Error::InvalidArgument(
-        "jspec_int8_linear: x must be [M, K], w [N, K] and w_scale [N]");
-  const int64_t M = xd[0], N = wd[0], K = xd[1];
+        "jspec_int8_linear: x must be [M, K], w [L, N, K] and w_scale [L, N]");
+  const int64_t l = jspec::LayerOperand(layer, wd[0]);
+  if (l < 0)
+    return ffi::Error::InvalidArgument("jspec_int8_linear: layer must be an int32 in [0, L)");
+  const int64_t M = xd[0], N = wd[1], K = xd[1];
   std::vector<int8_t> xq(M * K);
   std::vector<float> x_scale(M);
   jspec::QuantizeRows(x.typed_data(), xq.data(), x_scale.data(), M, K);
   Out out;
   out.yf = y->typed_data();
   out.x_scale = x_scale.data();
-  out.w_scale = w_scale.typed_data();
+  out.w_scale = w_scale.typed_data() + l * N;
   out.N = N;
-  Run(pool, xq.data(), w.typed_data(), out, M, N, K);
+  Run(pool, xq.data(), w.typed_data() + l * N * K, out, M, N, K);
   return ffi::Error::Success();
 }
 
@@ -218,6 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecInt8Linear, Int8LinearImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int JspecInt8MatmulPath() { return JSPEC_VNNI ? 1 : 0; }

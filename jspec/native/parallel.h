@@ -39,4 +39,13 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, Body body) {
   while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
 }
 
+// The layer a call reads out of weights stacked on a leading [L] axis (stacked layers run as one
+// loop whose layer index is a traced scalar; unstacked weights come as [1, ...] with layer 0).
+// -1 when the operand is not an int32 scalar in [0, L).
+inline int64_t LayerOperand(xla::ffi::Buffer<xla::ffi::S32> layer, int64_t L) {
+  if (layer.dimensions().size() != 0) return -1;
+  const int64_t l = layer.typed_data()[0];
+  return 0 <= l && l < L ? l : -1;
+}
+
 }  // namespace jspec

@@ -219,14 +219,18 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
 #endif
 
 ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                        ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] % kGroup != 0 ||
-      cd[1] * 2 != xd[1] || sd[0] != cd[0] || sd[1] * kGroup != xd[1])
-    return ffi::Error::InvalidArgument(
-        "jspec_q4_matmul: x [M, K], codes [N, K / 2], scale [N, K / 32], K a multiple of 32");
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] % kGroup != 0 ||
+      cd[2] * 2 != xd[1] || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] * kGroup != xd[1])
+    return ffi::Error::InvalidArgument("jspec_q4_matmul: x [M, K], codes [L, N, K / 2], scale "
+                                       "[L, N, K / 32], K a multiple of 32");
+  const int64_t l = jspec::LayerOperand(layer, cd[0]);
+  if (l < 0)
+    return ffi::Error::InvalidArgument("jspec_q4_matmul: layer must be an int32 in [0, L)");
   Operands o;
-  o.M = xd[0], o.N = cd[0], o.K = xd[1];
+  o.M = xd[0], o.N = cd[1], o.K = xd[1];
   o.G = o.K / kGroup, o.S = (o.G + kLanes - 1) / kLanes;
   // Per call O(M K) host work beside the O(N K) weights: negligible for a few tokens.
   std::vector<int8_t> xq(o.M * o.K), xp(o.M * o.K);
@@ -237,8 +241,8 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   o.x_scale = x_scale.data();
   o.xp = xp.data();
   o.x_init = x_init.data();
-  o.codes = codes.typed_data();
-  o.scale = reinterpret_cast<const uint16_t*>(scale.typed_data());
+  o.codes = codes.typed_data() + l * o.N * (o.K / 2);
+  o.scale = reinterpret_cast<const uint16_t*>(scale.typed_data()) + l * o.N * o.G;
   o.y = y->typed_data();
   jspec::ParallelFor(pool, (o.N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
     Rows(o, c * kChunkRows, std::min(o.N, (c + 1) * kChunkRows));
@@ -254,4 +258,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecQ4Matmul, Q4MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
