@@ -149,8 +149,13 @@ def test_greedy_speculative_equals_greedy_autoregressive_over_stacked_layers(unr
   assert tree.sequences() == want
 
 
+@pytest.mark.parametrize("kernels", ["xla", "native"])
 @pytest.mark.parametrize("method", ["keydiff", "h2o+caote"])
-def test_an_evicting_cache_over_stacked_layers_stays_lossless(stacked, method):
+def test_an_evicting_cache_over_stacked_layers_stays_lossless(unrolled, stacked, method, kernels):
+  if kernels == "native":
+    if jax.default_backend() != "cpu":
+      pytest.skip("jspec's CPU kernels")
+    stacked = stack_layers(native_float_params(unrolled))
   rng = np.random.default_rng(11)
   prompts = [[int(x) for x in rng.integers(0, 64, 30)], [int(x) for x in rng.integers(0, 64, 9)]]
   policy = KVPolicy(method, budget=16, sinks=2, chunk=8, evict_every=2)
