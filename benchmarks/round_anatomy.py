@@ -6,7 +6,7 @@ On the H100 (session 34) a chain round with a drafter that does no model work (`
 2.9 ms against 1.4-1.5 ms for an autoregressive token of the launch-bound default model: this says
 whether the round runs more kernels (and which) or its forward of gamma + 1 tokens costs more.
 
-  python benchmarks/round_anatomy.py --scan-layers --precision exact \
+  python benchmarks/round_anatomy.py --scan-layers --weights float32-xla --precision exact \
       --drafters ngram,mtp:3,skip:10,default --json benchmarks/round_anatomy_cpu.json
 
 Per program: launches per loop iteration (`jspec.bench.launches.loop_launches`: nested loops

@@ -3,7 +3,7 @@ each program lowered twice side by side in one process, once with the static mod
 give (as `generate` and the CLI pass them) and once with `mode=None` (greedy and sampled decided
 inside the loop, as every program was before session 35).
 
-  python benchmarks/sampling_mode.py --scan-layers --drafters ngram,default \
+  python benchmarks/sampling_mode.py --scan-layers --weights float32-xla --drafters ngram,default \
       --json benchmarks/sampling_mode_cpu.json
 
 No compilation cache: every compile is cold. Per program and setting: compile seconds (best of
