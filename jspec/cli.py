@@ -54,11 +54,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_scan_arg(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--scan-layers", action="store_true",
+  p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
                  help="stack the layers and run them as one lax.scan: programs compile several "
-                      "times faster (3-6x on CPU at the same decode speed and tokens, jspec's "
-                      "CPU kernels reading each layer in place; what GPUs, TPUs and deep targets "
-                      "want too); every weight format; model drafters are stacked too")
+                      "times faster (what GPUs, TPUs and deep targets want); every weight format; "
+                      "model drafters are stacked too. Default: stacked for --weights float32, "
+                      "int8 and q4 on CPU (jspec's kernels: 3-7x faster compiles at the same "
+                      "decode speed and tokens), unrolled elsewhere; --no-scan-layers unrolls")
 
 
 def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
@@ -456,6 +457,7 @@ def cmd_bench_kv(args) -> int:
   from jspec.bench import kv as bench_kv, speed
   from jspec.bench.profiling import machine_info
   from jspec.model import load
+  from jspec.models.llama import layers_stacked
   from jspec.data import sharegpt_conversations
 
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
@@ -468,8 +470,8 @@ def cmd_bench_kv(args) -> int:
   machine, done = machine_info(), []
 
   def save(record):  # every record as it comes, so an interrupted run keeps what it measured
-    record.update(model=model.source, weights=args.dtype, scan_layers=args.scan_layers,
-                  machine=machine)
+    record.update(model=model.source, weights=args.dtype,
+                  scan_layers=layers_stacked(model.params), machine=machine)
     _stamp([record])
     done.append(record)
     speed.write_records(done, out)

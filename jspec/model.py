@@ -88,8 +88,22 @@ class Model:
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
 
 
+# Weight formats whose every matmul and attention run jspec's CPU kernels on CPU: stacked, they
+# compile 3-7x faster than unrolled and decode as fast (benchmarks/README.md, "jspec's CPU kernels
+# over stacked layers"), so `load` stacks them unless told otherwise.
+CPU_KERNEL_FORMATS = ("float32", "int8", "q4")
+
+
+def stacks_by_default(dtype: str, mesh: Mesh | None) -> bool:
+  """Whether `load(..., scan_layers=None)` stacks the layers: weights on jspec's CPU kernels (on
+  CPU, no mesh), where stacked programs compile several times faster at the same decode speed.
+  Elsewhere stacking is measured slower to decode on CPU (XLA's dots slice every layer's weights
+  each step) and unmeasured for decode speed on GPUs, so it stays a choice there."""
+  return mesh is None and dtype in CPU_KERNEL_FORMATS and jax.default_backend() == "cpu"
+
+
 def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
-         mesh: Mesh | str | None = None, scan_layers: bool = False) -> Model:
+         mesh: Mesh | str | None = None, scan_layers: bool | None = None) -> Model:
   """Load weights and tokenizer from "default", a .gguf file or an HF directory.
 
   mesh: a ("dp", "tp") `jax.sharding.Mesh` or its text ("dp=2,tp=4", jspec.sharding.make_mesh):
@@ -102,8 +116,12 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   scan_layers: every layer's arrays stacked on a leading axis, so the decoder is one `lax.scan`
   (`jspec.models.llama.stack_layers`): programs compile several times faster, which accelerators
   and deep targets want; every weight format scans (jspec's CPU kernels read the layer in place
-  from the stacked weights). Model drafters loaded for this target are stacked too."""
+  from the stacked weights). None (the default): stacked for weights on jspec's CPU kernels
+  (float32, int8, q4 on CPU without a mesh; `stacks_by_default`), unrolled otherwise. Model
+  drafters loaded for a stacked target are stacked too."""
   mesh = mesh_from(mesh)
+  if scan_layers is None:
+    scan_layers = stacks_by_default(dtype, mesh)
   if mesh is not None:
     if dtype in QUANTIZED:
       raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "

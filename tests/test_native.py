@@ -511,3 +511,13 @@ def test_native_attention_reads_a_traced_layer():
   assert not np.allclose(outs[0], outs[1])
   with pytest.raises(Exception, match="0 <= layer < L"):
     jax.block_until_ready(traced(q, k, v, visible, jnp.int32(3)))
+
+
+def test_kernel_einsum_takes_zero_rows():
+  """A forward asked for logits at no position runs the LM head over zero rows."""
+  rng = np.random.default_rng(7)
+  w = quant.dense_native(rng.standard_normal((24, 40)).astype(np.float32), (1,))  # [V, E]
+  q8 = quant.quantize_int8(rng.standard_normal((40, 24)).astype(np.float32), (0,), "native")
+  x = jnp.zeros((1, 0, 40), jnp.float32)
+  assert quant.einsum("...e,ve->...v", x, w).shape == (1, 0, 24)
+  assert quant.einsum("...e,ev->...v", x, q8).shape == (1, 0, 24)

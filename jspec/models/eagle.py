@@ -20,7 +20,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config, layers_copyable
 from jspec.models.llama import (LayerParams, Params, attention_fn, decoder_layer, init_params,
-                                rms_norm, rope_tables, visible_attention)
+                                layer_list, rms_norm, rope_tables, visible_attention)
 
 Array = jax.Array
 
@@ -69,8 +69,8 @@ def init_eagle(target_params: Params, target_cfg: Config, key: Array,
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   fc = jnp.concatenate([0.02 * jax.random.normal(k_fc, (E, E)), jnp.eye(E)], axis=0)
   if layers_copyable(cfg, target_cfg):
-    layer = jax.tree.map(f32, target_params.layers[target_cfg.num_layers - 1 if copy_layer is None
-                                                   else copy_layer])
+    copied = target_cfg.num_layers - 1 if copy_layer is None else copy_layer
+    layer = jax.tree.map(f32, layer_list(target_params)[copied])
   else:
     layer = init_params(cfg, k_layer, jnp.float32).layers[0]
   return EagleParams(fc=f32(fc), layer=layer, norm=f32(target_params.final_norm)), cfg

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config
-from jspec.models.llama import (LayerParams, Params, attention_fn, decoder_layer, rms_norm,
-                                rope_tables, visible_attention)
+from jspec.models.llama import (LayerParams, Params, attention_fn, decoder_layer, layer_list,
+                                rms_norm, rope_tables, visible_attention)
 
 Array = jax.Array
 
@@ -109,7 +109,7 @@ def init_eagle3(target_params: Params, target_cfg: Config, key: Array,
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   k_layer, k_q, k_k, k_v = jax.random.split(key, 4)
   if layers_copyable(cfg, target_cfg):
-    layer = jax.tree.map(f32, target_params.layers[target_cfg.num_layers - 1])
+    layer = jax.tree.map(f32, layer_list(target_params)[target_cfg.num_layers - 1])
   else:
     layer = jax.tree.map(f32, init_params(cfg, k_layer, jnp.float32).layers[0])
   widen = lambda w, k: jnp.concatenate([w, 0.02 * jax.random.normal(k, w.shape)], axis=0)

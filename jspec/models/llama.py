@@ -12,7 +12,6 @@ accelerators and deep targets need. The stacked KV cache is written in place eit
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import jax

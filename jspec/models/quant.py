@@ -475,7 +475,7 @@ def _kernel_einsum(x: Array, w, layer: Optional[Array], preferred_element_type=N
   else:  # stored output-major
     stored = one.stored if isinstance(one, DenseWeight) else one.q
     out_shape = stored.shape[:len(stored.shape) - len(one.in_axes)]
-  rows = x.reshape(int(np.prod(lead)), -1).astype(jnp.float32)  # [M, K]
+  rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, K] (M may be 0)
   if isinstance(one, Q4Weight):
     y = native.q4_matmul(rows, *operands, layer=layer)
   elif isinstance(one, Int8Weight):

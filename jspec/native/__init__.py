@@ -35,7 +35,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
-import numpy as np
 
 from jspec.paths import cache_dir
 
