@@ -61,7 +61,7 @@ def main() -> int:
   p.add_argument("--order", default="unrolled,stacked",
                  help="the layouts in the order they run (run both orders to see any warm-up "
                       "bias); 'default' adds jspec's default format (--weights float32: on CPU "
-                      "its native kernel) unrolled, as the reference a CPU user has today")
+                      "its native kernel) unrolled, the CPU default until session 37 (stacked since)")
   p.add_argument("--json", required=True)
   args = p.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)

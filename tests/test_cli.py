@@ -531,6 +531,7 @@ def test_layers_stack_by_default_where_jspecs_cpu_kernels_run(tiny_model):
   from jspec.model import load, stacks_by_default
   from jspec.models.llama import layers_stacked
   on_cpu = jax.default_backend() == "cpu"
+  assert stacks_by_default("q4", None) == on_cpu
   for fmt in ("float32", "int8", "float32-xla", "bfloat16"):
     want = on_cpu and fmt in ("float32", "int8")
     assert stacks_by_default(fmt, None) == want, fmt

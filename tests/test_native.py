@@ -511,6 +511,11 @@ def test_native_attention_reads_a_traced_layer():
   assert not np.allclose(outs[0], outs[1])
   with pytest.raises(Exception, match="0 <= layer < L"):
     jax.block_until_ready(traced(q, k, v, visible, jnp.int32(3)))
+  # The decoder's static layer is checked before the custom_vjp traces it, under jit too.
+  from jspec.models.llama import visible_attention
+  attend = visible_attention(visible, "native")
+  with pytest.raises(ValueError, match=r"layer 3 is out of \[0, 3\)"):
+    jax.jit(lambda q, k, v: attend(q, k, v, 3))(q, k, v)
 
 
 def test_kernel_einsum_takes_zero_rows():
@@ -518,6 +523,11 @@ def test_kernel_einsum_takes_zero_rows():
   rng = np.random.default_rng(7)
   w = quant.dense_native(rng.standard_normal((24, 40)).astype(np.float32), (1,))  # [V, E]
   q8 = quant.quantize_int8(rng.standard_normal((40, 24)).astype(np.float32), (0,), "native")
+  q4 = quant.quantize_q4(rng.standard_normal((64, 24)).astype(np.float32), (0,))
   x = jnp.zeros((1, 0, 40), jnp.float32)
   assert quant.einsum("...e,ve->...v", x, w).shape == (1, 0, 24)
   assert quant.einsum("...e,ev->...v", x, q8).shape == (1, 0, 24)
+  assert quant.einsum("...e,ev->...v", jnp.zeros((1, 0, 64)), q4).shape == (1, 0, 24)
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), q4)  # two layers
+  assert quant.einsum("...e,ev->...v", jnp.zeros((1, 0, 64)),
+                      quant.LayerOf(stacked, jnp.int32(1))).shape == (1, 0, 24)

@@ -231,10 +231,21 @@ def test_stacked_cpu_kernel_weights_are_read_in_place(unrolled):
   def slices(params):
     hlo = jax.jit(f).lower(params).as_text()
     return sum(line.count("dynamic_slice") for line in hlo.splitlines())
-  wq = unrolled.layers[0].wq.shape
   stacked_native, stacked_xla = stack_layers(native_float_params(unrolled)), stack_layers(unrolled)
   # XLA's dots: one slice per weight and norm; the kernels' weights: only the norms'.
-  assert slices(stacked_xla) - slices(stacked_native) >= 7, (wq, slices(stacked_native))
+  assert slices(stacked_xla) - slices(stacked_native) >= 7, slices(stacked_native)
+
+
+def test_gradients_through_the_cpu_kernels_at_a_traced_layer(unrolled):
+  """The kernels' custom gradients over stacked weights equal the unrolled ones, layer by layer."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("jspec's CPU kernels")
+  flat = native_float_params(unrolled)
+  loss = lambda p: jnp.sum(forward(p, DEEP, TOKENS, POSITIONS, KVCache.init(DEEP, 2, 8))[0] ** 2)
+  want, got = jax.grad(loss)(flat), jax.grad(loss)(stack_layers(flat))
+  for a, b in zip(layer_list(got), want.layers, strict=True):
+    close(a, b, atol=1e-3)
+  assert float(jnp.abs(got.layers.wq.stored[3]).max()) > 0  # the last layer's own gradient
 
 
 def test_formats_that_need_a_static_layer_are_refused(unrolled, stacked):

@@ -1,12 +1,13 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward.
 
-Two layouts of the same weights, one forward. By default each layer owns its arrays and the layer
-loop is unrolled: jspec's CPU kernels (the default float32, int8 and q4 formats on CPU) and the
-Pallas tree attention take a static layer. `stack_layers` stacks every layer's arrays on a leading
-axis and the decoder becomes one `lax.scan`: one traced layer instead of L, so a program compiles
-in a fraction of the time (2.8-3.8x faster through the whole engine on CPU, 4.3x for a decode
-step on an H100 at equal decode speed: benchmarks/README.md, "Compile time"), which is what
-accelerators and deep targets need. The stacked KV cache is written in place either way.
+Two layouts of the same weights, one forward. Unrolled, each layer owns its arrays and the layer
+loop is unrolled (the Pallas tree attention needs it: it takes a static layer). `stack_layers`
+stacks every layer's arrays on a leading axis and the decoder becomes one `lax.scan`: one traced
+layer instead of L, so a program compiles in a fraction of the time (3.3-6.9x faster through the
+whole engine on CPU with jspec's CPU kernels, which read the traced layer in place, at the same
+decode speed; 4.3x for a decode step on an H100: benchmarks/README.md). `jspec.model.load`
+stacks by default where jspec's CPU kernels run the weights. The stacked KV cache is written in
+place either way.
 """
 
 from __future__ import annotations
@@ -294,10 +295,19 @@ def visible_attention(visible: Array, kernel: Optional[str] = None) -> Callable:
   float32 weights on jspec's CPU kernels), jspec's CPU kernel (`jspec.native.attention`:
   fixed-order sums over the visible slots, every token at once)."""
   if kernel == "native":
-    return lambda q, k_all, v_all, i: _native_attention(q, k_all, v_all, visible, i)
+    return lambda q, k_all, v_all, i: _native_attention(q, k_all, v_all, visible,
+                                                        _known_layer(i, k_all.shape[0]))
   return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
                                                      v_all[i].astype(q.dtype), visible,
                                                      kernel is not None)
+
+
+def _known_layer(i: int | Array, L: int) -> int | Array:
+  """i, checked against the L layers where it is a Python int (inside the custom_vjp it is traced,
+  and the kernel could only fail the call)."""
+  if isinstance(i, int) and not 0 <= i < L:
+    raise ValueError(f"layer {i} is out of [0, {L})")
+  return i
 
 
 @jax.custom_vjp

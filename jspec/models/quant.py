@@ -246,8 +246,9 @@ def on_native_kernel(w) -> bool:
 class LayerOf:
   """Layer `layer` of a weight for jspec's CPU kernels whose arrays are stacked on a leading [L]
   axis (stacked layers: `llama.stack_layers`), a traced layer inside the decoder's scan. The
-  kernels read that layer's rows in place, so a step copies no weights (slicing a layer out of
-  every stacked weight wrote the whole model each step). Reads as the one layer's weight."""
+  kernels read that layer's rows in place, so a decode step copies no weights (slicing a layer out
+  of every stacked weight wrote the whole model each step; a float32 prefill past
+  NATIVE_F32_MAX_ROWS rows still slices, for XLA's dot). Reads as the one layer's weight."""
 
   stacked: Int8Weight | Q4Weight | DenseWeight  # every array [L, ...]
   layer: Array  # int32 []
@@ -263,10 +264,6 @@ class LayerOf:
   @property
   def dtype(self):
     return self._one().dtype
-
-  @property
-  def in_axes(self) -> tuple[int, ...]:
-    return self.stacked.in_axes
 
   def reshape(self, *shape) -> "LayerOf":
     """The one layer's `reshape`, made on every layer at once (the stored bytes do not move)."""
@@ -441,14 +438,22 @@ def einsum(spec: str, x: Array, w, preferred_element_type=None) -> Array:
   return y.astype(preferred_element_type or x.dtype)
 
 
+def _out_shape(w) -> tuple[int, ...]:
+  """The output axes' shape of a CPU-kernel weight (4 bits: input axes first; the others are
+  stored output-major)."""
+  if isinstance(w, Q4Weight):
+    return w.shape[len(w.in_axes):]
+  stored = w.stored if isinstance(w, DenseWeight) else w.q
+  return tuple(stored.shape[:len(stored.shape) - len(w.in_axes)])
+
+
 def _kernel_operands(w) -> tuple[Array, ...]:
   """The arrays w's CPU kernel reads: the output-major weight as [N, K] (4 bits: codes [N, K / 2]
   and scales [N, K / 32]; int8: its [N] scales too)."""
   if isinstance(w, Q4Weight):
     return w.codes, w.scale
   stored = w.stored if isinstance(w, DenseWeight) else w.q
-  n_in = len(w.in_axes)
-  table = stored.reshape(-1, int(np.prod(stored.shape[stored.ndim - n_in:])))
+  table = stored.reshape(int(np.prod(_out_shape(w))), -1)
   if isinstance(w, DenseWeight):
     return (table,)
   return table, w.out_scale().reshape(-1).astype(jnp.float32)
@@ -469,12 +474,7 @@ def _kernel_einsum(x: Array, w, layer: Optional[Array], preferred_element_type=N
     one, operands = w, _kernel_operands(w)
   else:
     one, operands = LayerOf(w, layer)._one(), jax.vmap(_kernel_operands)(w)
-  lead = x.shape[:-1]
-  if isinstance(one, Q4Weight):  # input axes first
-    out_shape = one.shape[len(one.in_axes):]
-  else:  # stored output-major
-    stored = one.stored if isinstance(one, DenseWeight) else one.q
-    out_shape = stored.shape[:len(stored.shape) - len(one.in_axes)]
+  lead, out_shape = x.shape[:-1], _out_shape(one)
   rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, K] (M may be 0)
   if isinstance(one, Q4Weight):
     y = native.q4_matmul(rows, *operands, layer=layer)

@@ -164,7 +164,7 @@ def _layer_index(layer, L: int, name: str) -> jax.Array:
   return index.astype(jnp.int32)
 
 
-def _stacked(w: jax.Array, layer, ndim: int, name: str) -> tuple[jax.Array, jax.Array]:
+def _with_layer_axis(w: jax.Array, layer, ndim: int, name: str) -> tuple[jax.Array, jax.Array]:
   """(w with a leading layers axis, the layer to read): the kernels read one layer of weights
   stacked on a leading [L] axis in place, whatever the layer (a traced one in a scan over stacked
   layers); a single layer's weights [...] come as [1, ...] and layer 0."""
@@ -181,11 +181,12 @@ def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array, layer=None) -> j
   and its per-row scale w_scale [N]: x quantized per row as `jspec.models.quant.quantize_rows`
   does, to the bit, and the int8 sums exact (CPU only). A projection in one call. `layer` (an
   integer, traced or not): w [L, N, K] and w_scale [L, N] hold every layer's, read at `layer`."""
-  w, index = _stacked(w, layer, 2, "int8_linear")
-  w_scale, _ = _stacked(w_scale, layer, 1, "int8_linear")
+  given = (x.shape, w.shape, w_scale.shape)
+  w, index = _with_layer_axis(w, layer, 2, "int8_linear")
+  w_scale, _ = _with_layer_axis(w_scale, layer, 1, "int8_linear")
   if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or w_scale.shape != w.shape[:2]:
-    raise ValueError(f"int8_linear takes x [M, K], w [N, K] and w_scale [N] (each with a leading "
-                     f"[L] with a layer), got {x.shape}, {w.shape} and {w_scale.shape}")
+    raise ValueError(f"int8_linear takes x [M, K], w [N, K] and w_scale [N] (w and w_scale with a "
+                     f"leading [L] with a layer), got shapes {given}")
   if x.dtype != jnp.float32 or w.dtype != jnp.int8 or w_scale.dtype != jnp.float32:
     raise ValueError(f"int8_linear takes float32 x, int8 w and float32 w_scale, got {x.dtype}, "
                      f"{w.dtype} and {w_scale.dtype}")
@@ -198,10 +199,11 @@ def f32_linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
   """y [M, N] float32 = x [M, K] . w [N, K]^T, every y[m, n] summed in the same order whatever M
   (CPU only). `layer` (an integer, traced or not): w [L, N, K] holds every layer's, read at
   `layer` in place. Differentiable: its gradients are XLA dots."""
-  w, index = _stacked(w, layer, 2, "f32_linear")
+  given = (x.shape, w.shape)
+  w, index = _with_layer_axis(w, layer, 2, "f32_linear")
   if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
     raise ValueError(f"f32_linear takes x [M, K] and w [N, K] (or [L, N, K] with a layer), got "
-                     f"{x.shape} and {w.shape}")
+                     f"shapes {given}")
   if x.dtype != jnp.float32 or w.dtype != jnp.float32:
     raise ValueError(f"f32_linear takes float32 operands, got {x.dtype} and {w.dtype}")
   _library()
@@ -219,6 +221,8 @@ def _f32_linear_fwd(x, w, layer):
 
 
 def _f32_linear_bwd(res, dy):
+  # dw is the whole stacked weight's, zero but at `layer`: a scan over stacked layers then adds L
+  # such arrays (training on these weights is slower stacked; jspec trains on XLA's formats).
   x, w, layer = res
   dw = jnp.zeros_like(w).at[layer].set(dy.T @ x)  # [L, N, K]: only the layer read
   return dy @ w[layer], dw, None
@@ -233,15 +237,17 @@ def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, layer=None) -> j
   a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32] float16,
   one per group of 32 inputs (CPU only). `layer` (an integer, traced or not): codes and scale hold
   every layer's on a leading [L] axis, read at `layer` in place."""
-  codes, index = _stacked(codes, layer, 2, "q4_matmul")
-  scale, _ = _stacked(scale, layer, 2, "q4_matmul")
+  given = (x.shape, codes.shape, scale.shape)
+  codes, index = _with_layer_axis(codes, layer, 2, "q4_matmul")
+  scale, _ = _with_layer_axis(scale, layer, 2, "q4_matmul")
   M, K = x.shape
   N = codes.shape[1]
   L = codes.shape[0]
   if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (L, N, K // 2)
       or scale.shape != (L, N, K // Q4_GROUP)):
     raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
-                     f"and scale [N, K / {Q4_GROUP}], got {x.shape}, {codes.shape}, {scale.shape}")
+                     f"and scale [N, K / {Q4_GROUP}] (codes and scale with a leading [L] with a "
+                     f"layer), got shapes {given}")
   if x.dtype != jnp.float32 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
     raise ValueError(f"q4_matmul takes float32 x, uint8 codes and float16 scales, got {x.dtype}, "
                      f"{codes.dtype}, {scale.dtype}")
