@@ -20,7 +20,7 @@ from jspec.drafting.skip import layer_influence, skip_drafter
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
-from jspec.models.llama import (forward, forward_layers, forward_visible, init_params,
+from jspec.models.llama import (first_layers, forward, forward_layers, forward_visible, init_params,
                                 layer_list, layers_stacked, native_float_params, num_layers,
                                 param_layout, quantize_params, stack_layers, unstack_layers)
 from jspec.sharding import is_spec
@@ -55,6 +55,9 @@ def test_stacking_round_trips_and_matches_the_stacked_layout(unrolled, stacked):
   for a, b in zip(layer_list(stacked), unrolled.layers):
     close(a, b, atol=0)
   close(unstack_layers(stacked), unrolled, atol=0)
+  close(first_layers(stacked, 3), stack_layers(first_layers(unrolled, 3)), atol=0)
+  assert num_layers(first_layers(stacked, 3)) == 3
+  assert first_layers(unrolled, 2).layers[1] is unrolled.layers[1]  # unrolled: shared, no copy
   shapes = lambda tree: jax.tree.map(lambda s: s.shape, tree, is_leaf=is_spec)
   assert shapes(param_layout(DEEP, stacked=True)) == jax.tree.map(lambda a: a.shape, stacked)
 

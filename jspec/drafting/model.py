@@ -17,7 +17,7 @@ from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward, forward_at, layer_list, with_layers
+from jspec.models.llama import Params, first_layers, forward, forward_at
 from jspec.models.vocab_trim import check_keep_ids
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take
@@ -201,7 +201,7 @@ def early_exit_drafter(params: Params, cfg: Config, num_layers: int) -> ModelDra
   Costs no training and shares the weights (not the KV cache) with the target.
   """
   draft_cfg = dataclasses.replace(cfg, num_layers=num_layers)
-  return ModelDrafter(with_layers(params, layer_list(params)[:num_layers]), draft_cfg)
+  return ModelDrafter(first_layers(params, num_layers), draft_cfg)
 
 
 def trimmed_drafter(params: Params, cfg: Config, keep_ids) -> ModelDrafter:

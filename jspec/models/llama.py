@@ -146,6 +146,14 @@ def with_layers(params: Params, layers: tuple[LayerParams, ...]) -> Params:
   return dataclasses.replace(params, layers=tuple(layers))
 
 
+def first_layers(params: Params, n: int) -> Params:
+  """params with only the first n layers, layout kept (stacked: each array's first n, not every
+  layer sliced out and restacked, which would hold a copy of the whole model for a moment)."""
+  if layers_stacked(params):
+    return dataclasses.replace(params, layers=jax.tree.map(lambda a: a[:n], params.layers))
+  return dataclasses.replace(params, layers=tuple(params.layers[:n]))
+
+
 def map_layers(params: Params, fn: Callable[[LayerParams], LayerParams]) -> Params:
   """params with fn applied to every layer, layout kept."""
   return with_layers(params, tuple(fn(lp) for lp in layer_list(params)))
