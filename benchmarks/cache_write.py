@@ -37,11 +37,7 @@ from jspec.sampling.processing import SamplingParams
 _NOW = llama.write_slots
 # Each form as write_slots took it: sessions <= 34 wrote every XLA-dot program row by row, 35
 # through the layer's slice.
-FORMS = {"vmap": lambda cache, layer, slots, new, by_row: llama.write_rows_batched(
-             cache, layer, slots, new),
-         "slice": lambda cache, layer, slots, new, by_row: llama.write_layer_slice(
-             cache, layer, slots, new),
-         "now": _NOW}
+FORMS = {"vmap": llama.write_rows_batched, "slice": llama.write_layer_slice, "now": _NOW}
 
 
 def main() -> int:

@@ -51,8 +51,7 @@ def test_the_count_sees_the_copies_of_the_earlier_writes(layouts, layout, form, 
   accelerator's compiler lays the cache out its own way)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the copies are XLA:CPU's")
-  monkeypatch.setattr(llama, "write_slots",
-                      lambda cache, layer, slots, new, by_row: form(cache, layer, slots, new))
+  monkeypatch.setattr(llama, "write_slots", form)
   jax.clear_caches()
   try:
     assert _whole_cache_copies(layouts[layout]) >= DEEP.num_layers
@@ -78,10 +77,10 @@ def test_every_form_writes_the_same_values_and_drops_slots_past_the_end(layer):
     np.testing.assert_array_equal(form(cache, layer, slots, new), want, err_msg=name)
     traced = jax.jit(form)(cache, jnp.int32(layer), slots, new)  # the layer as a traced index
     np.testing.assert_array_equal(traced, want, err_msg=name + " traced")
-  for by_row in (False, True):  # write_slots picks a form by layout: the values are the same
-    np.testing.assert_array_equal(llama.write_slots(cache, layer, slots, new, by_row), want)
-    np.testing.assert_array_equal(jax.jit(llama.write_slots, static_argnums=4)(
-        cache, jnp.int32(layer), slots, new, by_row), want)
+  # write_slots picks a form by layout (and placement): the values are the same
+  np.testing.assert_array_equal(llama.write_slots(cache, layer, slots, new), want)
+  np.testing.assert_array_equal(jax.jit(llama.write_slots)(cache, jnp.int32(layer), slots, new),
+                                want)
 
 
 def test_rows_split_reads_the_placement_being_traced():

@@ -364,7 +364,7 @@ def write_one_scatter(cache: Array, layer: int | Array, slots: Array, new: Array
   return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
-def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_row: bool) -> Array:
+def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array) -> Array:
   """cache [L, B, S, K, D] with new [B, T, K, D] written at layer `layer`, slots [B, T] of each
   row. Slots past the cache end are dropped (callers validate capacity before they get here).
 
@@ -372,13 +372,13 @@ def write_slots(cache: Array, layer: int | Array, slots: Array, new: Array, by_r
   the others copied the whole cache in some programs): a traced layer (stacked layers' scan), its
   slice (the batched vmap made 4 copies a layer; one scatter ran 0.91-0.97x as fast); a static
   layer (unrolled), one scatter (the slice made 2 copies a layer in autoregressive and `skip`
-  programs: the next layer's read was fused against the old buffer), or, by_row (the batch split
-  over a mesh's `dp`, `jspec.sharding.rows_split`), the batched vmap, so each device writes its
-  own rows (explicit row indices made XLA gather the others' new entries: 4 all-gathers a
-  layer)."""
+  programs: the next layer's read was fused against the old buffer), or, when the engine being
+  traced splits the batch over a mesh's `dp` (`jspec.sharding.rows_split`), the batched vmap, so
+  each device writes its own rows (explicit row indices made XLA gather the others' new entries:
+  4 all-gathers a layer)."""
   if isinstance(layer, jax.core.Tracer):
     return write_layer_slice(cache, layer, slots, new)
-  if by_row:
+  if rows_split():
     return write_rows_batched(cache, layer, slots, new)
   return write_one_scatter(cache, layer, slots, new)
 
@@ -400,9 +400,8 @@ def decoder_layer(cfg: Config, x: Array, lp: LayerParams, i: int | Array, k_cach
       q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
       k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    by_row = rows_split()  # never with the native kernels: they are refused on a mesh
-    k_cache = write_slots(k_cache, i, slots, k, by_row)
-    v_cache = write_slots(v_cache, i, slots, v, by_row)
+    k_cache = write_slots(k_cache, i, slots, k)
+    v_cache = write_slots(v_cache, i, slots, v)
     out = attend(q, k_cache, v_cache, i)
     # Contract heads and head_dim as one axis so the weight is read in its stored layout.
     attn = quant.einsum("btf,fe->bte", out.reshape(B, T, -1), lp.wo.reshape(-1, cfg.hidden_size))
