@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jspec.generate import generate, generate_tokens
-from jspec.kv.evict import compact, evict, evict_when_full, keep_scores, mass_weights, with_mass
+from jspec.kv.evict import (compact, evict, evict_when_full, keep_scores, mass_weights,
+                             record_positions, with_budget_state)
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.kv.scores import caote, keydiff
@@ -34,6 +35,9 @@ def cache_of(k, v, lengths):
                  lengths=jnp.asarray(lengths, jnp.int32))
 
 
+NONE_YET = jnp.zeros((1,), jnp.int32)  # evicted before: nothing
+
+
 def test_keydiff_keeps_the_most_dissimilar_keys_per_head():
   L, B, S, K, D = 1, 1, 16, 2, 4
   rng = np.random.default_rng(0)
@@ -48,12 +52,14 @@ def test_keydiff_keeps_the_most_dissimilar_keys_per_head():
   v = np.broadcast_to(np.arange(S, dtype=np.float64)[None, None, :, None, None], k.shape)
   cache = cache_of(k, v, [12])
   policy = KVPolicy("keydiff", budget=6, sinks=0, window=0, chunk=4)
-  out, dropped = evict(policy, cache)
+  out, dropped = evict(policy, cache, NONE_YET)
   assert int(out.lengths[0]) == 6 and int(dropped[0]) == 6
   for head, slots in outliers.items():
-    kept = np.asarray(out.v[0, 0, :6, head, 0]).astype(int).tolist()  # values tag the slots
-    assert kept == sorted(slots), (head, kept)  # the dissimilar ones, in their original order
-    np.testing.assert_allclose(out.k[0, 0, :6, head], k[0, 0, sorted(slots), head], rtol=1e-6)
+    kept = np.asarray(out.v[0, 0, :6, head, 0]).astype(int)  # values tag the slots
+    assert sorted(kept) == sorted(slots), (head, kept)  # the dissimilar ones
+    np.testing.assert_allclose(out.k[0, 0, :6, head], k[0, 0, kept, head], rtol=1e-6)
+    np.testing.assert_array_equal(out.positions[0, 0, :6, head], kept)  # they keep their place
+    assert (np.asarray(out.positions[0, 0, 6:, head]) == -1).all()
   # The score itself: an e0 key is more similar to the mean (higher cosine) than an outlier.
   score = np.asarray(keydiff(cache, policy))
   assert score[0, 0, 3, 0] > score[0, 0, 2, 0]
@@ -65,24 +71,89 @@ def test_eviction_protects_sinks_and_window_and_ignores_empty_slots():
   k, v = rng.standard_normal((2, L, B, S, K, D)).astype(np.float32)
   cache = cache_of(k, v, [10, 12])
   policy = KVPolicy("streaming", budget=6, sinks=2, window=0, chunk=2)
-  out, dropped = evict(policy, cache)
+  out, dropped = evict(policy, cache, jnp.zeros((2,), jnp.int32))
   assert out.lengths.tolist() == [6, 6] and dropped.tolist() == [4, 6]
   for b, length in enumerate([10, 12]):
+    # The freed slots 2-5 take the kept newest entries, lowest first.
     want = [0, 1] + list(range(length - 4, length))
     np.testing.assert_array_equal(out.k[:, b, :6], k[:, b, want])
     np.testing.assert_array_equal(out.v[:, b, :6], v[:, b, want])
+    np.testing.assert_array_equal(out.positions[:, b, :6], np.broadcast_to(
+        np.asarray(want)[None, :, None], (L, 6, K)))
   # keydiff with a recent window: the newest `window` slots survive whatever their keys.
+  none = jnp.zeros((2,), jnp.int32)
   scores = np.asarray(keep_scores(KVPolicy("keydiff", budget=6, sinks=1, window=3, chunk=2),
-                                  cache))
+                                  record_positions(cache, none), none))
   assert np.isposinf(scores[:, 0, [0, 7, 8, 9]]).all() and np.isneginf(scores[:, 0, 10:]).all()
   assert np.isfinite(scores[:, 0, 1:7]).all()
+
+
+def test_sinks_window_and_recency_read_positions_once_slots_are_reused():
+  """After evictions the newest entries sit in freed low slots: the window, the sinks and
+  StreamingLLM's recency must follow the recorded positions (a slot-order rule would protect
+  slots 5-7 here and keep the wrong entries), and entries committed since the last eviction get
+  position slot + evicted."""
+  rng = np.random.default_rng(12)
+  k, v = rng.standard_normal((2, 1, 1, 16, 1, 4)).astype(np.float32)
+  v[..., 0] = np.arange(16)[None, None, :, None]  # tag each entry with its slot
+  recorded = [0, 1, 9, 3, 8, 4] + [-1] * 10  # 4 entries (2, 5, 6, 7) evicted before
+  cache = cache_of(k, v, [8])
+  cache = KVCache(k=cache.k, v=cache.v, lengths=cache.lengths,
+                  positions=jnp.asarray(recorded, jnp.int32)[None, None, :, None])
+  evicted = jnp.asarray([4], jnp.int32)
+  cache = record_positions(cache, evicted)
+  assert cache.positions[0, 0, :8, 0].tolist() == [0, 1, 9, 3, 8, 4, 10, 11]
+  scores = np.asarray(keep_scores(KVPolicy("keydiff", budget=6, sinks=1, window=3, chunk=2),
+                                  cache, evicted))[0, 0, :, 0]
+  assert np.isposinf(scores[[0, 2, 6, 7]]).all() and np.isfinite(scores[[1, 3, 4, 5]]).all()
+  out, dropped = evict(KVPolicy("streaming", budget=6, sinks=1, chunk=2), cache, evicted)
+  assert int(dropped[0]) == 2  # the two oldest past the sink: positions 1 (slot 1), 3 (slot 3)
+  assert sorted(np.asarray(out.v[0, 0, :6, 0, 0]).astype(int)) == [0, 2, 4, 5, 6, 7]
+  assert sorted(out.positions[0, 0, :6, 0].tolist()) == [0, 4, 8, 9, 10, 11]
+  np.testing.assert_array_equal(out.v[0, 0, [1, 3], 0, 0], [6, 7])  # holes filled lowest first
+
+
+def test_eviction_drops_at_most_max_drop_and_leaves_the_rest_for_the_next():
+  rng = np.random.default_rng(13)
+  k, v = rng.standard_normal((2, 1, 1, 16, 2, 4)).astype(np.float32)
+  policy = KVPolicy("keydiff", budget=6, sinks=0, chunk=4)
+  none = jnp.zeros((1,), jnp.int32)
+  once, dropped = evict(policy, cache_of(k, v, [11]), none, max_drop=3)
+  assert once.lengths.tolist() == [8] and dropped.tolist() == [3]
+  twice, dropped = evict(policy, once, dropped, max_drop=3)
+  assert twice.lengths.tolist() == [6] and dropped.tolist() == [2]
+  for head in range(2):  # every kept entry is one of the originals, each at most once
+    kept = {tuple(np.round(x, 5)) for x in np.asarray(twice.k[0, 0, :6, head])}
+    originals = {tuple(np.round(x, 5)) for x in k[0, 0, :11, head]}
+    assert len(kept) == 6 and kept <= originals
+
+
+def test_snapkv_pools_neighbouring_positions_not_neighbouring_slots():
+  rng = np.random.default_rng(14)
+  S, n = 12, 10
+  mass = rng.random((1, 1, S, 1)).astype(np.float32)
+  order = rng.permutation(n).tolist() + [10, 11]  # slot i holds position order[i]
+  k = jnp.zeros((1, 1, S, 1, 4))
+  policy = KVPolicy("snapkv", budget=8, sinks=0, chunk=2, snap_kernel=3)
+  in_order = KVCache(k=k, v=k, lengths=jnp.asarray([n]), mass=jnp.asarray(mass),
+                     positions=jnp.arange(S, dtype=jnp.int32)[None, None, :, None])
+  shuffled = KVCache(k=k, v=k, lengths=jnp.asarray([n]),
+                     mass=jnp.asarray(mass[:, :, order]),
+                     positions=jnp.asarray(order, jnp.int32)[None, None, :, None])
+  from jspec.kv.scores import snapkv
+  want = np.asarray(snapkv(in_order, policy))[0, 0, order, 0]
+  got = np.asarray(snapkv(shuffled, policy))[0, 0, :, 0]
+  np.testing.assert_allclose(got[:n], want[:n], rtol=1e-6)
+  middle = order.index(5)  # position 5 pools positions 4-6
+  np.testing.assert_allclose(got[middle], mass[0, 0, 4:7, 0].mean(), rtol=1e-6)
 
 
 def test_a_row_under_the_budget_is_left_exactly_as_it_was():
   rng = np.random.default_rng(2)
   k, v = rng.standard_normal((2, 2, 2, 16, 2, 4)).astype(np.float32)
   cache = cache_of(k, v, [5, 8])
-  out, dropped = evict(KVPolicy("keydiff", budget=8, sinks=0, chunk=4), cache)
+  out, dropped = evict(KVPolicy("keydiff", budget=8, sinks=0, chunk=4), cache,
+                       jnp.zeros((2,), jnp.int32))
   assert out.lengths.tolist() == [5, 8] and dropped.tolist() == [0, 0]
   np.testing.assert_array_equal(out.k[:, 0, :5], k[:, 0, :5])
   np.testing.assert_array_equal(out.v[:, 1, :8], v[:, 1, :8])
@@ -94,14 +165,15 @@ def test_decoding_evicts_the_rows_that_are_due_alone_at_any_batch():
   rng = np.random.default_rng(4)
   k, v = rng.standard_normal((2, 2, 2, 16, 2, 4)).astype(np.float32)
   policy = KVPolicy("keydiff", budget=8, sinks=1, window=2, chunk=2, evict_every=2)
-  both, dropped = evict_when_full(policy, cache_of(k, v, [10, 9]))  # row 0 due, row 1 not
+  none = jnp.zeros((2,), jnp.int32)
+  both, dropped = evict_when_full(policy, cache_of(k, v, [10, 9]), none)  # row 0 due, row 1 not
   assert both.lengths.tolist() == [8, 9] and dropped.tolist() == [2, 0]
   np.testing.assert_array_equal(both.k[:, 1], k[:, 1])
-  alone, dropped = evict_when_full(policy, cache_of(k[:, :1], v[:, :1], [10]))
+  alone, dropped = evict_when_full(policy, cache_of(k[:, :1], v[:, :1], [10]), none[:1])
   assert alone.lengths.tolist() == [8] and dropped.tolist() == [2]
   np.testing.assert_array_equal(alone.k[:, 0], both.k[:, 0])
   np.testing.assert_array_equal(alone.v[:, 0], both.v[:, 0])
-  kept, dropped = evict_when_full(policy, cache_of(k[:, 1:], v[:, 1:], [9]))  # not due
+  kept, dropped = evict_when_full(policy, cache_of(k[:, 1:], v[:, 1:], [9]), none[:1])  # not due
   assert kept.lengths.tolist() == [9] and dropped.tolist() == [0]
   np.testing.assert_array_equal(kept.k[:, 0], k[:, 1])
 
@@ -114,8 +186,11 @@ def test_compacted_attention_equals_attention_over_the_kept_slots_of_each_head()
   k, v = rng.standard_normal((2, L, B, S, K, D)).astype(np.float32)
   lengths = np.array([20, 15])
   cache = cache_of(k, v, lengths)
-  scores = np.asarray(keep_scores(KVPolicy("keydiff", budget=budget, sinks=1, chunk=4), cache))
-  out = compact(cache, jnp.asarray(scores), budget)
+  none = jnp.zeros((B,), jnp.int32)
+  cache = record_positions(cache, none)
+  scores = np.asarray(keep_scores(KVPolicy("keydiff", budget=budget, sinks=1, chunk=4), cache,
+                                  none))
+  out = compact(cache, jnp.asarray(scores), budget, max_drop=S - budget)
   q = rng.standard_normal((B, 1, H, D)).astype(np.float32)
   mask = jnp.broadcast_to(jnp.arange(S)[None, None] < budget, (B, 1, S))
   got = masked_attention(jnp.asarray(q), out.k[0], out.v[0], mask)  # [B, 1, H, D]
@@ -285,7 +360,7 @@ def test_chunked_prefill_records_the_attention_mass_of_a_one_shot_forward(params
   _, cache, _, _ = chunked_prefill(params, CFG, prompt, n, KVCache.init(CFG, 1, policy.slots),
                                 policy)
   # The last chunk holds prompt tokens 12-13: TOVA's newest query is 13, SnapKV's window 12-13.
-  one_shot = with_mass(policy, KVCache.init(CFG, 1, policy.slots))
+  one_shot = with_budget_state(policy, KVCache.init(CFG, 1, policy.slots))
   weights = jnp.ones((1, 14)) if method == "h2o" else mass_weights(policy, n, 14)
   _, _, want = forward(params, CFG, prompt, jnp.arange(14)[None], one_shot, mass_weights=weights)
   np.testing.assert_allclose(cache.mass[:, :, :14], want.mass[:, :, :14], rtol=1e-5, atol=1e-6)

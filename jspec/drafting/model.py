@@ -154,7 +154,7 @@ class ModelDrafter(HeadDrafter):
   def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:
     """Under a budget: keep the entries of positions < seq_len - 2 (what the next round does not
     re-read), then evict on decoding's schedule."""
-    cache, dropped = evict_when_full(self.kv, cache.with_lengths(seq_len - 2 - evicted))
+    cache, dropped = evict_when_full(self.kv, cache.with_lengths(seq_len - 2 - evicted), evicted)
     return ModelDraftState(cache=cache, evicted=evicted + dropped)
 
   def update(self, state: ModelDraftState, seq_len: Array, features: Features

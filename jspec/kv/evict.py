@@ -1,9 +1,14 @@
-"""Eviction: keep the `budget` best committed slots of every layer and KV head, compacted.
+"""Eviction: keep the `budget` best committed slots of every layer and KV head, with no holes.
 
-Keys are cached after RoPE, so a kept entry carries its original position wherever it moves, and
-attention over a set of slots does not depend on their order; kept slots stay in their original
-order anyway (the sinks stay first, the newest last). After eviction every row holds
-min(lengths, budget) committed entries; a row at or under the budget is left exactly as it was.
+Keys are cached after RoPE, so a kept entry carries its original position wherever it sits, and
+attention over a set of slots does not depend on their order. Eviction therefore moves as little
+as it can: the kept entries among the newest (slots >= budget) fill the slots the dropped ones
+free below it, and nothing else moves, so evicting one entry per decoded token costs a few small
+copies rather than a pass over the cache. Slot order is then no longer position order, so the
+cache records each slot's position (`KVCache.positions`), and the sinks, the recent window,
+StreamingLLM's recency and SnapKV's pooling read positions, not slots. After eviction every row
+holds min(lengths, budget) committed entries in slots [0, that); a row at or under the budget
+keeps every entry where it was.
 """
 
 from __future__ import annotations
@@ -20,40 +25,76 @@ from jspec.models.cache import KVCache
 Array = jax.Array
 
 
-def keep_scores(policy: KVPolicy, cache: KVCache) -> Array:
-  """[L, B, S, K] scores with the sinks and the recent window at +inf, empty slots at -inf."""
+def record_positions(cache: KVCache, evicted: Array) -> KVCache:
+  """The cache with every committed slot's position recorded. The entries committed since the
+  last eviction (position -1; a cache without positions has had none) were appended in slot
+  order after it, at RoPE positions that count the evicted [B] entries: slot s holds position
+  s + evicted[b]. This needs committed entries never to be rolled back past the last eviction,
+  which no engine does."""
+  L, B, S, K, _ = cache.k.shape
+  positions = cache.positions
+  if positions is None:
+    positions = jnp.full((L, B, S, K), -1, jnp.int32)
+  slot = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
+  fresh = (slot < cache.lengths[:, None])[None, :, :, None] & (positions < 0)  # [L, B, S, K]
+  appended = (slot + evicted[:, None])[None, :, :, None]  # [1, B, S, 1]
+  return dataclasses.replace(cache, positions=jnp.where(fresh, appended, positions))
+
+
+def keep_scores(policy: KVPolicy, cache: KVCache, evicted: Array) -> Array:
+  """[L, B, S, K] scores with the sinks and the recent window at +inf, empty slots at -inf, of a
+  cache whose positions are recorded (`record_positions` with the same evicted [B])."""
   scores = slot_scores(cache, policy)
-  slot = jnp.arange(cache.size)[None, :]  # [1, S]
-  lengths = cache.lengths[:, None]  # [B, 1]
-  protected = (slot < policy.sinks) | (slot >= lengths - policy.window)  # [B, S]
-  valid = slot < lengths
-  scores = jnp.where(protected[None, :, :, None], jnp.inf, scores)
-  return jnp.where(valid[None, :, :, None], scores, -jnp.inf)
+  newest = (cache.lengths + evicted - 1)[None, :, None, None]  # [1, B, 1, 1]
+  protected = (cache.positions < policy.sinks) | (cache.positions > newest - policy.window)
+  valid = (jnp.arange(cache.size)[None, :] < cache.lengths[:, None])[None, :, :, None]
+  scores = jnp.where(protected, jnp.inf, scores)
+  return jnp.where(valid, scores, -jnp.inf)
 
 
-def compact(cache: KVCache, scores: Array, budget: int, due: Array | None = None) -> KVCache:
-  """Move the `budget` highest-scoring slots of each layer, row and KV head to slots
-  [0, budget) in their original order; lengths become min(lengths, budget). With `due` [B] bool,
-  only those rows: the others keep every slot where it is (their first `budget` slots gathered
-  onto themselves), so no pass over the old cache merges them back."""
-  _, keep = jax.lax.top_k(jnp.moveaxis(scores, 2, -1), budget)  # [L, B, K, budget]
-  keep = jnp.sort(keep, axis=-1)
-  lengths = jnp.minimum(cache.lengths, budget)
+def compact(cache: KVCache, scores: Array, budget: int, max_drop: int,
+            due: Array | None = None) -> KVCache:
+  """Drop the lengths - budget lowest-scoring committed slots of each layer, row and KV head
+  (at most `max_drop`, static: a row further over keeps the rest until the next eviction) and
+  move the kept entries of slots [budget, lengths) into the
+  freed slots below `budget`, lowest first; lengths become min(lengths, budget). With `due` [B]
+  bool, only those rows: the others keep every slot where it is. Positions and attention mass
+  (if the cache has them) move with their entries; freed slots get position -1."""
+  L, B, S, K, _ = cache.k.shape
+  W = min(max_drop, S)
+  n_drop = jnp.clip(cache.lengths - budget, 0, W)  # [B]; past W it waits for the next eviction
   if due is not None:
-    keep = jnp.where(due[None, :, None, None], keep, jnp.arange(budget))
-    lengths = jnp.where(due, lengths, cache.lengths)
-  keep = jnp.moveaxis(keep, -1, 2)[..., None]  # [L, B, budget, K, 1]
+    n_drop = jnp.where(due, n_drop, 0)
+  new_lengths = cache.lengths - n_drop
+  slot = jnp.arange(S)[None, :]
+  valid = (slot < cache.lengths[:, None])[None, :, :, None]  # [1, B, S, 1]
+  lowest = jnp.moveaxis(jnp.where(valid, -scores, -jnp.inf), 2, -1)  # [L, B, K, S]
+  _, candidates = jax.lax.top_k(lowest, W)  # [L, B, K, W], lowest score first
+  j = jnp.arange(W)
+  n = n_drop[None, :, None, None]  # [1, B, 1, 1]
+  end = new_lengths[None, :, None, None]
+  dropped = jnp.where(j < n, candidates, S)  # [L, B, K, W]; S: no slot
+  # The freed slots below the new length, and the kept entries at or past it: as many of each.
+  holes = jnp.sort(jnp.where(dropped < end, dropped, S), axis=-1)
+  tail = end + j  # [1, B, 1, W]: slots new_length + j
+  tail_dropped = jnp.any(dropped[..., None, :] == tail[..., None], axis=-1)  # [L, B, K, W]
+  movers = jnp.sort(jnp.where((j < n) & ~tail_dropped, tail, S), axis=-1)
+  src = jnp.moveaxis(jnp.minimum(movers, S - 1), -1, 2)  # [L, B, W, K]
+  dst = jnp.moveaxis(jnp.where(movers < S, holes, S), -1, 2)  # S: nothing to write
+  at = (jnp.arange(L)[:, None, None, None], jnp.arange(B)[None, :, None, None], dst,
+        jnp.arange(K)[None, None, None, :])
 
-  def gather(x):  # [L, B, S, K, D] → same, slots [0, budget) replaced
-    kept = jnp.take_along_axis(x, keep, axis=2)
-    return jnp.concatenate([kept, x[:, :, budget:]], axis=2)
+  def move(x):  # [L, B, S, K, ...]: the movers' entries into the holes
+    index = src.reshape(src.shape + (1,) * (x.ndim - 4))
+    return x.at[at].set(jnp.take_along_axis(x, index, axis=2), mode="drop")
 
-  mass = cache.mass
-  if mass is not None:  # [L, B, S, K]: the same moves
-    mass = jnp.concatenate([jnp.take_along_axis(mass, keep[..., 0], axis=2),
-                            mass[:, :, budget:]], axis=2)
-  return dataclasses.replace(cache, k=gather(cache.k), v=gather(cache.v), mass=mass,
-                             lengths=lengths)
+  mass = None if cache.mass is None else move(cache.mass)
+  positions = None
+  if cache.positions is not None:
+    gone = (slot >= new_lengths[:, None])[None, :, :, None]
+    positions = jnp.where(gone, -1, move(cache.positions))
+  return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), mass=mass,
+                             positions=positions, lengths=new_lengths)
 
 
 def mass_weights(policy: KVPolicy, n_new: Array, T: int) -> Array:
@@ -80,12 +121,13 @@ def reset_mass(policy: KVPolicy, cache: KVCache, n_new: Array) -> KVCache:
   return dataclasses.replace(cache, mass=jnp.where(keep[None], cache.mass, 0.0))
 
 
-def with_mass(policy: KVPolicy, cache: KVCache) -> KVCache:
-  """A fresh cache with the attention-mass array the policy scores by (if it needs one)."""
-  if not policy.needs_attention:
-    return cache
+def with_budget_state(policy: KVPolicy, cache: KVCache) -> KVCache:
+  """A fresh cache with what eviction under the policy tracks: every slot's position (none
+  recorded yet) and, for attention-score methods, the attention mass each slot received."""
   L, B, S, K, _ = cache.k.shape
-  return dataclasses.replace(cache, mass=jnp.zeros((L, B, S, K), jnp.float32))
+  mass = jnp.zeros((L, B, S, K), jnp.float32) if policy.needs_attention else None
+  return dataclasses.replace(cache, mass=mass,
+                             positions=jnp.full((L, B, S, K), -1, jnp.int32))
 
 
 def before_forward(policy: KVPolicy, cache: KVCache, n_new: Array,
@@ -118,17 +160,25 @@ def fold_block_mass(policy: KVPolicy, before: KVCache, after: KVCache, n_new: Ar
   return dataclasses.replace(after, mass=reset.mass + added)
 
 
-def evict(policy: KVPolicy, cache: KVCache, due: Array | None = None) -> tuple[KVCache, Array]:
-  """(cache evicted down to the budget, [B] entries dropped per row); with `due` [B] bool, only
-  those rows are evicted (the others are returned as they were)."""
-  evicted = compact(cache, keep_scores(policy, cache), policy.budget, due)
-  return evicted, cache.lengths - evicted.lengths
+def evict(policy: KVPolicy, cache: KVCache, evicted: Array, due: Array | None = None,
+          max_drop: int | None = None) -> tuple[KVCache, Array]:
+  """(cache evicted down to the budget, [B] entries dropped per row) of a cache whose rows have
+  had evicted [B] entries dropped before; with `due` [B] bool, only those rows are evicted (the
+  others keep their entries where they are). max_drop (static): the most entries any row can be
+  over the budget (default: every slot past it), which sizes the selection."""
+  cache = record_positions(cache, evicted)
+  max_drop = cache.size - policy.budget if max_drop is None else max_drop
+  out = compact(cache, keep_scores(policy, cache, evicted), policy.budget, max_drop, due)
+  return out, cache.lengths - out.lengths
 
 
-def evict_when_full(policy: KVPolicy, cache: KVCache) -> tuple[KVCache, Array]:
+def evict_when_full(policy: KVPolicy, cache: KVCache, evicted: Array,
+                    max_drop: int | None = None) -> tuple[KVCache, Array]:
   """Decoding's schedule, the same in every engine: a row is evicted down to the budget once it
   holds budget + evict_every entries, so each token is scored over the same cache whether it was
-  decoded alone or verified in a block."""
+  decoded alone or verified in a block. Engines that stop each round where a row reaches
+  budget + evict_every pass max_drop=policy.evict_every (the selection's width)."""
+  cache = record_positions(cache, evicted)
   due = cache.lengths >= policy.budget + policy.evict_every
-  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, due),
+  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, evicted, due, max_drop),
                       lambda c: (c, jnp.zeros_like(c.lengths)), cache)

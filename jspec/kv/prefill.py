@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.kv.evict import before_forward, evict, evict_when_full, with_mass
+from jspec.kv.evict import before_forward, evict, evict_when_full, with_budget_state
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -48,10 +48,10 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     here = (last >= start) & (last < start + C)  # [B]: the row's last prompt token is here
     logits = jnp.where(here[:, None], chunk_logits[:, 0], logits)
     cache = cache.commit(n_new)
-    cache, dropped = evict(policy, cache)
+    cache, dropped = evict(policy, cache, evicted, max_drop=C)
     return cache, evicted + dropped, logits, hidden
 
-  cache = with_mass(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
+  cache = with_budget_state(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
   # The head's width: the vocabulary, or a VocabTrim'd drafter's kept ids.
   out_logits, out_hidden = jax.eval_shape(
       lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache,
@@ -73,5 +73,6 @@ def budgeted_step(params: Params, cfg: Config, tokens: Array, cache: KVCache, ev
   cache, weights = before_forward(policy, cache, jnp.ones((B,), jnp.int32), 1)
   positions = (cache.lengths + evicted)[:, None]  # [B, 1]
   logits, _, cache = forward(params, cfg, tokens, positions, cache, mass_weights=weights)
-  cache, dropped = evict_when_full(policy, cache.commit(1))
+  # One token a step: a row is due with exactly evict_every entries over the budget.
+  cache, dropped = evict_when_full(policy, cache.commit(1), evicted, max_drop=policy.evict_every)
   return logits, cache, evicted + dropped

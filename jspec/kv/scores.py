@@ -1,7 +1,9 @@
 """Which cache slots deserve to stay: one pure function per method, the same signature for all.
 
 score(cache, policy) → [L, B, S, K] float32, higher = keep; the cache's keys are stored after
-RoPE, `cache.mass` holds the attention mass the forwards accumulated (attention-score methods).
+RoPE, `cache.positions` holds each slot's position (eviction refills freed slots, so slot order
+is not position order), `cache.mass` the attention mass the forwards accumulated (attention-score
+methods).
 Only slots below cache.lengths[b] matter; evict.py protects the sinks and the recent window and
 never keeps an empty slot. `caote` rescores any attention-score method.
 """
@@ -36,8 +38,7 @@ def keydiff(cache: KVCache, policy: KVPolicy) -> Array:
 
 def streaming(cache: KVCache, policy: KVPolicy) -> Array:
   """StreamingLLM: recency (with the sinks, which evict.py protects, nothing else is kept)."""
-  L, B, S, K, _ = cache.k.shape
-  return jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32)[None, None, :, None], (L, B, S, K))
+  return cache.positions.astype(jnp.float32)
 
 
 def h2o(cache: KVCache, policy: KVPolicy) -> Array:
@@ -52,12 +53,15 @@ def tova(cache: KVCache, policy: KVPolicy) -> Array:
 
 def snapkv(cache: KVCache, policy: KVPolicy) -> Array:
   """SnapKV: the attention of the last `snap_window` queries of the latest block, average-pooled
-  over `snap_kernel` neighbouring slots so a kept token brings its neighbours' context."""
+  over `snap_kernel` neighbouring kept positions so a kept token brings its neighbours' context
+  (pooled in position order, which eviction does not keep in the slots)."""
   width = policy.snap_kernel
-  mass = jnp.where(_valid(cache), cache.mass, 0.0)
+  valid = _valid(cache)
+  order = jnp.argsort(jnp.where(valid, cache.positions, jnp.iinfo(jnp.int32).max), axis=2)
+  mass = jnp.take_along_axis(jnp.where(valid, cache.mass, 0.0), order, axis=2)  # by position
   pooled = jax.lax.reduce_window(mass, 0.0, jax.lax.add, (1, 1, width, 1), (1, 1, 1, 1),
                                  [(0, 0), (0, 0), (width // 2, (width - 1) // 2), (0, 0)])
-  return pooled / width
+  return jnp.put_along_axis(pooled, order, pooled, axis=2, inplace=False) / width
 
 
 def caote(scores: Array, cache: KVCache) -> Array:

@@ -27,6 +27,10 @@ class KVCache:
   # Under a KV budget whose policy scores slots by attention (jspec.kv): attention mass each slot
   # received, accumulated by the forwards given `mass_weights`; moves with its slot on eviction.
   mass: jax.Array | None = None  # [L, B, S, K] float32
+  # Under a KV budget: each slot's RoPE position, -1 where eviction has not recorded one yet
+  # (jspec.kv.evict records the entries committed since the last eviction). Eviction moves the
+  # newest entries into the slots it frees, so slot order is not position order there.
+  positions: jax.Array | None = None  # [L, B, S, K] int32
 
   @property
   def size(self) -> int:
@@ -55,7 +59,10 @@ class KVCache:
     kv = ArraySpec(self.k.shape, ("layers", "batch", "seq", "kv_heads", "head_dim"), "zeros")
     mass = None if self.mass is None else ArraySpec(
         self.mass.shape, ("layers", "batch", "seq", "kv_heads") + (None,) * (self.mass.ndim - 4))
-    return KVCache(k=kv, v=kv, lengths=ArraySpec(self.lengths.shape, ("batch",)), mass=mass)
+    positions = None if self.positions is None else ArraySpec(
+        self.positions.shape, ("layers", "batch", "seq", "kv_heads"))
+    return KVCache(k=kv, v=kv, lengths=ArraySpec(self.lengths.shape, ("batch",)), mass=mass,
+                   positions=positions)
 
   def placed(self, placement) -> "KVCache":
     """Inside jit: this cache pinned to `placement` (a jspec.sharding.Placement; None: as is).
@@ -76,7 +83,8 @@ def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
   before anything is written, so overlapping moves are safe; the [L, B, S, K, D] arrays are
   updated in place inside a loop. Used for the accepted path of a token tree (target and draft).
   Attention mass recorded for the slots (cache.mass [L, B, S, K, ...], attention-score KV
-  policies) moves with them.
+  policies) moves with them; KV-budget positions need not (slots past the committed entries have
+  none recorded).
   """
   B, D = src.shape
   j = jnp.arange(D, dtype=jnp.int32)

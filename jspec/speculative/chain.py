@@ -126,7 +126,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       cache = new.cache
       if kv.needs_attention:
         cache = fold_block_mass(kv, s.cache, cache, new.seq_len - s.seq_len)
-      cache, dropped = evict_when_full(kv, cache)
+      # The cut above leaves a due row exactly evict_every entries over the budget.
+      cache, dropped = evict_when_full(kv, cache, new.evicted, max_drop=kv.evict_every)
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     probes = probe_hidden(hidden, G + 1, k, n_acc) if k else None  # after the last accepted
     return dataclasses.replace(new, draft=drafter.update(

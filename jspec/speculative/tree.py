@@ -206,7 +206,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     cache = move_kv(cache, base, r.path, n_acc)
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
     if kv is not None:
-      cache, dropped = evict_when_full(kv, new.cache)
+      # The cut above leaves a due row exactly evict_every entries over the budget.
+      cache, dropped = evict_when_full(kv, new.cache, new.evicted, max_drop=kv.evict_every)
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
     # The target's view of the root and the accepted path (node n is entry n + 1 of the block).
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
