@@ -4,9 +4,11 @@ the full cache, in one process (`jspec.bench.kv.time_prefill_decode`).
 
   python benchmarks/kv_evict_cost.py --json benchmarks/kv_evict_cost_cpu.json
 
-Each eviction scores the budget's keys and compacts the cache (a gather of the kept slots and a
-rewrite of the rest), so evicting every token costs that every step; evicting every k tokens
-lets the cache run k slots over the budget between compactions.
+Each eviction scores the budget's keys and moves the kept newest entries into the slots it
+frees (before session 38 it compacted the whole cache: a gather of the kept slots and a rewrite
+of the rest), so evicting every token costs that every step; evicting every k tokens lets the
+cache run k slots over the budget between evictions. `benchmarks/ab_revisions.py` runs this
+script at two revisions side by side.
 """
 
 from __future__ import annotations
