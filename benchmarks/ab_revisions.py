@@ -5,9 +5,11 @@ finds that tree's package), alternating old, new, old, new, ... on the same mach
   python benchmarks/ab_revisions.py --old 4d26651 --rounds 2 --json benchmarks/X.json -- \
       benchmarks/kv_evict_cost.py --methods keydiff,h2o+caote --every 1,4
 
-The script (a path relative to the repository root, present at both revisions) must take
-`--json PATH`; its records are gathered into one file: {"old": rev, "new": rev, "script", "args",
-"runs": [{"side", "round", "record"}]}.
+The script (a path relative to the repository root) must take `--json PATH`; each side runs its
+own revision's copy, or with `--script-from new` the new one (the same measuring code over both
+packages: the script must then use only what both revisions have). The records are gathered into
+one file: {"old": rev, "new": rev, "script", "script_from", "args", "runs": [{"side", "round",
+"record"}]}.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def git(*args: str, cwd: Path = ROOT) -> str:
                         text=True).stdout.strip()
 
 
-def run_side(tree: Path, script: str, args: list[str], out: Path) -> dict:
+def run_side(tree: Path, script: Path, args: list[str], out: Path) -> dict:
   env = dict(os.environ, PYTHONPATH=str(tree))
-  subprocess.run([sys.executable, script, *args, "--json", str(out)], cwd=tree, env=env,
+  subprocess.run([sys.executable, str(script), *args, "--json", str(out)], cwd=tree, env=env,
                  check=True)
   return json.loads(out.read_text())
 
@@ -39,6 +41,8 @@ def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--old", required=True, help="the old revision (any git rev)")
   p.add_argument("--rounds", type=int, default=2, help="old/new pairs, alternated")
+  p.add_argument("--script-from", choices=("each", "new"), default="each",
+                 help="each side runs its own copy of the script, or both the new one")
   p.add_argument("--json", required=True)
   p.add_argument("script", help="the benchmark script, then its arguments after --")
   p.add_argument("args", nargs=argparse.REMAINDER)
@@ -57,12 +61,13 @@ def main() -> int:
         for side, tree in (("old", old_tree), ("new", ROOT)):
           print(f"ab_revisions: round {round_}, {side} ({revs[side][:9]})", file=sys.stderr,
                 flush=True)
-          record = run_side(tree, a.script, args, Path(tmp) / f"{side}{round_}.json")
+          script = (ROOT if a.script_from == "new" else tree) / a.script
+          record = run_side(tree, script, args, Path(tmp) / f"{side}{round_}.json")
           runs.append({"side": side, "round": round_, "record": record})
           # Saved after every run, so an interrupted comparison keeps what it measured.
           Path(a.json).write_text(json.dumps(
-              {"old": revs["old"], "new": revs["new"], "script": a.script, "args": args,
-               "runs": runs}, indent=1) + "\n")
+              {"old": revs["old"], "new": revs["new"], "script": a.script,
+               "script_from": a.script_from, "args": args, "runs": runs}, indent=1) + "\n")
     finally:
       git("worktree", "remove", "--force", str(old_tree))
   return 0

@@ -191,10 +191,11 @@ def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int,
 
 
 def cache_bytes(cfg: Config, policy: KVPolicy, itemsize: int) -> int:
-  """Peak KV-cache bytes of one row: keys and values of every slot (+ attention mass)."""
-  kv = 2 * cfg.num_layers * policy.slots * cfg.num_kv_heads * cfg.head_dim * itemsize
-  mass = cfg.num_layers * policy.slots * cfg.num_kv_heads * 4 if policy.needs_attention else 0
-  return kv + mass
+  """Peak KV-cache bytes of one row: keys and values of every slot, each slot's recorded position
+  (int32) and, for attention-score methods, its attention mass (float32)."""
+  entries = cfg.num_layers * policy.slots * cfg.num_kv_heads
+  per_entry = 2 * cfg.head_dim * itemsize + 4 + (4 if policy.needs_attention else 0)
+  return entries * per_entry
 
 
 @dataclasses.dataclass
