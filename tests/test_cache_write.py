@@ -60,6 +60,24 @@ def test_the_count_sees_the_copies_of_the_earlier_writes(layouts, layout, form, 
     jax.clear_caches()  # no trace of the earlier form outlives the test
 
 
+@pytest.mark.parametrize("method", ["keydiff", "h2o+caote"])
+def test_evicting_every_token_copies_no_whole_cache_over_stacked_layers(layouts, method):
+  """Under a KV budget the decode step also evicts: refilling the freed slots moves a few entries
+  in place (compacting the whole cache, before session 38, copied it twice a step here)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the copies are XLA:CPU's")
+  from jspec.bench.programs import cpu_compiler_options
+  from jspec.generate import generate_tokens
+  from jspec.kv.policy import KVPolicy
+  policy = KVPolicy(method, budget=32, sinks=2, chunk=16)
+  fn = jax.jit(generate_tokens, static_argnums=1, compiler_options=cpu_compiler_options(),
+               static_argnames=("max_new_tokens", "cache_size", "kv"))
+  lowered = fn.lower(layouts["stacked"], DEEP, jnp.zeros((1, 40), jnp.int32), jnp.asarray([40]),
+                     jax.random.key(0), max_new_tokens=8, cache_size=0, kv=policy)
+  shape = (DEEP.num_layers, 1, policy.slots, DEEP.num_kv_heads, DEEP.head_dim)
+  assert copies_of_shape(lowered.compile().as_text(), shape) == 0
+
+
 @pytest.mark.parametrize("layer", [0, 2])
 def test_every_form_writes_the_same_values_and_drops_slots_past_the_end(layer):
   L, B, S, K, D = 3, 2, 8, 2, 4
