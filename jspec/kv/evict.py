@@ -2,13 +2,14 @@
 
 Keys are cached after RoPE, so a kept entry carries its original position wherever it sits, and
 attention over a set of slots does not depend on their order. Eviction therefore moves as little
-as it can: the kept entries among the newest (slots >= budget) fill the slots the dropped ones
-free below it, and nothing else moves, so evicting one entry per decoded token costs a few small
-copies rather than a pass over the cache. Slot order is then no longer position order, so the
-cache records each slot's position (`KVCache.positions`), and the sinks, the recent window,
-StreamingLLM's recency and SnapKV's pooling read positions, not slots. After eviction every row
-holds min(lengths, budget) committed entries in slots [0, that); a row at or under the budget
-keeps every entry where it was.
+as it can: the kept entries among the newest (slots past the new length) fill the slots the
+dropped ones free below it, and nothing else moves, so evicting one entry per decoded token costs
+a few small copies rather than a pass over the cache. Slot order is then no longer position
+order, so the cache records each slot's position (`KVCache.positions`), and the sinks, the recent
+window, StreamingLLM's recency and SnapKV's pooling read positions, not slots. After eviction a
+row holds min(lengths, budget) committed entries in slots [0, that) (a row more than `max_drop`
+over keeps the rest until the next eviction); a row at or under the budget keeps every entry
+where it was.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def record_positions(cache: KVCache, evicted: Array) -> KVCache:
   last eviction (position -1; a cache without positions has had none) were appended in slot
   order after it, at RoPE positions that count the evicted [B] entries: slot s holds position
   s + evicted[b]. This needs committed entries never to be rolled back past the last eviction,
-  which no engine does."""
+  which no engine does to a row that goes on decoding (a model drafter's cache in a row the tree
+  engine has finished may be: that row's output is final)."""
   L, B, S, K, _ = cache.k.shape
   positions = cache.positions
   if positions is None:
@@ -54,14 +56,14 @@ def keep_scores(policy: KVPolicy, cache: KVCache, evicted: Array) -> Array:
 
 def compact(cache: KVCache, scores: Array, budget: int, max_drop: int,
             due: Array | None = None) -> KVCache:
-  """Drop the lengths - budget lowest-scoring committed slots of each layer, row and KV head
-  (at most `max_drop`, static: a row further over keeps the rest until the next eviction) and
-  move the kept entries of slots [budget, lengths) into the
-  freed slots below `budget`, lowest first; lengths become min(lengths, budget). With `due` [B]
-  bool, only those rows: the others keep every slot where it is. Positions and attention mass
-  (if the cache has them) move with their entries; freed slots get position -1."""
+  """Drop the n = min(lengths - budget, max_drop) lowest-scoring committed slots of each layer,
+  row and KV head (`max_drop` static: a row further over keeps the rest until the next eviction)
+  and move the kept entries of slots [lengths - n, lengths) into the freed slots below
+  lengths - n, lowest first; lengths become lengths - n. With `due` [B] bool, only those rows:
+  the others keep every slot where it is. Positions and attention mass (if the cache has them)
+  move with their entries; freed slots get position -1."""
   L, B, S, K, _ = cache.k.shape
-  W = min(max_drop, S)
+  W = min(max(max_drop, 1), S)
   n_drop = jnp.clip(cache.lengths - budget, 0, W)  # [B]; past W it waits for the next eviction
   if due is not None:
     n_drop = jnp.where(due, n_drop, 0)
@@ -76,8 +78,11 @@ def compact(cache: KVCache, scores: Array, budget: int, max_drop: int,
   dropped = jnp.where(j < n, candidates, S)  # [L, B, K, W]; S: no slot
   # The freed slots below the new length, and the kept entries at or past it: as many of each.
   holes = jnp.sort(jnp.where(dropped < end, dropped, S), axis=-1)
-  tail = end + j  # [1, B, 1, W]: slots new_length + j
-  tail_dropped = jnp.any(dropped[..., None, :] == tail[..., None], axis=-1)  # [L, B, K, W]
+  tail = jnp.broadcast_to(end + j, dropped.shape)  # [L, B, K, W]: slots new_length + j
+  is_dropped = jnp.zeros((L, B, K, S + 1), bool).at[
+      jnp.arange(L)[:, None, None, None], jnp.arange(B)[None, :, None, None],
+      jnp.arange(K)[None, None, :, None], dropped].set(True)  # slot S: none
+  tail_dropped = jnp.take_along_axis(is_dropped, jnp.minimum(tail, S), axis=-1)
   movers = jnp.sort(jnp.where((j < n) & ~tail_dropped, tail, S), axis=-1)
   src = jnp.moveaxis(jnp.minimum(movers, S - 1), -1, 2)  # [L, B, W, K]
   dst = jnp.moveaxis(jnp.where(movers < S, holes, S), -1, 2)  # S: nothing to write
@@ -166,7 +171,12 @@ def evict(policy: KVPolicy, cache: KVCache, evicted: Array, due: Array | None = 
   had evicted [B] entries dropped before; with `due` [B] bool, only those rows are evicted (the
   others keep their entries where they are). max_drop (static): the most entries any row can be
   over the budget (default: every slot past it), which sizes the selection."""
-  cache = record_positions(cache, evicted)
+  return _evict_recorded(policy, record_positions(cache, evicted), evicted, due, max_drop)
+
+
+def _evict_recorded(policy: KVPolicy, cache: KVCache, evicted: Array, due: Array | None,
+                    max_drop: int | None) -> tuple[KVCache, Array]:
+  """`evict` of a cache whose positions are recorded."""
   max_drop = cache.size - policy.budget if max_drop is None else max_drop
   out = compact(cache, keep_scores(policy, cache, evicted), policy.budget, max_drop, due)
   return out, cache.lengths - out.lengths
@@ -178,7 +188,7 @@ def evict_when_full(policy: KVPolicy, cache: KVCache, evicted: Array,
   holds budget + evict_every entries, so each token is scored over the same cache whether it was
   decoded alone or verified in a block. Engines that stop each round where a row reaches
   budget + evict_every pass max_drop=policy.evict_every (the selection's width)."""
-  cache = record_positions(cache, evicted)
+  cache = record_positions(cache, evicted)  # every row, so both branches return the same arrays
   due = cache.lengths >= policy.budget + policy.evict_every
-  return jax.lax.cond(jnp.any(due), lambda c: evict(policy, c, evicted, due, max_drop),
+  return jax.lax.cond(jnp.any(due), lambda c: _evict_recorded(policy, c, evicted, due, max_drop),
                       lambda c: (c, jnp.zeros_like(c.lengths)), cache)

@@ -21,14 +21,16 @@ class KVPolicy:
     "streaming" (StreamingLLM: the `sinks` first tokens and the most recent ones), "h2o"
     (attention accumulated over every query so far), "tova" (the newest query's attention),
     "snapkv" (attention of the last `snap_window` queries of each block, pooled over
-    `snap_kernel` neighbouring slots), or any of the last three + "+caote" (CAOTE: the error in
-    the attention output that evicting the slot would cause, from those scores and the values).
+    `snap_kernel` neighbouring kept positions), or any of the last three + "+caote" (CAOTE: the
+    error in the attention output that evicting the slot would cause, from those scores and the
+    values).
   sinks: the first positions, never evicted (attention sinks).
-  window: the most recent committed slots, never evicted.
+  window: the most recent committed positions, never evicted.
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
     (1: every decoded token once the budget is full).
-  snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (slots).
+  snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (kept
+    positions).
   score_impl: how KeyDiff's scores are computed: "xla" (jnp), "pallas" (the key-similarity kernel,
     GPU/TPU) or "pallas-interpret" (that kernel interpreted: CPU tests).
   """

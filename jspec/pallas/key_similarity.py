@@ -15,8 +15,8 @@ GPU: 0.90x the jnp reference at batch 1 on an H100, where slices of 256-512 slot
 call and 2.7-3.2x inside a compiled loop (where eviction runs), 3.0x and 4.3-4.5x at batch 8
 (benchmarks/issue19_keysim_h100_s34_*.json). On a Llama-3-8B cache both sides stream the keys
 twice near the HBM rate (~1.05x): beating that needs a one-pass anchor kept in the cache.
-Selection (the `budget` best slots) stays in XLA (`jax.lax.top_k` in jspec.kv.evict): a sort
-does not profit from a hand-written kernel here.
+Selection (the entries to drop: `jax.lax.top_k` of the eviction's width in jspec.kv.evict) stays
+in XLA: a sort does not profit from a hand-written kernel here.
 
 Layout: 1. reference, 2. validation, 3. kernels, 4. jitted wrapper with `interpret`.
 """

@@ -106,7 +106,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     if kv is not None:
       # Block token j is scored over the same cache as in autoregressive decoding only while no
       # eviction would have come between: j <= cut.
-      kv_cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      # [B]; >= 0 while each eviction drops what it is due (the clamp keeps a round sound if not)
+      kv_cut = jnp.maximum(kv.budget + kv.evict_every - 1 - s.cache.lengths, 0)
       cut = kv_cut if cut is None else jnp.minimum(cut, kv_cut)
     if cut is not None:
       # Past the cut, stop: d_1 .. d_cut stand and the next token is drawn afresh from the target

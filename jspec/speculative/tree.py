@@ -183,7 +183,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv)
     n_acc, nxt = r.n_acc, r.next_token
     if kv is not None:  # as in the chain engine: depth j <= cut only, a fresh draw at the cut
-      cut = kv.budget + kv.evict_every - 1 - s.cache.lengths  # [B], >= 0
+      # [B]; >= 0 while each eviction drops what it is due (the clamp keeps a round sound if not)
+      cut = jnp.maximum(kv.budget + kv.evict_every - 1 - s.cache.lengths, 0)
       depth = jnp.clip(cut, 0, r.path.shape[1])
       node = jnp.take_along_axis(r.path, jnp.maximum(depth - 1, 0)[:, None], axis=1)[:, 0]
       at_cut = jnp.where(depth == 0, 0, node + 1)  # block index of the cut's node (root: 0)
