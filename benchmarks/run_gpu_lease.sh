@@ -144,6 +144,10 @@ cachewrite)  # session 36 chose each layout's write form on XLA:CPU; is it XLA:G
       --forms "${CW_FORMS:-vmap,slice,now}" --drafters "${CW_DRAFTERS-ngram}" --runs 5 \
       --json "$OUT/cache_write_${layout}_gpu.json" 2>&1 | grep "'program'"
   done
+  # Under a KV budget (session 38): whole-cache copies a prefill chunk and a decode step, both
+  # layouts; XLA:CPU makes 4 in unrolled ones. A 4-layer random model: seconds.
+  timeout -s INT 120 python3 benchmarks/kv_copies.py --json "$OUT/kv_copies_gpu.json" 2>&1 \
+    | grep "'layout'"
   ;;
 *) echo "usage: $0 prepare|kernels|tests|table|anatomy|cachewrite" >&2; exit 2 ;;
 esac

@@ -134,12 +134,12 @@ def loop_launches(hlo_text: str, depth: int = 3, top: int = 15) -> dict:
           "by_source": dict(by_source.most_common(top)), "loop_trip_count": trips}
 
 
-def copies_of_shape(hlo_text: str, shape: tuple[int, ...]) -> int:
+def copies_per_loop(hlo_text: str, shape: tuple[int, ...]) -> list[int]:
   """Copies of arrays of `shape` (its dims in any order: a layout change counts) run in one
-  iteration of the entry computation's heaviest loop by that count (nested loops times their trip
-  counts, conditionals by their largest branch): e.g. whole-KV-cache copies a decode step. A copy
-  is a `copy`, `copy-start` or `transpose` instruction of that shape, or a fusion whose root is
-  one (XLA:GPU wraps the copies it inserts in fusions)."""
+  iteration of each of the entry computation's loops, in program order (nested loops times their
+  trip counts, conditionals by their largest branch): e.g. a budgeted program's prefill chunk
+  loop, then its decode loop. A copy is a `copy`, `copy-start` or `transpose` instruction of that
+  shape, or a fusion whose root is one (XLA:GPU wraps the copies it inserts in fusions)."""
   comps, entry = computations(hlo_text)
   dims = sorted(shape)
   moves = ("copy", "copy-start", "transpose")
@@ -158,8 +158,14 @@ def copies_of_shape(hlo_text: str, shape: tuple[int, ...]) -> int:
     return moved and of_shape(line)
 
   loops = [_called(line, "body") for line in comps.get(entry, []) if opcode(line) == "while"]
-  return max((sum(n for (op, _), n in tally(comps, body, keep=copy_of_shape).items()
-                  if op not in ("conditional", "while")) for body in loops), default=0)
+  return [sum(n for (op, _), n in tally(comps, body, keep=copy_of_shape).items()
+              if op not in ("conditional", "while")) for body in loops]
+
+
+def copies_of_shape(hlo_text: str, shape: tuple[int, ...]) -> int:
+  """Copies of arrays of `shape` run in one iteration of the entry computation's heaviest loop
+  (`copies_per_loop`'s largest): e.g. whole-KV-cache copies a decode step."""
+  return max(copies_per_loop(hlo_text, shape), default=0)
 
 
 _FRAME = re.compile(r'"([^"(]+)"\("([^"]+)":(\d+)')
