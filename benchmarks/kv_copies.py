@@ -11,15 +11,13 @@ evicting every token. On a CPU `tests/test_cache_write.py` checks the stacked la
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jspec.bench.launches import copies_per_loop
 from jspec.bench.profiling import save_script_record
-from jspec.bench.programs import cpu_compiler_options
-from jspec.generate import generate_tokens
+from jspec.bench.programs import lower_decode
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import init_params, stack_layers
@@ -34,15 +32,12 @@ def main() -> int:
   p.add_argument("--json", required=True)
   args = p.parse_args()
   params = init_params(CFG, jax.random.key(3), scale=0.3)
-  options = cpu_compiler_options() if jax.default_backend() == "cpu" else {}
-  fn = jax.jit(generate_tokens, static_argnums=1, compiler_options=options,
-               static_argnames=("max_new_tokens", "cache_size", "kv"))
   rows = []
   for layout, weights in (("unrolled", params), ("stacked", stack_layers(params))):
     for method in args.methods.split(","):
       policy = KVPolicy(method, budget=32, sinks=2, chunk=16)
-      lowered = fn.lower(weights, CFG, jnp.zeros((1, 40), jnp.int32), jnp.asarray([40]),
-                         jax.random.key(0), max_new_tokens=8, cache_size=0, kv=policy)
+      lowered, _ = lower_decode(weights, CFG, jnp.zeros((1, 40), jnp.int32), jnp.asarray([40]),
+                                jax.random.key(0), max_new_tokens=8, cache_size=0, kv=policy)
       shape = (CFG.num_layers, 1, policy.slots, CFG.num_kv_heads, CFG.head_dim)
       prefill, decode = copies_per_loop(lowered.compile().as_text(), shape)
       rows.append({"layout": layout, "method": method, "prefill_chunk_copies": prefill,

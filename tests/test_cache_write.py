@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jspec.bench.launches import copies_of_shape
 from jspec.bench.programs import lower_decode
+from jspec.kv.policy import KVPolicy
 from jspec.models import llama
 from jspec.models.llama import init_params, stack_layers
 from jspec.sharding import Placement, rows_split, traced_under_placement
@@ -66,14 +67,10 @@ def test_evicting_every_token_copies_no_whole_cache_over_stacked_layers(layouts,
   in place (compacting the whole cache, before session 38, copied it twice a step here)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the copies are XLA:CPU's")
-  from jspec.bench.programs import cpu_compiler_options
-  from jspec.generate import generate_tokens
-  from jspec.kv.policy import KVPolicy
   policy = KVPolicy(method, budget=32, sinks=2, chunk=16)
-  fn = jax.jit(generate_tokens, static_argnums=1, compiler_options=cpu_compiler_options(),
-               static_argnames=("max_new_tokens", "cache_size", "kv"))
-  lowered = fn.lower(layouts["stacked"], DEEP, jnp.zeros((1, 40), jnp.int32), jnp.asarray([40]),
-                     jax.random.key(0), max_new_tokens=8, cache_size=0, kv=policy)
+  lowered, _ = lower_decode(layouts["stacked"], DEEP, jnp.zeros((1, 40), jnp.int32),
+                            jnp.asarray([40]), jax.random.key(0), max_new_tokens=8, cache_size=0,
+                            kv=policy)
   shape = (DEEP.num_layers, 1, policy.slots, DEEP.num_kv_heads, DEEP.head_dim)
   assert copies_of_shape(lowered.compile().as_text(), shape) == 0
 

@@ -29,8 +29,8 @@ DEFAULT = "default"
 
 
 def on_xla(name: str) -> str:
-  """Format `name` with its matmuls on XLA's dots (what meshes need): float32
-  and int8 become float32-xla and int8-xla; the others already are (q4 has no XLA form)."""
+  """Format `name` with its matmuls on XLA's dots (what meshes need): float32 and int8 become
+  float32-xla and int8-xla; the others already are (q4 has no XLA form)."""
   return {"float32": "float32-xla", "int8": "int8-xla"}.get(name, name)
 
 

@@ -38,7 +38,7 @@ def record_positions(cache: KVCache, evicted: Array) -> KVCache:
   if positions is None:
     positions = jnp.full((L, B, S, K), -1, jnp.int32)
   slot = jnp.arange(S, dtype=jnp.int32)[None, :]  # [1, S]
-  fresh = (slot < cache.lengths[:, None])[None, :, :, None] & (positions < 0)  # [L, B, S, K]
+  fresh = cache.committed()[None, :, :, None] & (positions < 0)  # [L, B, S, K]
   appended = (slot + evicted[:, None])[None, :, :, None]  # [1, B, S, 1]
   return dataclasses.replace(cache, positions=jnp.where(fresh, appended, positions))
 
@@ -49,7 +49,7 @@ def keep_scores(policy: KVPolicy, cache: KVCache, evicted: Array) -> Array:
   scores = slot_scores(cache, policy)
   newest = (cache.lengths + evicted - 1)[None, :, None, None]  # [1, B, 1, 1]
   protected = (cache.positions < policy.sinks) | (cache.positions > newest - policy.window)
-  valid = (jnp.arange(cache.size)[None, :] < cache.lengths[:, None])[None, :, :, None]
+  valid = cache.committed()[None, :, :, None]  # [1, B, S, 1]
   scores = jnp.where(protected, jnp.inf, scores)
   return jnp.where(valid, scores, -jnp.inf)
 
@@ -68,8 +68,7 @@ def compact(cache: KVCache, scores: Array, budget: int, max_drop: int,
   if due is not None:
     n_drop = jnp.where(due, n_drop, 0)
   new_lengths = cache.lengths - n_drop
-  slot = jnp.arange(S)[None, :]
-  valid = (slot < cache.lengths[:, None])[None, :, :, None]  # [1, B, S, 1]
+  valid = cache.committed()[None, :, :, None]  # [1, B, S, 1]
   lowest = jnp.moveaxis(jnp.where(valid, -scores, -jnp.inf), 2, -1)  # [L, B, K, S]
   _, candidates = jax.lax.top_k(lowest, W)  # [L, B, K, W], lowest score first
   j = jnp.arange(W)
@@ -96,7 +95,7 @@ def compact(cache: KVCache, scores: Array, budget: int, max_drop: int,
   mass = None if cache.mass is None else move(cache.mass)
   positions = None
   if cache.positions is not None:
-    gone = (slot >= new_lengths[:, None])[None, :, :, None]
+    gone = ~cache.with_lengths(new_lengths).committed()[None, :, :, None]
     positions = jnp.where(gone, -1, move(cache.positions))
   return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), mass=mass,
                              positions=positions, lengths=new_lengths)
@@ -119,8 +118,7 @@ def mass_weights(policy: KVPolicy, n_new: Array, T: int) -> Array:
 def reset_mass(policy: KVPolicy, cache: KVCache, n_new: Array) -> KVCache:
   """Before a forward that records attention mass: empty slots start at zero; TOVA and SnapKV
   score by the newest block alone, so rows that commit queries in it start from zero too."""
-  slot = jnp.arange(cache.size)[None, :, None]  # [1, S, 1]
-  keep = slot < cache.lengths[:, None, None]  # [B, S, 1]
+  keep = cache.committed()[:, :, None]  # [B, S, 1]
   if policy.base != "h2o":
     keep = keep & (n_new[:, None, None] == 0)
   return dataclasses.replace(cache, mass=jnp.where(keep[None], cache.mass, 0.0))

@@ -22,7 +22,7 @@ Array = jax.Array
 
 def _valid(cache: KVCache) -> Array:
   """[1, B, S, 1]: the committed slots."""
-  return (jnp.arange(cache.size)[None, :] < cache.lengths[:, None])[None, :, :, None]
+  return cache.committed()[None, :, :, None]
 
 
 def keydiff(cache: KVCache, policy: KVPolicy) -> Array:

@@ -47,6 +47,10 @@ class KVCache:
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
+  def committed(self) -> jax.Array:
+    """[B, S] bool: the slots holding committed entries."""
+    return jnp.arange(self.size)[None, :] < self.lengths[:, None]
+
   def commit(self, n: jax.Array | int) -> "KVCache":
     """Keep `n` ([B] or scalar) more of the entries the last forward wrote."""
     return dataclasses.replace(self, lengths=self.lengths + jnp.asarray(n, jnp.int32))
