@@ -1,6 +1,7 @@
 """The speculative engine: greedy output identical to autoregressive, sampled output distributed
 exactly as the target's, one compiled program, clear errors."""
 
+import functools
 import itertools
 
 import jax
@@ -25,6 +26,7 @@ TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=1
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 DRAFT = Config(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+Array = jax.Array
 PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [7]]
 
 
@@ -98,18 +100,29 @@ N_SAMPLES = 20000
 
 def exact_distribution(params, sp: SamplingParams, steps: int = 3,
                        prompt: list[int] = TINY_PROMPT, cfg: Config = TINY) -> np.ndarray:
-  """The target's processed distribution over the first `steps` tokens, by enumeration."""
+  """The target's processed distribution over the first `steps` tokens, by enumeration: one
+  forward over the prompt followed by every sequence of steps - 1 tokens (row a0 * V + a1 for
+  three steps); the causal model's logits at the prompt's last position and at each appended
+  token are the next token's distribution after that row's prefix."""
   V = cfg.vocab_size
+  rows = jnp.asarray([prompt + list(p) for p in itertools.product(range(V), repeat=steps - 1)])
+  probs = np.asarray(_processed_probs(params, cfg, rows, sp), np.float64)  # [V^(steps-1), T, V]
+  P = len(prompt)
   joint = np.ones([1])
   for t in range(steps):
-    prefixes = list(itertools.product(range(V), repeat=t))
-    seqs = jnp.asarray([prompt + list(p) for p in prefixes])  # [V^t, P + t]
-    n = seqs.shape[1]
-    logits, _, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
-                           KVCache.init(cfg, seqs.shape[0], n))
-    probs = np.exp(np.asarray(processed_logprobs(logits[:, -1], sp), np.float64))  # [V^t, V]
-    joint = (joint[:, None] * probs).reshape(-1)
+    # The prefixes of t tokens are the rows whose last steps - 1 - t tokens are 0.
+    stride = V ** (steps - 1 - t)
+    joint = (joint[:, None] * probs[::stride, P - 1 + t]).reshape(-1)
   return joint / joint.sum()
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _processed_probs(params, cfg: Config, rows: Array, sp: SamplingParams) -> Array:
+  """Processed next-token probabilities [N, T, V] at every position of rows [N, T]."""
+  N, T = rows.shape
+  logits, _, _ = forward(params, cfg, rows, jnp.broadcast_to(jnp.arange(T), rows.shape),
+                         KVCache.init(cfg, N, T))
+  return jnp.exp(processed_logprobs(logits, sp))
 
 
 def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
