@@ -6,8 +6,9 @@ the full cache, in one process.
 
 Decoding is timed as (new_tokens - 1) / (a run of new_tokens - a run of one token), each the best
 of `repeats` runs taken alternately once compiled: a long prompt's prefill is seconds, so a short
-decode (`jspec bench-kv` times 32 tokens) drowns in its noise. Only `Model.generate_ids` is used,
-so this script measures any revision of jspec (`--script-from new` in ab_revisions.py).
+decode drowns in its noise (`jspec bench-kv` times the same way since session 39). The timing is
+written out here, not imported, and only `Model.generate_ids` is used, so this script measures any
+revision of jspec (`--script-from new` in ab_revisions.py).
 
 Each eviction scores the budget's keys and moves the kept newest entries into the slots it
 frees (before session 38 it compacted the whole cache: a gather of the kept slots and a rewrite

@@ -463,7 +463,7 @@ def cmd_bench_kv(args) -> int:
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
       methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
-      time_decode=not args.no_timing,
+      time_decode=not args.no_timing, decode_tokens=args.decode_tokens,
       chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
   model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   out = args.json or Path("benchmarks") / f"kv_{args.context}_{_stamp([])}.json"
@@ -662,7 +662,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="passkey, multikey, vt (variable tracking), kl (vs the full cache)")
   v.add_argument("--num-samples", type=int, default=8)
   v.add_argument("--no-timing", action="store_true",
-                 help="skip the prefill s / decode tok/s runs (six per method and task)")
+                 help="skip the prefill s / decode tok/s runs (eight per method and task)")
+  v.add_argument("--decode-tokens", type=int, default=129,
+                 help="tokens of the run that times decoding (tok/s = (n - 1) / (its seconds "
+                      "- a one-token run's), best of 3 alternated)")
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=0)

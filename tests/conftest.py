@@ -36,8 +36,11 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JSPEC_TEST_XLA_CACHE"
 # clone's suite 33:44 -> 23:24 with the notebooks' trims; tests/test_speculative.py 137 -> 89 s.
 # Set before the first compile and in the environment, so subprocesses and notebook kernels
 # inherit it. JSPEC_TEST_XLA_OPTIMIZE=1 compiles everything as users do; an accelerator's suite
-# always does (its code generation is what a GPU run is there to test).
-OPTIMISED_FILES = {"test_default_model.py"}
+# always does (its code generation is what a GPU run is there to test). Files whose time is running
+# rather than compiling compile at full optimisation too: tests/test_tree_verify.py simulates 20k
+# rows per program (one worker's file time, session 39: 199 s at level 0, 124 s optimised; every
+# other file was slower optimised, the whole suite 29 -> 42 minutes).
+OPTIMISED_FILES = {"test_default_model.py", "test_tree_verify.py"}
 LOW_OPT = os.environ.get("JSPEC_TEST_XLA_OPTIMIZE") != "1" and jax.default_backend() == "cpu"
 if LOW_OPT:
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"

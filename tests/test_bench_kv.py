@@ -84,7 +84,8 @@ def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
 
 def test_records_and_plot(tiny, tmp_path):
   setup = bench_kv.BenchKV(methods=["full", "keydiff", "h2o+caote"], budgets=[48], context=160,
-                           tasks=["passkey", "kl"], num_samples=1, chunk=16, continuation=8)
+                           tasks=["passkey", "kl"], num_samples=1, chunk=16, continuation=8,
+                           decode_tokens=9)
   records = bench_kv.run_bench_kv(tiny, setup, texts(), progress=lambda r: None)
   got = {(r["task"], r["method"]) for r in records}
   assert got == {("passkey", "full"), ("passkey", "keydiff"), ("passkey", "h2o+caote"),
@@ -113,6 +114,7 @@ def test_full_cache_runs_only_when_listed(tiny):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(methods=["keydif"]), "unknown KV method"),
     (dict(tasks=["needle"]), "unknown task"),
+    (dict(decode_tokens=1), "decode_tokens 1"),
     (dict(budgets=[4096]), "must be below the context"),
 ])
 def test_bad_settings_are_refused(kwargs, match):

@@ -125,29 +125,25 @@ def is_correct(answer: str, wanted: Sequence[str], others: Sequence[str]) -> boo
   return all(w in found for w in wanted) and not any(o in found for o in others)
 
 
-DECODE_TIMING_TOKENS = 33  # tokens of the run that times decoding (32 past the prefill's)
+def time_prefill_decode(model, prompt: list[int], policy: KVPolicy, new_tokens: int = 129,
+                        repeats: int = 3) -> tuple[float, float | None]:
+  """(prefill seconds, decode tokens/s) of one prompt under `policy`, once compiled: a one-token
+  run is the prefill, and decoding is (new_tokens - 1) / (a run of new_tokens - that), each the
+  best of `repeats` runs taken alternately (so a slow spell of the machine hits both). A long
+  prompt's prefill is seconds, so a short decode drowns in its noise: 32 tokens (before session
+  39) measured +-10% on a 2-core VM."""
+  def run(n):
+    start = time.perf_counter()
+    jax.block_until_ready(model.generate_ids([prompt], max_new_tokens=n, kv=policy,
+                                             stop=False).tokens)
+    return time.perf_counter() - start
 
-
-def time_prefill_decode(model, prompt: list[int], policy: KVPolicy) -> tuple[float, float | None]:
-  """(prefill seconds, decode tokens/s) of one prompt under `policy`, each the best of two runs
-  once compiled: a one-token run is the prefill, and decoding is timed by a run of
-  DECODE_TIMING_TOKENS less that (the answers' few tokens cost too little beside a long prefill
-  to be told apart from its noise)."""
-  def best(n):
-    run = lambda: jax.block_until_ready(model.generate_ids([prompt], max_new_tokens=n, kv=policy,
-                                                           stop=False).tokens)
-    run()
-    times = []
-    for _ in range(2):
-      start = time.perf_counter()
-      run()
-      times.append(time.perf_counter() - start)
-    return min(times)
-
-  prefill, total = best(1), best(DECODE_TIMING_TOKENS)
+  run(1), run(new_tokens)  # compile both
+  one, many = zip(*[(run(1), run(new_tokens)) for _ in range(repeats)])
+  prefill, total = min(one), min(many)
   if total <= prefill:  # noise larger than the decoding: no rate rather than a made-up one
     return prefill, None
-  return prefill, (DECODE_TIMING_TOKENS - 1) / (total - prefill)
+  return prefill, (new_tokens - 1) / (total - prefill)
 
 
 def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: int,
@@ -212,7 +208,8 @@ class BenchKV:
   window: int = 0
   continuation: int = 32
   seed: int = 0
-  time_decode: bool = True  # prefill s and decode tok/s per record (two programs, six runs more)
+  time_decode: bool = True  # prefill s and decode tok/s per record (two programs, eight runs more)
+  decode_tokens: int = 129  # tokens of the run that times decoding
 
   def __post_init__(self):
     unknown = [m for m in self.methods if m != "full" and m not in METHODS]
@@ -221,6 +218,9 @@ class BenchKV:
     bad = [t for t in self.tasks if t not in TASKS]
     if bad:
       raise ValueError(f"unknown task(s) {bad}; known: {', '.join(TASKS)}")
+    if self.time_decode and self.decode_tokens < 2:
+      raise ValueError(f"decode_tokens {self.decode_tokens} times nothing past the prefill's "
+                       f"token: give 2 or more, or turn the timing off")
     if any(b >= self.context for b in self.budgets):
       raise ValueError(f"budgets {list(self.budgets)} must be below the context {self.context} "
                        f"(a budget that holds the whole context is the full cache)")
@@ -238,6 +238,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
   # context and tasks) can leave out the costliest method it already has.
   runs = [("full", setup.context)] * ("full" in setup.methods) + [
       (m, b) for m in setup.methods if m != "full" for b in setup.budgets]
+  # The most tokens a run decodes past the context: "full" must never evict in any of them.
+  most_new = max([*ANSWER_TOKENS.values(), setup.decode_tokens if setup.time_decode else 0])
   records = []
   for task in setup.tasks:
     if task == "kl":
@@ -249,7 +251,7 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
     for method, budget in runs:
       if task == "kl" and method == "full":
         continue
-      policy = policy_for(method, budget, setup.context, 16, setup.chunk, setup.sinks,
+      policy = policy_for(method, budget, setup.context, most_new, setup.chunk, setup.sinks,
                           setup.window)
       start = time.perf_counter()
       with CompileCounter() as compiled:
@@ -269,7 +271,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
           result = {"accuracy": float(np.mean(correct)), "correct": [bool(c) for c in correct]}
       seconds = time.perf_counter() - start - compiled.seconds
       if task != "kl" and setup.time_decode:  # every prompt is `context` tokens: one stands
-        prefill_s, decode = time_prefill_decode(model, built[0][0], policy)  # for all
+        prefill_s, decode = time_prefill_decode(model, built[0][0], policy,  # for all
+                                                setup.decode_tokens)
         result.update(prefill_s=prefill_s, decode_tokens_per_s=decode)
       record = {"task": task, "method": method, "budget": policy.budget if method != "full"
                 else None, "budget_fraction": budget / setup.context if method != "full" else 1.0,
