@@ -106,7 +106,7 @@ def exact_distribution(params, sp: SamplingParams, steps: int = 3,
   token are the next token's distribution after that row's prefix."""
   V = cfg.vocab_size
   rows = jnp.asarray([prompt + list(p) for p in itertools.product(range(V), repeat=steps - 1)])
-  probs = np.asarray(_processed_probs(params, cfg, rows, sp), np.float64)  # [V^(steps-1), T, V]
+  probs = np.exp(np.asarray(_processed_logprobs(params, cfg, rows, sp), np.float64))  # [N, T, V]
   P = len(prompt)
   joint = np.ones([1])
   for t in range(steps):
@@ -117,12 +117,13 @@ def exact_distribution(params, sp: SamplingParams, steps: int = 3,
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _processed_probs(params, cfg: Config, rows: Array, sp: SamplingParams) -> Array:
-  """Processed next-token probabilities [N, T, V] at every position of rows [N, T]."""
+def _processed_logprobs(params, cfg: Config, rows: Array, sp: SamplingParams) -> Array:
+  """Processed next-token log-probabilities [N, T, V] at every position of rows [N, T] (taken
+  to probabilities in float64 on the host, where float32's exp would flush the rarest to 0)."""
   N, T = rows.shape
   logits, _, _ = forward(params, cfg, rows, jnp.broadcast_to(jnp.arange(T), rows.shape),
                          KVCache.init(cfg, N, T))
-  return jnp.exp(processed_logprobs(logits, sp))
+  return processed_logprobs(logits, sp)
 
 
 def sample_sequences(params, drafter, sp: SamplingParams, gamma: int,
