@@ -30,8 +30,8 @@ def lower_decode(params: Params, cfg: Config, prompt: jax.Array, lengths: jax.Ar
   is None (`max_new_tokens` tokens), else a speculative chain under `spec` (`max_new_tokens`,
   when given instead, makes SpecConfig(gamma=3, max_new_tokens)) or a tree under a
   TreeSpecConfig. kv: a KV budget (autoregressive only; cache_size is then ignored). Lowered now,
-  so a caller that swaps a jspec
-  function first (benchmarks comparing two versions) gets the one in place."""
+  so a caller that swaps a jspec function first (benchmarks comparing two versions) gets the one
+  in place."""
   # Where the default backend runs it (engine_jit reads the arguments' placement instead: a
   # benchmark's arguments are uncommitted arrays on the default device).
   options = cpu_compiler_options() if jax.default_backend() == "cpu" else {}
