@@ -298,6 +298,15 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   if K % Q4_GROUP:
     raise ValueError(f"q4 weights need an input size that is a multiple of {Q4_GROUP}, got "
                      f"{K} (weight {w.shape}); use --weights int8")
+  codes, scale = _q4_codes(w, K)
+  return Q4Weight(codes, scale, tuple(w.shape), in_axes)
+
+
+# One program per weight shape: op by op, a model's quantization compiled ~170 small programs
+# (3 s of a 4-bit load); the bits are the same either way.
+@functools.partial(jax.jit, static_argnames=("K",))
+def _q4_codes(w: Array, K: int) -> tuple[Array, Array]:
+  """quantize_q4's packed codes [N, K / 2] and float16 scales [N, K / 32] of w (K inputs)."""
   wt = w.reshape(K, -1).T.reshape(-1, K // Q4_GROUP, Q4_GROUP)  # [N, G, 32]
   # float16 scales (what the kernel reads); the codes are rounded against them.
   scale = jnp.minimum(jnp.max(jnp.abs(wt), axis=-1) / 7.0, np.finfo(np.float16).max)
@@ -305,7 +314,7 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   scale = jnp.where(scale == 0, jnp.float16(1.0), scale)  # underflowed to zero in float16
   q = (jnp.clip(jnp.round(wt / scale[..., None].astype(jnp.float32)), -7, 7) + 8
        ).astype(jnp.uint8)
-  return Q4Weight(pack_q4(q.reshape(q.shape[0], K)), scale, tuple(w.shape), in_axes)
+  return pack_q4(q.reshape(q.shape[0], K)), scale
 
 
 Q4_LANES = 16  # groups in a superblock of the packed layout (one vector lane each)
@@ -389,15 +398,18 @@ def quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str = "xla") -> In
   maps to 127 (scale: w's shape without them). `kernel`: see Int8Weight."""
   if kernel not in KERNELS:
     raise ValueError(f"int8 kernel must be one of {KERNELS}, got {kernel!r}")
-  w = jnp.asarray(w, jnp.float32)
+  return _quantize_int8(jnp.asarray(w, jnp.float32), tuple(in_axes), kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("in_axes", "kernel"))  # as _q4_codes: one program
+def _quantize_int8(w: Array, in_axes: tuple[int, ...], kernel: str) -> Int8Weight:
   scale = jnp.max(jnp.abs(w), axis=in_axes, keepdims=True) / 127.0
   scale = exact_product_scale(jnp.where(scale == 0, 1.0, scale))
   q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-  weight = Int8Weight(q, scale, tuple(in_axes))
   if kernel == "native":
     order = _output_major(q.ndim, in_axes)
-    weight = Int8Weight(jnp.transpose(q, order), jnp.transpose(scale, order), tuple(in_axes), kernel)
-  return weight
+    return Int8Weight(jnp.transpose(q, order), jnp.transpose(scale, order), in_axes, kernel)
+  return Int8Weight(q, scale, in_axes)
 
 
 _INV_127 = np.float32(1) / np.float32(127)
