@@ -3,6 +3,7 @@ vocabulary, save/load round trips that borrow the target's embedding, clear erro
 (Losslessness with a trimmed drafter is tested in test_speculative.py.)"""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ def test_most_frequent_ids():
     most_frequent_ids(counts, 3, always=[8])
 
 
+# Jitted: op by op, a drafter's init and propose compiled ~100 small programs a call.
+@functools.partial(jax.jit, static_argnames=("sampling", "gamma"))
 def _propose(drafter, sampling, key=0, gamma=3):
   prompt = jnp.asarray([[5, 9, 11, 2], [7, 3, 0, 0]], jnp.int32)
   lengths = jnp.asarray([4, 2], jnp.int32)
