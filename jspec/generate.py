@@ -91,7 +91,8 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
     cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype).placed(placement)
-    logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv)
+    logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv,
+                                                placement=placement)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)

@@ -255,6 +255,31 @@ def rows_split() -> bool:
   return rules.batch in mesh.axis_names and mesh.shape[rules.batch] > 1
 
 
+def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -> Any:
+  """fn(*args) where each device runs fn on its own shards of the arguments, when the engine
+  being traced (`traced_under_placement`) runs on a mesh: a `shard_map` whose specs come from the
+  logical axes (`layouts`, `out_layouts`: ArraySpec pytrees matching args and fn's output). For
+  work that is independent across the split axes (the batch; KV heads), which XLA's partitioner
+  would otherwise carry out on gathered arrays where it cannot see that (top_k, scatters with
+  explicit row indices). Off a mesh, fn(*args)."""
+  placement = _TRACING.get()
+  if placement is None or placement.mesh.size == 1:
+    return fn(*args)
+  specs = lambda tree: jax.tree.map(lambda a: placement.rules.spec(a.axes, placement.mesh), tree,
+                                    is_leaf=is_spec)
+  in_specs, out_specs = specs(tuple(layouts)), specs(out_layouts)
+  # Manual over the mesh axes the layouts split; XLA keeps the others (e.g. tp where the KV heads
+  # are not split over it: it may still split the cache there, and pinning it whole would gather
+  # the cache every step).
+  used = {name for spec in jax.tree.leaves((in_specs, out_specs),
+                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
+          for name in spec if name is not None}
+  if not used:
+    return fn(*args)
+  return jax.shard_map(fn, mesh=placement.mesh, in_specs=in_specs, out_specs=out_specs,
+                       axis_names=frozenset(used), check_vma=False)(*args)
+
+
 def vocab_split(vocab_size: int) -> VocabSplit | None:
   """The vocabulary split of the engine being traced (`traced_under_placement`); None off a mesh,
   where the vocabulary is not split, or where the split does not divide `vocab_size`."""

@@ -99,7 +99,8 @@ def check_chains():
     for sp, key in ((GREEDY, 0), (SAMPLED, 3)) if name in ("model", "mtp") else ((GREEDY, 0),):
       want = speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
                                   key=key)
-      meshes = MESHES if name == "model" and sp is GREEDY else ((2, 4),)
+      # (4, 2): check_budget_communication runs a model chain there (under a KV budget).
+      meshes = ((8, 1), (1, 8), (2, 4)) if name == "model" and sp is GREEDY else ((2, 4),)
       for dp, tp in meshes:
         got = speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
                                    key=key, mesh=make_mesh(dp, tp))
@@ -194,6 +195,52 @@ def check_communication():
       assert len(big) == 2 * TARGET.num_layers + 1, big
 
 
+def moved(fn, placement, *args, **static) -> list[tuple[str, int]]:
+  """(op, bytes) of every collective but the all-reduces in engine `fn`'s whole program."""
+  hlo = jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
+      *args, placement=placement, **static).compile().as_text()
+  return sorted((c.op, c.bytes) for c in program_collectives(hlo, placement.mesh.size)
+                if c.op != "all-reduce")
+
+
+def check_budget_communication():
+  """A KV budget adds no collective: every layer, row and KV head evicts on its own, so each
+  device evicts its own rows (and KV heads where tp splits them). XLA's partitioner, left to
+  itself, gathered every row's scores and moved entries to every device (18 all-gathers in
+  generate under dp=8). Chains and trees on a mesh under a budget equal one device's."""
+  target, draft = models()
+  keydiff = KVPolicy("keydiff", budget=8, sinks=2, chunk=4)
+  caote = KVPolicy("h2o+caote", budget=8, sinks=2, chunk=4)
+  spec = SpecConfig(gamma=3, max_new_tokens=8)
+  for dp, tp in ((8, 1), (4, 2)):
+    b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
+                      cache_size=None)
+    placed, b, placement = on_mesh(target, TARGET, b, make_mesh(dp, tp))
+    common = (b.tokens, b.lengths, b.key, b.sampling)
+    engines = [("generate", generate_tokens, (placed, TARGET) + common,
+                dict(max_new_tokens=8, cache_size=b.cache_size), (keydiff, caote)[:3 - tp])]
+    if dp == 8:  # the chain's and tree's eviction is the same function (evict_when_full)
+      drafter = place_drafter(ModelDrafter(draft, DRAFT), placement, target, placed)
+      engines.append(("chain", speculative_generate_tokens, (placed, TARGET, drafter) + common,
+                      dict(spec=spec, cache_size=b.cache_size + 8), (keydiff,)))
+    for name, fn, args, static, policies in engines:
+      plain = moved(fn, placement, *args, kv=None, **static)
+      for policy in policies:
+        got = moved(fn, placement, *args, kv=policy, **static)
+        assert got == plain, (name, policy.method, dp, tp, got, plain)
+  want = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
+                              kv=keydiff)
+  got = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
+                             kv=keydiff, mesh=make_mesh(4, 2))
+  same(got, want, "chain kv=keydiff dp=4 tp=2")
+  tree = TreeSpecConfig("fixed:3-2-1", max_new_tokens=8)
+  want = tree_speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=tree,
+                                   kv=caote)
+  got = tree_speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=tree,
+                                  kv=caote, mesh=make_mesh(8, 1))
+  same(got, want, "tree kv=h2o+caote dp=8 tp=1")
+
+
 def check_filtered_sampling_moves_candidates():
   """top-k/top-p on vocabulary-sharded logits: each device takes the top CANDIDATES of its own
   shard, so the threshold moves tp * CANDIDATES values a row, not the V logits (the control:
@@ -286,6 +333,7 @@ def check_stacked_layers():
 
 GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
           "compiles": check_compiles_once, "communication": check_communication,
+          "budget": check_budget_communication,
           "repeat": check_repeated_kv_heads, "filters": check_filtered_sampling_moves_candidates,
           "stacked": check_stacked_layers}
 

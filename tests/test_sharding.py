@@ -33,7 +33,7 @@ def run_checks(*groups: str) -> None:
 
 
 def test_placement_and_communication_of_a_decode_step():
-  run_checks("communication", "compiles", "repeat", "filters")
+  run_checks("communication", "budget", "compiles", "repeat", "filters")
 
 
 def test_generate_on_meshes_equals_one_device():

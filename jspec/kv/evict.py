@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jspec.kv.policy import KVPolicy
 from jspec.kv.scores import slot_scores
 from jspec.models.cache import KVCache
+from jspec.sharding import ArraySpec, on_own_shards
 
 Array = jax.Array
 
@@ -176,8 +177,17 @@ def _evict_recorded(policy: KVPolicy, cache: KVCache, evicted: Array, due: Array
                     max_drop: int | None) -> tuple[KVCache, Array]:
   """`evict` of a cache whose positions are recorded."""
   max_drop = cache.size - policy.budget if max_drop is None else max_drop
-  out = compact(cache, keep_scores(policy, cache, evicted), policy.budget, max_drop, due)
-  return out, cache.lengths - out.lengths
+
+  def own_rows(cache: KVCache, evicted: Array, due: Array) -> tuple[KVCache, Array]:
+    out = compact(cache, keep_scores(policy, cache, evicted), policy.budget, max_drop, due)
+    return out, cache.lengths - out.lengths
+
+  # Every layer, row and KV head evicts on its own, so on a mesh each device evicts its own rows
+  # and heads (XLA's partitioner gathered every row's scores and moved entries to every device).
+  due = jnp.ones_like(evicted, bool) if due is None else due
+  rows = ArraySpec(evicted.shape, ("batch",))
+  layout = cache.layout()
+  return on_own_shards(own_rows, (cache, evicted, due), (layout, rows, rows), (layout, rows))
 
 
 def evict_when_full(policy: KVPolicy, cache: KVCache, evicted: Array,

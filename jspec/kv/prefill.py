@@ -16,9 +16,12 @@ Array = jax.Array
 
 def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
                     cache: KVCache, policy: KVPolicy, *, keep_hidden: bool = False,
-                    taps: tuple[int, ...] = ()) -> tuple[Array, KVCache, Array, Array | None]:
+                    taps: tuple[int, ...] = (), placement=None
+                    ) -> tuple[Array, KVCache, Array, Array | None]:
   """Run right-padded prompts [B, P] through an empty cache of `policy.slots` slots, `policy.chunk`
-  tokens at a time, evicting down to the budget after each chunk.
+  tokens at a time, evicting down to the budget after each chunk. placement (a
+  jspec.sharding.Placement, the engine's): the budget state the cache gains (positions, mass) is
+  pinned to it as the cache is, so XLA splits its work by rows too.
 
   Returns (logits [B, V] at each row's last prompt token, cache, evicted [B]: entries dropped per
   row, so the next token's RoPE position is cache.lengths + evicted, and with keep_hidden the final
@@ -52,6 +55,7 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     return cache, evicted + dropped, logits, hidden
 
   cache = with_budget_state(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
+  cache = cache.placed(placement)
   # The head's width: the vocabulary, or a VocabTrim'd drafter's kept ids.
   out_logits, out_hidden = jax.eval_shape(
       lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache,

@@ -119,7 +119,8 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype).placed(placement)
     logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
                                                      kv, keep_hidden=True,
-                                                     taps=drafter.feature_layers)
+                                                     taps=drafter.feature_layers,
+                                                     placement=placement)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   # The token after each prompt position: the prompt shifted by one, then the first sample.
