@@ -280,6 +280,15 @@ def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -
                        axis_names=frozenset(used), check_vma=False)(*args)
 
 
+def top_k_by_rows(x: Any, k: int) -> tuple[Any, Any]:
+  """jax.lax.top_k(x, k) of x [B, ..., N], each device on its own rows where the engine being
+  traced splits the batch: XLA's partitioner gathers every row to run a top_k (a tree round under
+  dp=8 gathered the drafter's [B, W, V] log-probs at each depth)."""
+  rows = ArraySpec(x.shape, ("batch",) + (None,) * (x.ndim - 1))
+  out = ArraySpec(x.shape[:-1] + (k,), rows.axes)
+  return on_own_shards(lambda a: tuple(jax.lax.top_k(a, k)), (x,), (rows,), (out, out))
+
+
 def vocab_split(vocab_size: int) -> VocabSplit | None:
   """The vocabulary split of the engine being traced (`traced_under_placement`); None off a mesh,
   where the vocabulary is not split, or where the split does not divide `vocab_size`."""

@@ -5,6 +5,7 @@ the main test process cannot). `python tests/sharding_checks.py GROUP` runs one 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -27,7 +28,8 @@ from jspec.sampling import processing
 from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
 from jspec.sharding import Placement, kv_repeats, make_mesh, traced_under_placement
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
-from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
+                                    tree_speculative_generate_tokens)
 
 # 8 query heads, 2 KV heads: tp=2 shards the KV cache, tp=4 and tp=8 replicate it.
 TARGET = Config(arch="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -195,10 +197,14 @@ def check_communication():
       assert len(big) == 2 * TARGET.num_layers + 1, big
 
 
-def moved(fn, placement, *args, **static) -> list[tuple[str, int]]:
-  """(op, bytes) of every collective but the all-reduces in engine `fn`'s whole program."""
-  hlo = jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
-      *args, placement=placement, **static).compile().as_text()
+def compiled_engine(fn, placement, *args, **static):
+  """Engine `fn` (args: params, cfg, ...; the keywords static) compiled for `placement`."""
+  return jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
+      *args, placement=placement, **static).compile()
+
+
+def moved(hlo: str, placement) -> list[tuple[str, int]]:
+  """(op, bytes) of every collective but the all-reduces in a whole program."""
   return sorted((c.op, c.bytes) for c in program_collectives(hlo, placement.mesh.size)
                 if c.op != "all-reduce")
 
@@ -224,21 +230,32 @@ def check_budget_communication():
       engines.append(("chain", speculative_generate_tokens, (placed, TARGET, drafter) + common,
                       dict(spec=spec, cache_size=b.cache_size + 8), (keydiff,)))
     for name, fn, args, static, policies in engines:
-      plain = moved(fn, placement, *args, kv=None, **static)
+      plain = moved(compiled_engine(fn, placement, *args, kv=None, **static).as_text(), placement)
       for policy in policies:
-        got = moved(fn, placement, *args, kv=policy, **static)
+        got = moved(compiled_engine(fn, placement, *args, kv=policy, **static).as_text(),
+                    placement)
         assert got == plain, (name, policy.method, dp, tp, got, plain)
   want = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
                               kv=keydiff)
   got = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
                              kv=keydiff, mesh=make_mesh(4, 2))
   same(got, want, "chain kv=keydiff dp=4 tp=2")
+  # A tree under dp: the same tokens, and the drafter's top-k children taken by each device from
+  # its own rows (sharding.top_k_by_rows; XLA gathered every row's [B, W, V] draft log-probs).
   tree = TreeSpecConfig("fixed:3-2-1", max_new_tokens=8)
   want = tree_speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=tree,
                                    kv=caote)
-  got = tree_speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=tree,
-                                  kv=caote, mesh=make_mesh(8, 1))
-  same(got, want, "tree kv=h2o+caote dp=8 tp=1")
+  b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
+                    cache_size=None)
+  placed, b, placement = on_mesh(target, TARGET, b, make_mesh(8, 1))
+  drafter = place_drafter(ModelDrafter(draft, DRAFT), placement, target, placed)
+  program = compiled_engine(tree_speculative_generate_tokens, placement, placed, TARGET, drafter,
+                            b.tokens, b.lengths, b.key, b.sampling, spec=tree,
+                            cache_size=b.cache_size + tree.reserve, kv=caote)
+  gathered = re.findall(r'all-gather[-start]*\([^\n]*op_name="([^"]*)"', program.as_text())
+  assert not [name for name in gathered if name.endswith("top_k")], gathered
+  same(program(placed, drafter, b.tokens, b.lengths, b.key, b.sampling), want,
+       "tree kv=h2o+caote dp=8 tp=1")
 
 
 def check_filtered_sampling_moves_candidates():

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sharding import top_k_by_rows
 from jspec.tree.structure import Siblings, Tree, prune_to_budget, take
 
 Array = jax.Array
@@ -39,7 +40,7 @@ def _distributions(logits: Array, sampling: SamplingParams) -> tuple[Array, Arra
 
 
 def _top_k_children(key, logq, rank, k):
-  vals, toks = jax.lax.top_k(rank, k)
+  vals, toks = top_k_by_rows(rank, k)
   return toks, vals > -jnp.inf
 
 
@@ -50,7 +51,7 @@ def _iid_children(key, logq, rank, k):
 
 def _gumbel_children(key, logq, rank, k):
   """Gumbel-Top-k: k distinct tokens, in the order of sequential sampling without replacement."""
-  vals, toks = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
+  vals, toks = top_k_by_rows(logq + jax.random.gumbel(key, logq.shape), k)
   return toks, vals > -jnp.inf
 
 
@@ -132,7 +133,7 @@ def draft_dynamic(next_logits: NextLogits, batch: int, vocab: int, *, depth: int
   for d, size in enumerate(sizes, 1):
     logq, rank = _distributions(next_logits(tree, frontier), sampling)  # [B, W, V]
     tree = _set_q(tree, frontier, logq)
-    vals, toks = jax.lax.top_k(rank, top_k)  # [B, W, k]
+    vals, toks = top_k_by_rows(rank, top_k)  # [B, W, k]
     valid = (frontier_ok[..., None] & (vals > -jnp.inf)).reshape(batch, size)
     cum = jnp.where(valid, (frontier_score[..., None] + vals).reshape(batch, size), -jnp.inf)
     tree = _add_nodes(tree, start, toks.reshape(batch, size),
@@ -140,7 +141,7 @@ def draft_dynamic(next_logits: NextLogits, batch: int, vocab: int, *, depth: int
     score = score.at[:, start:start + size].set(cum)
     if d < depth:  # the next frontier: this layer's best `beam` nodes
       width = min(beam, size)
-      frontier_score, best = jax.lax.top_k(cum, width)
+      frontier_score, best = top_k_by_rows(cum, width)
       frontier = (start + best).astype(jnp.int32)
       frontier_ok = frontier_score > -jnp.inf
     start += size
@@ -185,7 +186,7 @@ def draft_stochastic_beam(key: Array, next_logits: NextLogits, batch: int, vocab
     safe_z = jnp.where(z > -jnp.inf, z, 0.0)
     g_c = jnp.where(ok, truncated_gumbel(jnp.where(ok, g_phi, safe_z), safe_z, g[..., None]),
                     -jnp.inf)
-    g, flat = jax.lax.top_k(g_c.reshape(batch, W * vocab), beam)  # [B, beam]
+    g, flat = top_k_by_rows(g_c.reshape(batch, W * vocab), beam)  # [B, beam]
     valid = g > -jnp.inf
     phi = take(phi_c.reshape(batch, W * vocab, 1), flat)[..., 0]
     tree = _add_nodes(tree, (d - 1) * beam, flat % vocab, take(frontier, flat // vocab), d, valid)
