@@ -2,6 +2,8 @@
 pass, speculative output stays exactly the target's (greedy identity, sampled distribution), one
 compiled program, and its training reduces the loss."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,23 @@ def teacher_forced(drafter, seq, feats):
   return pred
 
 
+# Jitted for the incremental-state tests: op by op, a drafter's init, propose and update
+# compiled several hundred small programs a test.
+@functools.partial(jax.jit, static_argnames=("cache_size",))
+def drafter_init(drafter, prompt, lengths, features, cache_size=32):
+  return drafter.init(prompt, lengths, cache_size, features)
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def greedy_propose(drafter, state, lengths, n):
+  return drafter.propose(state, None, lengths, jax.random.key(0), GREEDY, n)
+
+
+@jax.jit
+def drafter_update(drafter, drafted, seq_len, features):
+  return drafter.update(drafted, seq_len, features)
+
+
 def test_incremental_state_matches_teacher_forcing(target, drafter):
   seq = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]
   P, gamma = 6, 4
@@ -64,24 +83,24 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   prompt = jnp.asarray([seq[:P] + [0, 0]])
   # The prefill's features: each prompt position's state and the token after it (the target's
   # first sample, seq[P], after the last).
-  state = drafter.init(prompt, jnp.asarray([P]), cache_size, Features(
+  state = drafter_init(drafter, prompt, jnp.asarray([P]), Features(
       hidden=jnp.pad(hidden[:, :P], ((0, 0), (0, 2), (0, 0))),
-      tokens=jnp.asarray([seq[1:P + 1] + [0, 0]]), start=jnp.asarray([0])))
+      tokens=jnp.asarray([seq[1:P + 1] + [0, 0]]), start=jnp.asarray([0])), cache_size=cache_size)
   np.testing.assert_allclose(state.next_feat, want[:, P - 1], atol=1e-5)
   # A round drafts (its pairs land in the cache), then verification keeps 3 tokens
   # seq[P+1 .. P+3]: the state must be as if those had been fed from the start.
   L = P + 1
-  _, _, drafted = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, gamma)
+  _, _, drafted = greedy_propose(drafter, state, jnp.asarray([L]), gamma)
   count = 3
   block = hidden[:, L - 1: L - 1 + gamma + 1]  # the verified block's states
   emitted = jnp.asarray([seq[L: L + gamma + 1]])
-  state = drafter.update(drafted, jnp.asarray([L + count]),
+  state = drafter_update(drafter, drafted, jnp.asarray([L + count]),
                          Features(hidden=block, tokens=emitted, start=jnp.asarray([L - 1])))
   L += count
   assert int(state.cache.lengths[0]) == L - 1
   np.testing.assert_allclose(state.next_feat, want[:, L - 2], atol=1e-5)
   # Drafts 1 and 2 of the next round: from f̂_{L-1}, then from the pair (f̂_{L-1}, draft 1).
-  tokens, probs, _ = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, 2)
+  tokens, probs, _ = greedy_propose(drafter, state, jnp.asarray([L]), 2)
   d1 = int(jnp.argmax(head_logits(drafter.head, want[0, L - 2])))
   feats = hidden.at[:, L - 1].set(want[:, L - 2])
   pred2 = teacher_forced(drafter, seq[:L] + [d1], feats)[:, L - 1]

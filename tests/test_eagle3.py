@@ -20,6 +20,7 @@ from jspec.models.llama import decoder_layer, forward, init_params, rope_tables
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from tests.test_eagle import drafter_init, drafter_update, greedy_propose
 from tests.test_speculative import assert_one_program, PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
     sample_sequences
 
@@ -105,14 +106,14 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   fused = eagle3.fuse(drafter.params, taps)  # [1, n, E]
   want = teacher_forced(drafter, seq, fused)
   prompt = jnp.asarray([seq[:P] + [0, 0]])
-  state = drafter.init(prompt, jnp.asarray([P]), 32, Features(
+  state = drafter_init(drafter, prompt, jnp.asarray([P]), Features(
       hidden=jnp.pad(taps[:, :P], ((0, 0), (0, 2), (0, 0))),
       tokens=jnp.asarray([seq[1:P + 1] + [0, 0]]), start=jnp.asarray([0])))
   np.testing.assert_allclose(state.next_feat, want[:, P - 1], rtol=1e-5, atol=1e-4)
   L = P + 1
-  _, _, drafted = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, gamma)
+  _, _, drafted = greedy_propose(drafter, state, jnp.asarray([L]), gamma)
   count = 3  # verification keeps seq[P+1 .. P+3]
-  state = drafter.update(drafted, jnp.asarray([L + count]), Features(
+  state = drafter_update(drafter, drafted, jnp.asarray([L + count]), Features(
       hidden=taps[:, L - 1: L + gamma], tokens=jnp.asarray([seq[L: L + gamma + 1]]),
       start=jnp.asarray([L - 1])))
   L += count
@@ -120,7 +121,7 @@ def test_incremental_state_matches_teacher_forcing(target, drafter):
   np.testing.assert_allclose(state.next_feat, want[:, L - 2], rtol=1e-5, atol=1e-4)
   # Draft 1 from h at the last known position; draft 2 reads the drafter's own h (no fc), the
   # training-time-test case.
-  tokens, _, _ = drafter.propose(state, None, jnp.asarray([L]), jax.random.key(0), GREEDY, 2)
+  tokens, _, _ = greedy_propose(drafter, state, jnp.asarray([L]), 2)
   score = lambda h: int(jnp.argmax(eagle3.logits(drafter.params, drafter.cfg, h)))
   d1 = score(want[0, L - 2])
   feats = fused.at[:, L - 1].set(want[:, L - 2])
