@@ -10,13 +10,14 @@ from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
+from jspec.sharding import Placement
 
 Array = jax.Array
 
 
 def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
                     cache: KVCache, policy: KVPolicy, *, keep_hidden: bool = False,
-                    taps: tuple[int, ...] = (), placement=None
+                    taps: tuple[int, ...] = (), placement: Placement | None = None
                     ) -> tuple[Array, KVCache, Array, Array | None]:
   """Run right-padded prompts [B, P] through an empty cache of `policy.slots` slots, `policy.chunk`
   tokens at a time, evicting down to the budget after each chunk. placement (a
