@@ -38,12 +38,21 @@ def target():
   return init_params(TARGET, jax.random.key(0), scale=0.3)
 
 
+CONTEXT = 32  # _last_logits' contexts, padded (causal: the padding comes after)
+
+
+@jax.jit
+def _causal_logits(params, tokens):
+  """A plain causal forward's logits [1, CONTEXT, V] over tokens [1, CONTEXT]: one program for
+  every context (op by op, each context length compiled its own ~30 small programs)."""
+  return forward(params, TARGET, tokens, jnp.arange(CONTEXT)[None],
+                 KVCache.init(TARGET, 1, CONTEXT))[0]
+
+
 def _last_logits(params, context):
   """The target's next-token logits [V] after `context`, from scratch."""
-  L = len(context)
-  logits, _, _ = forward(params, TARGET, jnp.asarray([context]), jnp.arange(L)[None],
-                         KVCache.init(TARGET, 1, L))
-  return logits[0, -1]
+  padded = jnp.asarray([list(context) + [0] * (CONTEXT - len(context))])
+  return _causal_logits(params, padded)[0, len(context) - 1]
 
 
 def _column_context(window, l, j):
