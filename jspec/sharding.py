@@ -265,8 +265,14 @@ def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -
   placement = _TRACING.get()
   if placement is None or placement.mesh.size == 1:
     return fn(*args)
-  specs = lambda tree: jax.tree.map(lambda a: placement.rules.spec(a.axes, placement.mesh), tree,
-                                    is_leaf=is_spec)
+  def spec(a: ArraySpec) -> PartitionSpec:
+    # An axis the mesh axis does not divide stays whole (a model drafter's fewer KV heads under
+    # the target's rules, as `model_placement` replicates KV heads that tp does not divide).
+    names = placement.rules.spec(a.axes, placement.mesh)
+    return PartitionSpec(*(name if name is None or size % placement.mesh.shape[name] == 0
+                           else None for name, size in zip(names, a.shape)))
+
+  specs = lambda tree: jax.tree.map(spec, tree, is_leaf=is_spec)
   in_specs, out_specs = specs(tuple(layouts)), specs(out_layouts)
   # Manual over the mesh axes the layouts split; XLA keeps the others (e.g. tp where the KV heads
   # are not split over it: it may still split the cache there, and pinning it whole would gather

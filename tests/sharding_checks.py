@@ -236,11 +236,12 @@ def check_budget_communication():
         got = moved(compiled_engine(fn, placement, *args, kv=policy, **static).as_text(),
                     placement)
         assert got == plain, (name, policy.method, dp, tp, got, plain)
+  # The drafter's own budget too: its one KV head stays whole where tp=2 splits the target's two.
   want = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
-                              kv=keydiff)
+                              kv=keydiff, draft_kv=keydiff)
   got = speculative_generate(target, TARGET, ModelDrafter(draft, DRAFT), PROMPTS, spec=spec,
-                             kv=keydiff, mesh=make_mesh(4, 2))
-  same(got, want, "chain kv=keydiff dp=4 tp=2")
+                             kv=keydiff, draft_kv=keydiff, mesh=make_mesh(4, 2))
+  same(got, want, "chain kv=draft_kv=keydiff dp=4 tp=2")
   # A tree under dp: the same tokens, and the drafter's top-k children taken by each device from
   # its own rows (sharding.top_k_by_rows; XLA gathered every row's [B, W, V] draft log-probs).
   tree = TreeSpecConfig("fixed:3-2-1", max_new_tokens=8)
