@@ -197,6 +197,11 @@ class _Seeded(LookaheadDrafter):
   """A pool that starts full (G n-grams under every token), so every round verifies a tree of
   G candidates: the law must hold whatever the pool holds."""
 
+  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
+  # class, so without one jit could run LookaheadDrafter's compiled program for it
+  # (tests/test_ngram.py _NoCatchUp).
+  seeded: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
   def init(self, prompt, prompt_lengths, cache_size, features):
     state = super().init(prompt, prompt_lengths, cache_size, features)
     B, V, G, D = state.pool.shape
@@ -211,6 +216,11 @@ class _Seeded(LookaheadDrafter):
 class _DraftsCalledSampled(_Seeded):
   """The negative control: pooled n-grams verified as if they were i.i.d. draws from a q (the
   tree's q holds none), instead of as deterministic drafts."""
+
+  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
+  # class, so without one jit could run _Seeded's compiled program for it
+  # (tests/test_ngram.py _NoCatchUp).
+  drafts_called_sampled: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   def draft_tree(self, state, last2, seq_len, key, sampling, shape):
     tree, state = super().draft_tree(state, last2, seq_len, key, sampling, shape)

@@ -177,7 +177,14 @@ def test_bad_input(target):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _NoCatchUp(ModelDrafter):
-  """Control: a fallback that forgets the rounds the lookup left it out of."""
+  """Control: a fallback that forgets the rounds the lookup left it out of.
+
+  The extra static field keeps its programs apart from ModelDrafter's: jaxlib 0.10.2's treedef
+  equality for register_dataclass nodes ignores the class (and field names), so without it jit's
+  cache could hand this control ModelDrafter's compiled loop, which catches up (seen as a flaky
+  `differs == 0`: the "lost" entries matched to 5e-6)."""
+
+  forgets: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   def catch_up(self, state, tokens, seq_len):
     return state
@@ -241,6 +248,4 @@ def test_rounds_the_lookup_matched_skip_the_fallback_and_change_nothing(target, 
     _, _, lost_kv = run(forgetful, True, prompt)
     differs += not np.allclose(lost_kv, kv, atol=1e-5)
     seen.append((prompt, tokens.tolist(), hist.tolist(), float(np.abs(lost_kv - kv).max())))
-  # (Session 34's CI saw 0 here, on both temperatures, where every run since finds 4: what each
-  # prompt gave is in the message, so the next such run says whether the text left its cycle.)
   assert differs >= (len(cycles) if temperature == 0 else 1), (differs, seen)

@@ -187,6 +187,11 @@ class _UnprocessedQ(ProbeDrafter):
   """The negative control: drafts drawn right, but q reported as the raw softmax (temperature,
   top-k and top-p not applied), which verification then trusts."""
 
+  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
+  # class, so without one jit could run ProbeDrafter's compiled program for it
+  # (tests/test_ngram.py _NoCatchUp).
+  unprocessed_q: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
   def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, _, state = super().propose(state, last2, seq_len, key, sampling, gamma, pick)
     return tokens, jax.nn.softmax(state.logits[:, :gamma], axis=-1), state

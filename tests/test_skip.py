@@ -77,6 +77,11 @@ def test_skip_drafts_are_greedy_identical_to_autoregressive(deep):
 class _UniformQ(SkipDrafter):
   """The negative control: drafts drawn right, q reported uniform."""
 
+  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
+  # class, so without one jit could run SkipDrafter's compiled program for it
+  # (tests/test_ngram.py _NoCatchUp).
+  uniform_q: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
   def propose_shared(self, state, cache, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, q, state, cache = super().propose_shared(state, cache, last2, seq_len, key, sampling,
                                                      gamma, pick)
