@@ -3,6 +3,8 @@ greedy output identical to autoregressive decoding; a greedy tree's top-1 path i
 greedy chain, so each kind's tree feeder scores every node in that node's own context; sampled
 trees of the kinds new to trees stay distributed exactly as the target."""
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -71,6 +73,27 @@ def test_chain_and_tree_greedy_identical_to_autoregressive(target, autoregressiv
   assert out.sequences() == autoregressive, kind
   hist = np.asarray(out.accept_hist)
   assert hist[1:].sum() > 0, kind  # drafts were accepted: the tree path was exercised
+
+
+def test_no_two_drafter_kinds_share_a_pytree_structure(target):
+  """jit keys its programs by the arguments' treedefs, and jaxlib 0.10.2's treedef equality
+  ignores a register_dataclass node's class and field names: two drafter classes that flatten
+  alike (same leaves, same static values) could be handed each other's compiled loop. Every
+  built-in kind over one target, and some as an n-gram lookup's fallback, must compare unequal
+  to every other kind."""
+  from jspec.drafting.lookahead import lookahead_drafter
+  from jspec.drafting.model import self_drafter
+  from jspec.drafting.probe import probe_drafter
+  from jspec.drafting.skip import skip_drafter
+  kinds = {k: make(target) for k, make in KINDS.items()}
+  kinds |= {"self": self_drafter(target, TARGET), "skip": skip_drafter(target, TARGET, (0,)),
+            "mtp": probe_drafter(target, TARGET, 2), "lookahead": lookahead_drafter(target, TARGET)}
+  kinds |= {f"ngram+{k}": ngram_drafter(TARGET.vocab_size, fallback=d) for k, d in kinds.items()
+            if k in ("self", "skip", "mtp", "early-exit", "trimmed")}
+  structures = {k: jax.tree.structure(d) for k, d in kinds.items()}
+  for (a, sa), (b, sb) in itertools.combinations(structures.items(), 2):
+    # A treedef's text names each node's class: equal texts are one kind with other weights.
+    assert sa != sb or str(sa) == str(sb), (a, b)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
