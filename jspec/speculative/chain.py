@@ -164,7 +164,7 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
   return out if placement is None else placement.replicated(out)
 
 
-_spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,),
+_spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,), keyed_by_class=(2,),
                        static_argnames=("spec", "cache_size", "kv", "placement"))
 
 

@@ -244,7 +244,7 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
   return out if placement is None else placement.replicated(out)
 
 
-_tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,),
+_tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,), keyed_by_class=(2,),
                        static_argnames=("spec", "cache_size", "kv", "placement"))
 
 
