@@ -15,10 +15,10 @@ import jspec.speculative.chain
 import jspec.speculative.tree
 from jspec.drafting.model import self_drafter
 from jspec.model import Model
+from jspec.models import numerics
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
-from jspec.models import numerics
 from jspec.models.numerics import matmul_precision
 from jspec.pallas.tree_attention import tree_attention
 
