@@ -27,7 +27,7 @@ from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate, tr
 from jspec.tree.structure import Siblings, path_to, path_tokens
 from test_ngram import REPEATING
 from test_speculative import (PROMPTS, TARGET, TINY, assert_one_program, chi_square,
-                              exact_distribution, sample_sequences)
+                              exact_distribution, own_program, sample_sequences)
 from test_tree_engine import sample_codes
 
 PROMPT_SET = PROMPTS[:2] + REPEATING[:2]
@@ -197,10 +197,7 @@ class _Seeded(LookaheadDrafter):
   """A pool that starts full (G n-grams under every token), so every round verifies a tree of
   G candidates: the law must hold whatever the pool holds."""
 
-  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
-  # class, so without one jit could run LookaheadDrafter's compiled program for it
-  # (tests/test_ngram.py _NoCatchUp).
-  seeded: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  seeded: bool = own_program()
 
   def init(self, prompt, prompt_lengths, cache_size, features):
     state = super().init(prompt, prompt_lengths, cache_size, features)
@@ -217,10 +214,7 @@ class _DraftsCalledSampled(_Seeded):
   """The negative control: pooled n-grams verified as if they were i.i.d. draws from a q (the
   tree's q holds none), instead of as deterministic drafts."""
 
-  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
-  # class, so without one jit could run _Seeded's compiled program for it
-  # (tests/test_ngram.py _NoCatchUp).
-  drafts_called_sampled: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  drafts_called_sampled: bool = own_program()
 
   def draft_tree(self, state, last2, seq_len, key, sampling, shape):
     tree, state = super().draft_tree(state, last2, seq_len, key, sampling, shape)

@@ -19,7 +19,8 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.drafting.ngram import lookup, ngram_drafter
 from jspec.train.trainer import student_logits
 from tests.test_speculative import (PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
-                                    exact_distribution, noised_drafter, sample_sequences)
+                                    exact_distribution, noised_drafter, own_program,
+                                    sample_sequences)
 
 # Prompts that repeat themselves, so the lookup has something to find.
 REPEATING = [[5, 17, 3, 5, 17, 3, 5, 17], [8, 1, 8, 1, 8], PROMPTS[2] + PROMPTS[2][:6], [7, 7, 7]]
@@ -177,14 +178,11 @@ def test_bad_input(target):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class _NoCatchUp(ModelDrafter):
-  """Control: a fallback that forgets the rounds the lookup left it out of.
+  """Control: a fallback that forgets the rounds the lookup left it out of. (Without a field of
+  its own, _loop_jit ran ModelDrafter's catching-up loop for it now and then: `differs == 0`,
+  the "lost" entries matching to 5e-6.)"""
 
-  The extra static field keeps its programs apart from ModelDrafter's: jaxlib 0.10.2's treedef
-  equality for register_dataclass nodes ignores the class (and field names), so without it jit's
-  cache could hand this control ModelDrafter's compiled loop, which catches up (seen as a flaky
-  `differs == 0`: the "lost" entries matched to 5e-6)."""
-
-  forgets: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  forgets: bool = own_program()
 
   def catch_up(self, state, tokens, seq_len):
     return state

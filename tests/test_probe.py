@@ -22,7 +22,7 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.speculative.probing import causal, probe_layout
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate, tree_speculative_loop
 from test_ngram import REPEATING
-from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution,
+from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution, own_program,
                               sample_sequences)
 from test_tree_engine import sample_codes
 
@@ -187,10 +187,7 @@ class _UnprocessedQ(ProbeDrafter):
   """The negative control: drafts drawn right, but q reported as the raw softmax (temperature,
   top-k and top-p not applied), which verification then trusts."""
 
-  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
-  # class, so without one jit could run ProbeDrafter's compiled program for it
-  # (tests/test_ngram.py _NoCatchUp).
-  unprocessed_q: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  unprocessed_q: bool = own_program()
 
   def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, _, state = super().propose(state, last2, seq_len, key, sampling, gamma, pick)

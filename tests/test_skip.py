@@ -19,7 +19,8 @@ from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from test_ngram import REPEATING
-from test_speculative import PROMPTS, TARGET, TINY, chi_square, exact_distribution, sample_sequences
+from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution, own_program,
+                              sample_sequences)
 
 DEEP = dataclasses.replace(TARGET, num_layers=4)
 DEEP_TINY = dataclasses.replace(TINY, num_layers=3)
@@ -77,10 +78,7 @@ def test_skip_drafts_are_greedy_identical_to_autoregressive(deep):
 class _UniformQ(SkipDrafter):
   """The negative control: drafts drawn right, q reported uniform."""
 
-  # Its own static field: jaxlib 0.10.2's treedef equality ignores a register_dataclass node's
-  # class, so without one jit could run SkipDrafter's compiled program for it
-  # (tests/test_ngram.py _NoCatchUp).
-  uniform_q: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  uniform_q: bool = own_program()
 
   def propose_shared(self, state, cache, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, q, state, cache = super().propose_shared(state, cache, last2, seq_len, key, sampling,
