@@ -4,6 +4,8 @@ import atexit
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -32,8 +34,9 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JSPEC_TEST_XLA_CACHE"
 # run), the machine code is not, and its rounding differs in the last bits (the default model's
 # logits by up to 1e-4 of ~20, the same greedy tokens): every comparison a test makes is between
 # programs compiled alike, so each check keeps its meaning, and the real-model integration file
-# (OPTIMISED_FILES) still compiles as a user's run does. Measured on the 2-core VM: a fresh
-# clone's suite 33:44 -> 23:24 with the notebooks' trims; tests/test_speculative.py 137 -> 89 s.
+# (OPTIMISED_FILES) still compiles at full optimisation, as a user's run does (but for the
+# emitters, below). Measured on the 2-core VM: a fresh clone's suite 33:44 -> 23:24 with the
+# notebooks' trims; tests/test_speculative.py 137 -> 89 s.
 # Set before the first compile and in the environment, so subprocesses and notebook kernels
 # inherit it. JSPEC_TEST_XLA_OPTIMIZE=1 compiles everything as users do; an accelerator's suite
 # always does (its code generation is what a GPU run is there to test). Files whose time is running
@@ -41,7 +44,37 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JSPEC_TEST_XLA_CACHE"
 # rows per program (one worker's file time, session 39: 199 s at level 0, 124 s optimised; every
 # other file was slower optimised, the whole suite 29 -> 42 minutes).
 OPTIMISED_FILES = {"test_default_model.py", "test_tree_verify.py"}
-LOW_OPT = os.environ.get("JSPEC_TEST_XLA_OPTIMIZE") != "1" and jax.default_backend() == "cpu"
+AS_USERS = os.environ.get("JSPEC_TEST_XLA_OPTIMIZE") == "1"
+
+# XLA's CPU code generation, the part of a compile that level 0 leaves: its legacy elemental
+# emitters build a fusion's LLVM IR faster than the MLIR fusion emitters (XLA's default), and one
+# LLVM module a program (no parallel split) does not fight the other worker for the two cores.
+# Again the same HLO programs, other machine code, and every comparison between programs compiled
+# alike. Measured on the 2-core VM: the whole suite (2 workers) 31:12 -> 17:36; alone,
+# tests/test_kv.py 171 -> 114 s, one chain engine's compile 1.9 -> 1.0 s, the OPTIMISED_FILES
+# 119 -> 113 s (they compile with these emitters too).
+# XLA aborts the process on a flag it does not know, so a child process tries them first (once:
+# xdist's workers, subprocesses and notebook kernels inherit the environment); a jaxlib without
+# them runs the suite as before, and says so. CPU flags: an accelerator's programs never read them.
+SUITE_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+
+
+def _xla_accepts(flags: str) -> bool:
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}",
+             JAX_PLATFORMS="cpu")
+  probe = "import jax; jax.jit(lambda x: x + 1)(1).block_until_ready()"
+  return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0
+
+
+if not AS_USERS and "JSPEC_TEST_XLA_FLAGS" not in os.environ:
+  accepted = _xla_accepts(SUITE_XLA_FLAGS)
+  os.environ["JSPEC_TEST_XLA_FLAGS"] = SUITE_XLA_FLAGS if accepted else ""
+  if accepted:  # before this process's backend starts (jax.default_backend() below)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
+  else:
+    print(f"tests/conftest.py: this jaxlib refuses {SUITE_XLA_FLAGS}; compiling with XLA's "
+          "default CPU emitters (the suite runs slower)", file=sys.stderr)
+LOW_OPT = not AS_USERS and jax.default_backend() == "cpu"
 if LOW_OPT:
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   jax.config.update("jax_disable_most_optimizations", True)
@@ -115,13 +148,14 @@ SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_b
               "under_a_kv_budget", "test_scan_layers")
 
 
-# Files that take a worker longest (seconds of one worker in a full run on CI's 2 cores, session 27),
+# Files that take a worker longest (seconds of one worker in a full run on CI's 2 cores, session 42),
 # sent to the workers first (addopts has --no-loadscope-reorder, which keeps this order; xdist's
 # own order, by number of tests, started the notebooks last and left one core idle for minutes).
-LONGEST_FILES = ("test_notebooks.py", "test_notebooks_more.py", "test_cli.py", "test_train.py",
-                 "test_sharding.py", "test_sharding_spec.py", "test_drafters.py", "test_ngram.py",
-                 "test_kv.py", "test_default_model.py", "test_confu.py", "test_lookahead.py",
-                 "test_probe.py", "test_eagle3.py", "test_speculative.py", "test_native.py")
+LONGEST_FILES = ("test_notebooks_more.py", "test_notebooks.py", "test_kv.py", "test_cli.py",
+                 "test_sharding.py", "test_tree_engine.py", "test_tree_verify.py", "test_train.py",
+                 "test_quant.py", "test_native.py", "test_confu.py", "test_drafters.py",
+                 "test_ngram.py", "test_eagle3.py", "test_probe.py", "test_speculative.py",
+                 "test_sharding_spec.py", "test_scan_layers.py", "test_default_model.py")
 
 
 def _longest_first(item) -> int:

@@ -8,7 +8,8 @@ import os
 import sys
 
 process_id, port = int(sys.argv[1]), int(sys.argv[2])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=2")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

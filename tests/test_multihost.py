@@ -21,7 +21,7 @@ def free_port() -> int:
 def test_two_processes_give_the_single_process_tokens():
   port = free_port()
   env = dict(os.environ, PYTHONPATH=str(WORKER.parent.parent))
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = os.environ.get("JSPEC_TEST_XLA_FLAGS", "")  # the suite's (conftest), no other
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]

@@ -23,8 +23,9 @@ CHECKS = Path(__file__).with_name("sharding_checks.py")
 
 def run_checks(*groups: str) -> None:
   """Run check groups of tests/sharding_checks.py in a subprocess that sees 8 CPU devices."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(CHECKS.parent.parent))
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(CHECKS.parent.parent))
   result = subprocess.run([sys.executable, str(CHECKS), *groups], env=env, capture_output=True,
                           text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-4000:]
