@@ -129,7 +129,7 @@ def _free_compiled_programs():
   gc.collect()
 
 
-# `python -m pytest -m "not slow"`: the core checks in about 3 minutes on 2 cores (README): model
+# `python -m pytest -m "not slow"`: the core checks in about 2 minutes on 2 cores (README): model
 # parity and loading, the engines' greedy identity (chains and trees), the verification rules and
 # their mutation controls, tree structure and attention, the kernels' reference parity, the CLI's
 # errors. Everything else is `slow` (the real default model, the statistical losslessness tests,
