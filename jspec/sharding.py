@@ -25,6 +25,7 @@ import re
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -255,6 +256,36 @@ def rows_split() -> bool:
   return rules.batch in mesh.axis_names and mesh.shape[rules.batch] > 1
 
 
+def get_rows(x: jax.Array, idx: jax.Array, axis: int = 0) -> jax.Array:
+  """Each row's own entries: x[..., b, idx[b, ...]] for the batch axis `axis` of x (the axis after
+  it indexed; idx [B, ...]) -> x.shape[:axis] + idx.shape + x.shape[axis + 2:]. Where the engine
+  being traced splits the batch (`rows_split`), a vmap over the rows: the gather names the batch
+  as a batching dimension and each device reads its own rows (explicit row indices made XLA's
+  partitioner all-gather the indices of a tree round's scatters and gathers, a dozen a round
+  under dp=8); otherwise one gather over explicit row indices."""
+  lead = (slice(None),) * axis
+  if rows_split():
+    return jax.vmap(lambda r, i: r[lead + (i,)], in_axes=(axis, 0), out_axes=axis)(x, idx)
+  rows = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (idx.ndim - 1))
+  return x[lead + (rows, idx)]
+
+
+def set_rows(x: jax.Array, idx: jax.Array, value: Any, axis: int = 0,
+             mode: str | None = None) -> jax.Array:
+  """x with each row's entries at idx set to value (shaped as `get_rows(x, idx, axis)`, or
+  broadcast to it): x[..., b, idx[b, ...]] = value[..., b, ...]; the vmap under a batch split and
+  the explicit rows otherwise, as `get_rows`. mode: jnp's scatter mode ("drop": indices past the
+  axis are left out)."""
+  lead = (slice(None),) * axis
+  value = jnp.broadcast_to(jnp.asarray(value, x.dtype),
+                           x.shape[:axis] + idx.shape + x.shape[axis + 2:])
+  if rows_split():
+    return jax.vmap(lambda r, i, v: r.at[lead + (i,)].set(v, mode=mode),
+                    in_axes=(axis, 0, axis), out_axes=axis)(x, idx, value)
+  rows = jnp.arange(x.shape[axis]).reshape((-1,) + (1,) * (idx.ndim - 1))
+  return x.at[lead + (rows, idx)].set(value, mode=mode)
+
+
 def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -> Any:
   """fn(*args) where each device runs fn on its own shards of the arguments, when the engine
   being traced (`traced_under_placement`) runs on a mesh: a `shard_map` whose specs come from the
@@ -286,13 +317,38 @@ def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -
                        axis_names=frozenset(used), check_vma=False)(*args)
 
 
-def top_k_by_rows(x: Any, k: int) -> tuple[Any, Any]:
-  """jax.lax.top_k(x, k) of x [B, ..., N], each device on its own rows where the engine being
-  traced splits the batch: XLA's partitioner gathers every row to run a top_k (a tree round under
-  dp=8 gathered the drafter's [B, W, V] log-probs at each depth)."""
-  rows = ArraySpec(x.shape, ("batch",) + (None,) * (x.ndim - 1))
-  out = ArraySpec(x.shape[:-1] + (k,), rows.axes)
-  return on_own_shards(lambda a: tuple(jax.lax.top_k(a, k)), (x,), (rows,), (out, out))
+def top_k_by_rows(x: Any, k: int, indices: bool = True) -> tuple[Any, Any]:
+  """jax.lax.top_k(x, k) of x [B, ..., N] (the indices None unless `indices`), each device on its
+  own rows where the engine being traced splits the batch, and on its own shard of N where N is a
+  vocabulary it splits (`vocab_split`): there only each shard's k best values (and indices) move.
+  XLA's partitioner gathers every row to run a top_k (a tree round under dp=8 gathered the
+  drafter's [B, W, V] log-probs at each depth) and whole rows of a split axis (under tp=4 a probing
+  tree's [B/dp, W, V]). The same values and indices as one device: a shard's candidates come in
+  index order, so ties still go to the lower index."""
+  split = vocab_split(x.shape[-1]) if x.ndim > 1 else None
+  if split is None:
+    if x.ndim == 1:
+      values, idx = jax.lax.top_k(x, k)
+      return values, idx if indices else None
+    rows = ArraySpec(x.shape, ("batch",) + (None,) * (x.ndim - 1))
+    out = ArraySpec(x.shape[:-1] + (k,), rows.axes)
+    values, idx = on_own_shards(lambda a: tuple(jax.lax.top_k(a, k)), (x,), (rows,), (out, out))
+    return values, idx if indices else None
+  batch = split.batch if x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 else None
+  lead = (batch,) + (None,) * (x.ndim - 2)
+
+  def on_shard(block: jax.Array):  # [b, ..., N/S], one device's shard
+    values, idx = jax.lax.top_k(block, min(k, block.shape[-1]))  # [b, ..., k']
+    gather = lambda a: jax.lax.all_gather(a, split.vocab, axis=a.ndim - 1, tiled=True)
+    best, at = jax.lax.top_k(gather(values), k)  # the same on every shard
+    if not indices:
+      return best, None
+    idx = idx + jax.lax.axis_index(split.vocab) * block.shape[-1]
+    return best, jnp.take_along_axis(gather(idx), at, axis=-1)
+
+  out = PartitionSpec(*lead, None)
+  return jax.shard_map(on_shard, mesh=split.mesh, in_specs=PartitionSpec(*lead, split.vocab),
+                       out_specs=(out, out if indices else None), check_vma=False)(x)
 
 
 def vocab_split(vocab_size: int) -> VocabSplit | None:

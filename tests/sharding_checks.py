@@ -16,6 +16,7 @@ from jspec.bench.collectives import decode_loop_collectives, program_collectives
 from jspec.bench.profiling import CompileCounter
 from jspec.decode import on_mesh, prepare_batch
 from jspec.drafting.base import place_drafter
+from jspec.drafting.lookahead import lookahead_drafter
 from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
@@ -95,7 +96,8 @@ def check_chains():
   target, draft = models()
   drafters = {"model": ModelDrafter(draft, DRAFT), "ngram": ngram_drafter(256),
               "ngram+model": ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)),
-              "skip": skip_drafter(target, TARGET, (1,)), "mtp": probe_drafter(target, TARGET, 3)}
+              "skip": skip_drafter(target, TARGET, (1,)), "mtp": probe_drafter(target, TARGET, 3),
+              "lookahead": lookahead_drafter(target, TARGET)}
   spec = SpecConfig(gamma=3, max_new_tokens=12)
   for name, drafter in drafters.items():
     for sp, key in ((GREEDY, 0), (SAMPLED, 3)) if name in ("model", "mtp") else ((GREEDY, 0),):
@@ -116,11 +118,15 @@ def check_chains():
 
 def check_trees():
   target, draft = models()
-  spec = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
-  runs = (("model", ModelDrafter(draft, DRAFT), GREEDY, 0, ((2, 4), (1, 8))),
-          ("model", ModelDrafter(draft, DRAFT), SAMPLED, 11, ((2, 4),)),
-          ("mtp", probe_drafter(target, TARGET, 3), GREEDY, 0, ((4, 2),)))
-  for name, drafter, sp, key, meshes in runs:
+  fixed = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
+  dynamic = TreeSpecConfig("dynamic:6", max_new_tokens=12)  # pruned to a node budget each round
+  runs = (("model", ModelDrafter(draft, DRAFT), fixed, GREEDY, 0, ((2, 4), (1, 8))),
+          ("model", ModelDrafter(draft, DRAFT), fixed, SAMPLED, 11, ((2, 4),)),
+          ("model", ModelDrafter(draft, DRAFT), dynamic, FILTERED, 13, ((4, 2),)),
+          ("ngram+model", ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)), fixed, GREEDY,
+           0, ((8, 1),)),
+          ("mtp", probe_drafter(target, TARGET, 3), fixed, GREEDY, 0, ((4, 2),)))
+  for name, drafter, spec, sp, key, meshes in runs:
     want = tree_speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp,
                                      key=key)
     for dp, tp in meshes:
@@ -183,18 +189,56 @@ def check_communication():
     assert not any(c.op == "all-gather" and c.bytes >= rows * 256 * 4 // max(tp, 2)
                    for c in step if not c.in_branch), ("logits gathered", summarize(step))
     # A chain round: the verification's 2L + 1 all-reduces of [B/dp, gamma + 1, E]; the
-    # replicated draft model adds none. (Under dp the output buffer's row-indexed writes move a
-    # few hundred bytes of token ids; a gathered KV block would be >= 1 KB, logits 16 KB.)
+    # replicated draft model adds none, and under dp nothing moves but the exit test.
     spec = SpecConfig(gamma=3, max_new_tokens=8)
     drafter = place_drafter(ModelDrafter(draft, DRAFT), placement, target, placed)
     step = decode_step(speculative_generate_tokens, placement, placed, TARGET, drafter, b.tokens,
                        b.lengths, b.key, b.sampling, spec=spec, cache_size=b.cache_size + 8)
-    big = [c for c in step if not c.in_branch and c.bytes > 512]
+    big = [c for c in step if not c.in_branch and c.bytes > (64 if tp == 1 else 512)]
     if tp == 1:
       assert not big, (dp, tp, big)
     else:
       assert sorted({(c.op, c.bytes) for c in big}) == [("all-reduce", rows * 4 * 64 * 4)], big
       assert len(big) == 2 * TARGET.num_layers + 1, big
+
+
+def check_round_communication():
+  """A speculative round under dp alone moves nothing but the loop's exit test and counters, for
+  every drafter family and tree kind: each device reads and writes its own rows (sharding.get_rows,
+  set_rows, top_k_by_rows). With explicit row indices XLA's partitioner all-gathered the indices
+  of every row-indexed scatter and gather: 12 collectives a fixed tree round, 21 with an n-gram
+  drafter, a top_k's [B, V] logits under top-k/top-p. Under tp a drafter's vocabulary-split
+  log-probs give the tree only each shard's best children (a probing tree gathered [B/dp, W, V]
+  at each depth)."""
+  target, draft = models()
+  fixed = TreeSpecConfig("fixed:3-2-1", max_new_tokens=8)
+  spec = SpecConfig(gamma=3, max_new_tokens=8)
+  runs = (  # (drafter, tree or chain, sampling, mesh)
+      (ModelDrafter(draft, DRAFT), fixed, GREEDY, (8, 1)),
+      (ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)), fixed, GREEDY, (8, 1)),
+      (ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)), spec, GREEDY, (8, 1)),
+      (lookahead_drafter(target, TARGET), spec, GREEDY, (8, 1)),
+      (ModelDrafter(draft, DRAFT), TreeSpecConfig("dynamic:6", max_new_tokens=8), FILTERED,
+       (8, 1)),
+      (ModelDrafter(draft, DRAFT), spec, FILTERED, (8, 1)),
+      (probe_drafter(target, TARGET, 3), fixed, GREEDY, (2, 4)))
+  for drafter, shape, sp, (dp, tp) in runs:
+    b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=sp, key=0, stop_ids=(),
+                      cache_size=None)
+    placed, b, placement = on_mesh(target, TARGET, b, make_mesh(dp, tp))
+    placed_drafter = place_drafter(drafter, placement, target, placed)
+    tree = isinstance(shape, TreeSpecConfig)
+    step = decode_step(tree_speculative_generate_tokens if tree else speculative_generate_tokens,
+                       placement, placed, TARGET, placed_drafter, b.tokens, b.lengths, b.key,
+                       b.sampling, spec=shape,
+                       cache_size=b.cache_size + (shape.reserve if tree else 8))
+    what = (type(drafter).__name__, shape, sp, dp, tp, summarize(step))
+    if tp == 1:
+      assert all(c.op == "all-reduce" and c.bytes <= 64 for c in step), what
+    else:
+      rows = len(PROMPTS) // dp
+      assert all(c.op == "all-reduce" or c.bytes < rows * TARGET.vocab_size * 4
+                 for c in step), what
 
 
 def compiled_engine(fn, placement, *args, **static):
@@ -352,6 +396,7 @@ def check_stacked_layers():
 
 GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
           "compiles": check_compiles_once, "communication": check_communication,
+          "rounds": check_round_communication,
           "budget": check_budget_communication,
           "repeat": check_repeated_kv_heads, "filters": check_filtered_sampling_moves_candidates,
           "stacked": check_stacked_layers}

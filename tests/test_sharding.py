@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -34,7 +35,7 @@ def run_checks(*groups: str) -> None:
 
 
 def test_placement_and_communication_of_a_decode_step():
-  run_checks("communication", "budget", "compiles", "repeat", "filters")
+  run_checks("communication", "rounds", "budget", "compiles", "repeat", "filters")
 
 
 def test_generate_on_meshes_equals_one_device():
@@ -86,3 +87,22 @@ def test_native_kernel_weights_are_refused_on_a_mesh():
   params = native_float_params(init_params(CFG, jax.random.key(0)))
   with pytest.raises(ValueError, match="DenseWeight.*not placed on a mesh.*float32-xla"):
     generate(params, CFG, [[1, 2]], max_new_tokens=2, mesh=make_mesh(1, 1))
+
+
+def test_get_rows_and_set_rows_index_each_rows_own_entries():
+  from jspec.sharding import get_rows, set_rows
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 3, 7, 4)).astype(np.float32)  # batch axis 1
+  idx = np.array([[0, 6, 2], [5, 5, 1], [3, 7, 0]])  # 7: past the axis
+  want = np.stack([x[:, b, np.minimum(idx[b], 6)] for b in range(3)], axis=1)
+  np.testing.assert_array_equal(get_rows(x, np.minimum(idx, 6), axis=1), want)
+  value = rng.normal(size=(2, 3, 3, 4)).astype(np.float32)
+  got = np.asarray(set_rows(jnp.asarray(x), idx, value, axis=1, mode="drop"))
+  want = x.copy()
+  for b in range(3):
+    for j, i in enumerate(idx[b]):
+      if i < 7:
+        want[:, b, i] = value[:, b, j]
+  np.testing.assert_array_equal(got, want)
+  flags = np.asarray(set_rows(jnp.zeros((3, 5), bool), idx[:, :2], True, mode="drop"))
+  assert flags.sum(axis=1).tolist() == [1, 0, 1]  # 5 and past it: dropped

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jspec.drafting.base import DraftState
 from jspec.models.cache import KVCache
+from jspec.sharding import set_rows
 from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
@@ -62,9 +63,8 @@ class KVFrontierFeeder:
       assert W == 1, "the first next_logits call of a draft schedule is the root's"
       self.kv_slot = jnp.full(tree.tokens.shape, -1, jnp.int32)
       return self.root_logits  # [B, 1, V]
-    rows = jnp.arange(B)[:, None]
     offset = jnp.broadcast_to(self.fed + jnp.arange(W, dtype=jnp.int32), (B, W))
-    self.kv_slot = self.kv_slot.at[rows, frontier].set(offset)
+    self.kv_slot = set_rows(self.kv_slot, frontier, offset)
     S = self.cache.size
     # Slots each frontier node sees: the committed prefix, then its own and its ancestors'.
     line, cur = [frontier], frontier
@@ -75,7 +75,9 @@ class KVFrontierFeeder:
     slot = jnp.where(line >= 0, take(self.kv_slot, line), -1)  # [B, W, D]
     seen = jnp.where(slot >= 0, self.prefix[:, None, None] + slot, S)  # [B, W, D]
     visible = jnp.broadcast_to((jnp.arange(S) < self.prefix[:, None])[:, None], (B, W, S))
-    visible = visible.at[rows[..., None], jnp.arange(W)[:, None], seen].set(True, mode="drop")
+    # Node w's slot s is entry w S + s of its row's flattened [W S] (S, and past it: dropped).
+    flat = jnp.where(seen < S, jnp.arange(W)[:, None] * S + seen, W * S).reshape(B, -1)
+    visible = set_rows(visible.reshape(B, W * S), flat, True, mode="drop").reshape(B, W, S)
     logits, self.cache = self.run(tree, frontier, self.prefix[:, None] + offset, visible,
                                   self.cache)
     self.fed += W

@@ -33,6 +33,7 @@ from jspec.drafting.base import DraftState, Drafter, Features, Pick
 from jspec.models.config import Config
 from jspec.models.llama import Params, lm_head
 from jspec.sampling.processing import SamplingParams, argmax
+from jspec.sharding import get_rows, set_rows
 from jspec.tree.shapes import PoolTree
 from jspec.tree.structure import Siblings, Tree, dedupe
 
@@ -61,9 +62,9 @@ def window_pattern(levels: int, width: int) -> tuple[np.ndarray, np.ndarray]:
 def remember(pool: Array, count: Array, first: Array, rest: Array) -> tuple[Array, Array]:
   """The pool with n-gram (first [B], rest [B, D]) seen once more: moved to the newest end if
   held, else appended, the oldest dropped when `first` already holds G."""
-  B, _, G, _ = pool.shape
-  rows = jnp.arange(B)
-  entries, n = pool[rows, first], count[rows, first]  # [B, G, D], [B]
+  G = pool.shape[2]
+  at = first[:, None]
+  entries, n = get_rows(pool, at)[:, 0], get_rows(count, at)[:, 0]  # [B, G, D], [B]
   held = jnp.arange(G)[None] < n[:, None]  # [B, G]
   keep = held & ~jnp.all(entries == rest[:, None], axis=-1)
   full = jnp.sum(keep, axis=1) >= G  # nothing matched and no room: drop the oldest
@@ -72,16 +73,16 @@ def remember(pool: Array, count: Array, first: Array, rest: Array) -> tuple[Arra
   kept = jnp.take_along_axis(entries, order[..., None], axis=1)
   n = jnp.sum(keep, axis=1)
   entries = jnp.where((jnp.arange(G)[None] == n[:, None])[..., None], rest[:, None], kept)
-  return pool.at[rows, first].set(entries), count.at[rows, first].set(n + 1)
+  return set_rows(pool, at, entries[:, None]), set_rows(count, at, (n + 1)[:, None])
 
 
 def candidates(state: LookaheadState, root: Array) -> tuple[Array, Array]:
   """(n-grams [B, G, D] after `root` [B], newest first; valid [B, G])."""
-  B, _, G, _ = state.pool.shape
-  rows = jnp.arange(B)
-  n = state.count[rows, root]  # [B]
+  G = state.pool.shape[2]
+  n = get_rows(state.count, root[:, None])[:, 0]  # [B]
   newest_first = jnp.clip(n[:, None] - 1 - jnp.arange(G)[None], 0, G - 1)  # [B, G]
-  grams = jnp.take_along_axis(state.pool[rows, root], newest_first[..., None], axis=1)
+  grams = jnp.take_along_axis(get_rows(state.pool, root[:, None])[:, 0], newest_first[..., None],
+                              axis=1)
   return grams, jnp.arange(G)[None] < n[:, None]
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jspec.drafting.base import DraftState, Drafter, Features, Pick, check_stop, keep_draw
 from jspec.io.datastore import NgramTable, context_hash
 from jspec.sampling.processing import SamplingParams
+from jspec.sharding import set_rows
 from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
@@ -80,9 +81,9 @@ def store_lookup(table: NgramTable, history: Array, length: Array) -> tuple[Arra
 
 def write_at(history: Array, start: Array, tokens: Array) -> Array:
   """history [B, L] with tokens [B, W] written at start[b] + 0..W-1 (past the end dropped)."""
-  B, W = tokens.shape
+  W = tokens.shape[1]
   cols = start[:, None] + jnp.arange(W, dtype=jnp.int32)
-  return history.at[jnp.arange(B)[:, None], cols].set(tokens, mode="drop")
+  return set_rows(history, cols, tokens, mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -115,11 +116,13 @@ class _LookupFeeder:
     d = self.drafter
     # Write each frontier node's path (the node and its ancestors) after the known tokens.
     contexts = jnp.broadcast_to(self.history[:, None], (B, W, L))
-    rows, cols = jnp.arange(B)[:, None], jnp.arange(W)[None, :]
     node = frontier
     for _ in range(tree.max_depth):
       at = jnp.where(node >= 0, self.seq_len[:, None] + take(tree.depth, node) - 1, L)  # [B, W]
-      contexts = contexts.at[rows, cols, at].set(take(tree.tokens, node), mode="drop")
+      # Node w's column `at` is entry w L + at of its row's flattened [W L] (L: dropped).
+      flat = jnp.where(at < L, jnp.arange(W) * L + at, W * L)
+      contexts = set_rows(contexts.reshape(B, W * L), flat, take(tree.tokens, node),
+                          mode="drop").reshape(B, W, L)
       node = parent_of(tree, node)
     depth = jnp.where(frontier >= 0, take(tree.depth, frontier), 0)  # [B, W]
     guess, found = d.guess(contexts.reshape(B * W, L), (self.seq_len[:, None] + depth).reshape(-1))

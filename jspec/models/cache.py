@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.models.config import Config
-from jspec.sharding import ArraySpec
+from jspec.sharding import ArraySpec, get_rows, set_rows
 
 Array = jax.Array
 
@@ -90,14 +90,10 @@ def move_kv(cache: KVCache, base: Array, src: Array, n: Array) -> KVCache:
   policies) moves with them; KV-budget positions need not (slots past the committed entries have
   none recorded).
   """
-  B, D = src.shape
+  D = src.shape[1]
   j = jnp.arange(D, dtype=jnp.int32)
-  rows = jnp.arange(B)[:, None]
   src_slot = base[:, None] + jnp.maximum(src, 0)  # [B, D]
   dst_slot = jnp.where((j < n[:, None]) & (src >= 0), base[:, None] + j, cache.size)  # [B, D]
-  k = cache.k.at[:, rows, dst_slot].set(cache.k[:, rows, src_slot], mode="drop")
-  v = cache.v.at[:, rows, dst_slot].set(cache.v[:, rows, src_slot], mode="drop")
-  mass = cache.mass
-  if mass is not None:
-    mass = mass.at[:, rows, dst_slot].set(mass[:, rows, src_slot], mode="drop")
-  return dataclasses.replace(cache, k=k, v=v, mass=mass)
+  move = lambda x: set_rows(x, dst_slot, get_rows(x, src_slot, axis=1), axis=1, mode="drop")
+  mass = None if cache.mass is None else move(cache.mass)
+  return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), mass=mass)

@@ -14,9 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.sharding import PartitionSpec
-
-from jspec.sharding import vocab_split
+from jspec.sharding import top_k_by_rows
 
 Array = jax.Array
 T = TypeVar("T")
@@ -202,25 +200,11 @@ def candidate_threshold(x: Array, k: Array, top_p: Array) -> tuple[Array, Array,
 def _largest(x: Array, m: int) -> Array:
   """The m largest values of x [..., V] along the last axis, largest first. On a mesh that splits
   the vocabulary, each device takes the top m of its own shard and only those move (XLA would
-  gather whole rows to run top_k on a sharded axis)."""
+  gather whole rows to run top_k on a sharded axis; `top_k_by_rows`)."""
   # On a mesh every array of V logits is taken as split like the target's: a draft head that is
   # replicated pays one small all-gather ([B, tp x m]) where it needed none; one that borrows the
   # target's table (compact drafters) is split and would otherwise gather whole rows.
-  split = vocab_split(x.shape[-1])
-  if split is None:
-    return jax.lax.top_k(x, m)[0]
-  batch = split.batch if x.ndim > 1 and x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 \
-      else None
-  lead = (batch,) + (None,) * (x.ndim - 2) if x.ndim > 1 else ()
-
-  def on_shard(block: Array) -> Array:  # [b, ..., V/S], one device's vocabulary shard
-    top = jax.lax.top_k(block, min(m, block.shape[-1]))[0]  # [b, ..., m']
-    candidates = jax.lax.all_gather(top, split.vocab, axis=top.ndim - 1, tiled=True)
-    return jax.lax.top_k(candidates, m)[0]  # [b, ..., m], the same on every shard (so
-    # replicated over the vocabulary axis, which shard_map cannot infer through top_k)
-
-  return jax.shard_map(on_shard, mesh=split.mesh, in_specs=PartitionSpec(*lead, split.vocab),
-                       out_specs=PartitionSpec(*lead, None), check_vma=False)(x)
+  return top_k_by_rows(x, m, indices=False)[0]
 
 
 def bisected_threshold(x: Array, k: Array, top_p: Array, log_z_all: Array) -> Array:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 from jspec.sampling.verify import accept_draw, residual_distribution
+from jspec.sharding import get_rows
 from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_tokens, take
 
 Array = jax.Array
@@ -83,7 +84,6 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
   proposal = PROPOSALS[tree.siblings]
   p = jnp.exp(processed_logprobs(target_logits, sampling))  # [B, N+1, V]
   u = jax.random.uniform(k_accept, (B, N), jnp.float32)
-  rows = jnp.arange(B)
   at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
 
   def step(carry, n):
@@ -91,7 +91,8 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
     x = at(tree.tokens, n)  # [B]
     child = at(tree.valid, n) & (at(tree.parents, n) == cur)
     q_i = proposal(q_cur, excluded, x)  # [B, V]
-    accept = child & accept_draw(at(u, n), target[rows, x], q_i[rows, x])
+    of_x = lambda dist: get_rows(dist, x[:, None])[:, 0]  # dist[b, x[b]]
+    accept = child & accept_draw(at(u, n), of_x(target), of_x(q_i))
     reject = child & ~accept
     residual = residual_distribution(target, q_i)
     residual = residual / jnp.sum(residual, axis=-1, keepdims=True)

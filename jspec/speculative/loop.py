@@ -20,7 +20,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.sampling.processing import SamplingParams, sample
-from jspec.sharding import Placement
+from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout
 
 Array = jax.Array
@@ -125,7 +125,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   first = sample(sub, logits, sampling)  # [B]
   # The token after each prompt position: the prompt shifted by one, then the first sample.
   following = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
-  following = following.at[jnp.arange(B), prompt_lengths - 1].set(first)  # [B, P]
+  following = set_rows(following, prompt_lengths[:, None] - 1, first[:, None])  # [B, P]
   draft_state = drafter.init(prompt, prompt_lengths, cache_size, Features(
       hidden=hidden, tokens=following, start=jnp.zeros((B,), jnp.int32), probe_hidden=probed))
   prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
@@ -155,7 +155,7 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   count = jnp.minimum(jnp.minimum(n_acc + 1, first_stop + 1), N - s.lengths)
   count = jnp.where(active, count, 0)
   cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], s.tokens.shape[1])
-  tokens = s.tokens.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
+  tokens = set_rows(s.tokens, cols, emitted, mode="drop")
   lengths = s.lengths + count
   done = s.done | (first_stop < count) | (lengths >= N)
   # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.

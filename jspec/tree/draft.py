@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, processed_logprobs
-from jspec.sharding import top_k_by_rows
+from jspec.sharding import set_rows, top_k_by_rows
 from jspec.tree.structure import Siblings, Tree, prune_to_budget, take
 
 Array = jax.Array
@@ -62,8 +62,7 @@ _CHILDREN = {Siblings.FIXED: _top_k_children, Siblings.IID: _iid_children,
 
 def _set_q(tree: Tree, frontier: Array, logq: Array) -> Tree:
   """Store q at the frontier nodes' context slots."""
-  rows = jnp.arange(frontier.shape[0])[:, None]
-  return dataclasses.replace(tree, q=tree.q.at[rows, frontier + 1].set(jnp.exp(logq)))
+  return dataclasses.replace(tree, q=set_rows(tree.q, frontier + 1, jnp.exp(logq)))
 
 
 def _add_nodes(tree: Tree, start: int, tokens: Array, parents: Array, depth: int,

@@ -22,6 +22,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jspec.sharding import set_rows, top_k_by_rows
+
 Array = jax.Array
 
 
@@ -123,9 +125,8 @@ def _compact(tree: Tree, keep: Array, parent: Array, size: int, siblings: Siblin
   B, N = keep.shape
   order = jnp.argsort(~keep, axis=1, stable=True)[:, :size]  # [B, size], kept nodes first
   valid = take(keep, order)  # [B, size]
-  rows = jnp.arange(B)[:, None]
   new_id = jnp.where(valid, jnp.arange(size, dtype=jnp.int32), -1)
-  new_of_old = jnp.full((B, N), -1, jnp.int32).at[rows, order].set(new_id)  # [B, N]
+  new_of_old = set_rows(jnp.full((B, N), -1, jnp.int32), order, new_id)  # [B, N]
   old_parent = take(parent, order)  # [B, size]
   parents = jnp.where(valid & (old_parent >= 0), take(new_of_old, old_parent), -1)
   slot_q = jnp.concatenate([tree.q[:, :1], take(tree.q[:, 1:], order)], axis=1)  # [B, size+1, V]
@@ -148,9 +149,8 @@ def prune_to_budget(tree: Tree, scores: Array, budget: int) -> Tree:
   anc = ancestor_mask(tree)  # [B, N, N]
   s = jnp.where(tree.valid, scores.astype(jnp.float32), -jnp.inf)
   eff = jnp.min(jnp.where(anc, s[:, None, :], jnp.inf), axis=-1)  # [B, N]
-  _, best = jax.lax.top_k(eff, budget)  # ties: lower index first
-  keep = jnp.zeros(eff.shape, bool).at[jnp.arange(eff.shape[0])[:, None], best].set(
-      take(eff, best) > -jnp.inf)
+  _, best = top_k_by_rows(eff, budget)  # ties: lower index first
+  keep = set_rows(jnp.zeros(eff.shape, bool), best, take(eff, best) > -jnp.inf)
   return _compact(tree, keep, tree.parents, budget, Siblings.FIXED)
 
 
