@@ -317,15 +317,18 @@ def on_own_shards(fn: Callable, args: tuple, layouts: tuple, out_layouts: Any) -
                        axis_names=frozenset(used), check_vma=False)(*args)
 
 
-def top_k_by_rows(x: Any, k: int, indices: bool = True) -> tuple[Any, Any]:
+def top_k_by_rows(x: Any, k: int, indices: bool = True,
+                  over_vocab: bool = False) -> tuple[Any, Any]:
   """jax.lax.top_k(x, k) of x [B, ..., N] (the indices None unless `indices`), each device on its
-  own rows where the engine being traced splits the batch, and on its own shard of N where N is a
-  vocabulary it splits (`vocab_split`): there only each shard's k best values (and indices) move.
+  own rows where the engine being traced splits the batch, and, `over_vocab` (N is the
+  vocabulary), on its own shard of N where the engine splits the vocabulary (`vocab_split`): there
+  only each shard's k best values (and indices) move. (Any other axis N, e.g. a tree's nodes,
+  stays whole: taken as split only because tp divided it, it would be moved to be split.)
   XLA's partitioner gathers every row to run a top_k (a tree round under dp=8 gathered the
   drafter's [B, W, V] log-probs at each depth) and whole rows of a split axis (under tp=4 a probing
   tree's [B/dp, W, V]). The same values and indices as one device: a shard's candidates come in
   index order, so ties still go to the lower index."""
-  split = vocab_split(x.shape[-1]) if x.ndim > 1 else None
+  split = vocab_split(x.shape[-1]) if over_vocab and x.ndim > 1 else None
   if split is None:
     if x.ndim == 1:
       values, idx = jax.lax.top_k(x, k)

@@ -204,7 +204,7 @@ def _largest(x: Array, m: int) -> Array:
   # On a mesh every array of V logits is taken as split like the target's: a draft head that is
   # replicated pays one small all-gather ([B, tp x m]) where it needed none; one that borrows the
   # target's table (compact drafters) is split and would otherwise gather whole rows.
-  return top_k_by_rows(x, m, indices=False)[0]
+  return top_k_by_rows(x, m, indices=False, over_vocab=True)[0]
 
 
 def bisected_threshold(x: Array, k: Array, top_p: Array, log_z_all: Array) -> Array:

@@ -40,7 +40,7 @@ def _distributions(logits: Array, sampling: SamplingParams) -> tuple[Array, Arra
 
 
 def _top_k_children(key, logq, rank, k):
-  vals, toks = top_k_by_rows(rank, k)
+  vals, toks = top_k_by_rows(rank, k, over_vocab=True)
   return toks, vals > -jnp.inf
 
 
@@ -51,7 +51,7 @@ def _iid_children(key, logq, rank, k):
 
 def _gumbel_children(key, logq, rank, k):
   """Gumbel-Top-k: k distinct tokens, in the order of sequential sampling without replacement."""
-  vals, toks = top_k_by_rows(logq + jax.random.gumbel(key, logq.shape), k)
+  vals, toks = top_k_by_rows(logq + jax.random.gumbel(key, logq.shape), k, over_vocab=True)
   return toks, vals > -jnp.inf
 
 
@@ -132,7 +132,7 @@ def draft_dynamic(next_logits: NextLogits, batch: int, vocab: int, *, depth: int
   for d, size in enumerate(sizes, 1):
     logq, rank = _distributions(next_logits(tree, frontier), sampling)  # [B, W, V]
     tree = _set_q(tree, frontier, logq)
-    vals, toks = top_k_by_rows(rank, top_k)  # [B, W, k]
+    vals, toks = top_k_by_rows(rank, top_k, over_vocab=True)  # [B, W, k]
     valid = (frontier_ok[..., None] & (vals > -jnp.inf)).reshape(batch, size)
     cum = jnp.where(valid, (frontier_score[..., None] + vals).reshape(batch, size), -jnp.inf)
     tree = _add_nodes(tree, start, toks.reshape(batch, size),
