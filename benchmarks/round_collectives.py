@@ -32,7 +32,7 @@ def main() -> int:
   import jax
 
   import jspec
-  from jspec.bench.collectives import decode_loop_collectives, summarize
+  from jspec.bench.collectives import compiled_engine, decode_loop_collectives, summarize
   from jspec.decode import on_mesh, prepare_batch
   from jspec.drafting.base import place_drafter
   from jspec.drafting.lookahead import lookahead_drafter
@@ -77,11 +77,9 @@ def main() -> int:
           if drafter_name == "lookahead" and tree:
             continue  # lookahead verifies its own n-gram pool as a tree (pool:G,D)
           drafter = place_drafter(make(), placement, target, placed)
-          hlo = jax.jit(fn, static_argnums=1, static_argnames=("spec", "cache_size",
-                                                               "placement")).lower(
-              placed, target_cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-              cache_size=b.cache_size + (spec.reserve if tree else 8),
-              placement=placement).compile().as_text()
+          hlo = compiled_engine(fn, placed, target_cfg, drafter, b.tokens, b.lengths, b.key,
+                                b.sampling, spec=spec, placement=placement,
+                                cache_size=b.cache_size + (spec.reserve if tree else 8)).as_text()
           step = decode_loop_collectives(hlo, placement.mesh.size)
           record = {"engine": engine_name, "drafter": drafter_name, "sampling": sampling_name,
                     "mesh": {"dp": mesh_shape[0], "tp": mesh_shape[1]}, **summarize(step)}

@@ -42,7 +42,7 @@ def main() -> int:
   import jax
 
   from jspec import data
-  from jspec.bench.collectives import decode_loop_collectives, summarize
+  from jspec.bench.collectives import compiled_engine, decode_loop_collectives, summarize
   from jspec.decode import prepare_batch
   from jspec.drafting.base import place_drafter
   from jspec.drafting.registry import load_drafter
@@ -71,8 +71,7 @@ def main() -> int:
     return count * one, count * 2 * (tp - 1) / tp * one
 
   def lowered_hlo(fn, *a, **kw):
-    return jax.jit(fn, static_argnums=1, static_argnames=tuple(k for k in kw)).lower(
-        *a, **kw).compile().as_text()
+    return compiled_engine(fn, *a, **kw).as_text()
 
   def communication(params, cfg, mesh, drafter=None):
     ids = [[t % cfg.vocab_size for t in p] for p in prompts]

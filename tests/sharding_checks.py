@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jspec.bench import collectives
 from jspec.bench.collectives import decode_loop_collectives, program_collectives, summarize
 from jspec.bench.profiling import CompileCounter
 from jspec.decode import on_mesh, prepare_batch
@@ -158,8 +159,7 @@ def check_compiles_once():
 def decode_step(fn, placement, *args, **static):
   """The collectives of one decode-loop iteration of engine `fn` (args: params, cfg, ...; the
   keywords static), compiled for `placement`."""
-  hlo = jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
-      *args, placement=placement, **static).compile().as_text()
+  hlo = compiled_engine(fn, placement, *args, **static).as_text()
   return decode_loop_collectives(hlo, placement.mesh.size)
 
 
@@ -244,8 +244,7 @@ def check_round_communication():
 
 def compiled_engine(fn, placement, *args, **static):
   """Engine `fn` (args: params, cfg, ...; the keywords static) compiled for `placement`."""
-  return jax.jit(fn, static_argnums=1, static_argnames=(*static, "placement")).lower(
-      *args, placement=placement, **static).compile()
+  return collectives.compiled_engine(fn, *args, placement=placement, **static)
 
 
 def moved(hlo: str, placement) -> list[tuple[str, int]]:

@@ -116,6 +116,14 @@ def _walk(comps, name, devices, depth, repeats, out, seen):
       _walk(comps, callee, devices, depth + 1, repeats, out, seen)
 
 
+def compiled_engine(fn, *args, **static):
+  """Engine `fn` (args: params, cfg, ...; every keyword static, `placement=` among them) compiled
+  as jit compiles it: `.as_text()` is the HLO the functions here read."""
+  import jax
+  return jax.jit(fn, static_argnums=1, static_argnames=tuple(static)).lower(
+      *args, **static).compile()
+
+
 def decode_loop_collectives(hlo: str, devices: int) -> list[Collective]:
   """The collectives of one iteration of the program's decoding loop: the top-level `while` of
   the ENTRY computation with no known trip count (its exit depends on the tokens; XLA's own loops

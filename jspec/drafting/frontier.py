@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jspec.drafting.base import DraftState
 from jspec.models.cache import KVCache
 from jspec.sharding import set_rows
-from jspec.tree.structure import Tree, parent_of, take
+from jspec.tree.structure import Tree, parent_of, set_node_columns, take
 
 Array = jax.Array
 # run(tree, frontier [B, W], slots [B, W], visible [B, W, S], cache) -> (logits [B, W, V], cache)
@@ -75,9 +75,7 @@ class KVFrontierFeeder:
     slot = jnp.where(line >= 0, take(self.kv_slot, line), -1)  # [B, W, D]
     seen = jnp.where(slot >= 0, self.prefix[:, None, None] + slot, S)  # [B, W, D]
     visible = jnp.broadcast_to((jnp.arange(S) < self.prefix[:, None])[:, None], (B, W, S))
-    # Node w's slot s is entry w S + s of its row's flattened [W S] (S, and past it: dropped).
-    flat = jnp.where(seen < S, jnp.arange(W)[:, None] * S + seen, W * S).reshape(B, -1)
-    visible = set_rows(visible.reshape(B, W * S), flat, True, mode="drop").reshape(B, W, S)
+    visible = set_node_columns(visible, seen, True)
     logits, self.cache = self.run(tree, frontier, self.prefix[:, None] + offset, visible,
                                   self.cache)
     self.fed += W

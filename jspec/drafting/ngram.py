@@ -33,7 +33,7 @@ from jspec.drafting.base import DraftState, Drafter, Features, Pick, check_stop,
 from jspec.io.datastore import NgramTable, context_hash
 from jspec.sampling.processing import SamplingParams
 from jspec.sharding import set_rows
-from jspec.tree.structure import Tree, parent_of, take
+from jspec.tree.structure import Tree, parent_of, set_node_columns, take
 
 Array = jax.Array
 
@@ -119,10 +119,7 @@ class _LookupFeeder:
     node = frontier
     for _ in range(tree.max_depth):
       at = jnp.where(node >= 0, self.seq_len[:, None] + take(tree.depth, node) - 1, L)  # [B, W]
-      # Node w's column `at` is entry w L + at of its row's flattened [W L] (L: dropped).
-      flat = jnp.where(at < L, jnp.arange(W) * L + at, W * L)
-      contexts = set_rows(contexts.reshape(B, W * L), flat, take(tree.tokens, node),
-                          mode="drop").reshape(B, W, L)
+      contexts = set_node_columns(contexts, at, take(tree.tokens, node))
       node = parent_of(tree, node)
     depth = jnp.where(frontier >= 0, take(tree.depth, frontier), 0)  # [B, W]
     guess, found = d.guess(contexts.reshape(B * W, L), (self.seq_len[:, None] + depth).reshape(-1))

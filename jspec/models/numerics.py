@@ -123,16 +123,14 @@ def engine_jit(fn, keyed_by_class: tuple[int, ...] = (), **kwargs):
   key (a static argument). jaxlib 0.10.2 compares register_dataclass treedefs without their
   classes or field names, so a drafter subclass that only overrides methods flattens "equal" to
   its parent, and jit could run the parent's program for it (seen: 102 of 600 such classes)."""
+  traced = fn
   if keyed_by_class:
-    def keyed(classes, *args, **kw):
+    def traced(classes, *args, **kw):
       return fn(*args, **kw)
-    keyed.__name__ = keyed.__qualname__ = fn.__name__  # the program's name in HLO and profiles
+    traced.__name__ = traced.__qualname__ = fn.__name__  # the program's name in HLO and profiles
     kwargs["static_argnums"] = (0, *(i + 1 for i in kwargs.get("static_argnums", ())))
-    with_options = jax.jit(keyed, compiler_options=COMPILER_OPTIONS, **kwargs)
-    plain = jax.jit(keyed, **kwargs)
-  else:
-    with_options = jax.jit(fn, compiler_options=COMPILER_OPTIONS, **kwargs)
-    plain = jax.jit(fn, **kwargs)
+  with_options = jax.jit(traced, compiler_options=COMPILER_OPTIONS, **kwargs)
+  plain = jax.jit(traced, **kwargs)
 
   @functools.wraps(fn)
   def run(*args, precision: str = "fast", **kw):
