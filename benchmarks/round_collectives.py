@@ -63,7 +63,8 @@ def main() -> int:
                                                                 top_p=0.9)}
   engines = {"chain gamma 3": SpecConfig(gamma=3, max_new_tokens=8),
              "tree fixed:3-2-1": TreeSpecConfig("fixed:3-2-1", max_new_tokens=8),
-             "tree dynamic:6": TreeSpecConfig("dynamic:6", max_new_tokens=8)}
+             "tree dynamic:6": TreeSpecConfig("dynamic:6", max_new_tokens=8),
+             "tree rsd-s:3,3": TreeSpecConfig("rsd-s:3,3", max_new_tokens=8)}
   programs = []
   for mesh_shape in ((8, 1), (2, 4)):
     for sampling_name, sampling in samplings.items():

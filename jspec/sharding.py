@@ -354,6 +354,29 @@ def top_k_by_rows(x: Any, k: int, indices: bool = True,
                        out_specs=(out, out if indices else None), check_vma=False)(x)
 
 
+def take_by_vocab(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """jnp.take_along_axis(x, idx, axis=-1) for x [B, ..., V] over the vocabulary and idx
+  [B, ..., k]. Where the engine being traced splits the vocabulary (`vocab_split`), each shard
+  gives the entries it holds and zeros elsewhere, summed over the shards: one all-reduce of idx's
+  shape, exact (a sum of one value and zeros), where XLA's partitioner would gather [B, ..., V]."""
+  split = vocab_split(x.shape[-1]) if x.ndim > 1 else None
+  if split is None:
+    return jnp.take_along_axis(x, idx, axis=-1)
+  batch = split.batch if x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 else None
+  lead = (batch,) + (None,) * (x.ndim - 2)
+
+  def on_shard(block: jax.Array, at: jax.Array):  # [b, ..., V/S], [b, ..., k]
+    n = block.shape[-1]
+    local = at - jax.lax.axis_index(split.vocab) * n
+    held = (local >= 0) & (local < n)
+    got = jnp.take_along_axis(block, jnp.clip(local, 0, n - 1), axis=-1)
+    return jax.lax.psum(jnp.where(held, got, jnp.zeros_like(got)), split.vocab)
+
+  return jax.shard_map(on_shard, mesh=split.mesh,
+                       in_specs=(PartitionSpec(*lead, split.vocab), PartitionSpec(*lead, None)),
+                       out_specs=PartitionSpec(*lead, None), check_vma=False)(x, idx)
+
+
 def vocab_split(vocab_size: int) -> VocabSplit | None:
   """The vocabulary split of the engine being traced (`traced_under_placement`); None off a mesh,
   where the vocabulary is not split, or where the split does not divide `vocab_size`."""

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, processed_logprobs
-from jspec.sharding import set_rows, top_k_by_rows
+from jspec.sharding import set_rows, take_by_vocab, top_k_by_rows
 from jspec.tree.structure import Siblings, Tree, prune_to_budget, take
 
 Array = jax.Array
@@ -185,10 +185,16 @@ def draft_stochastic_beam(key: Array, next_logits: NextLogits, batch: int, vocab
     safe_z = jnp.where(z > -jnp.inf, z, 0.0)
     g_c = jnp.where(ok, truncated_gumbel(jnp.where(ok, g_phi, safe_z), safe_z, g[..., None]),
                     -jnp.inf)
-    g, flat = top_k_by_rows(g_c.reshape(batch, W * vocab), beam)  # [B, beam]
+    # The top `beam` of all W x V children, taken as each node's top `beam` (over its vocabulary,
+    # shard by shard where tp splits it) and then the top `beam` of those W x beam: the same
+    # children in the same order, ties to the lower node and then the lower token.
+    g_w, tok_w = top_k_by_rows(g_c, beam, over_vocab=True)  # [B, W, beam]
+    g, at = top_k_by_rows(g_w.reshape(batch, W * beam), beam)  # [B, beam]
     valid = g > -jnp.inf
-    phi = take(phi_c.reshape(batch, W * vocab, 1), flat)[..., 0]
-    tree = _add_nodes(tree, (d - 1) * beam, flat % vocab, take(frontier, flat // vocab), d, valid)
+    tokens, parents = take(tok_w.reshape(batch, W * beam), at), at // beam
+    logq_w = take_by_vocab(logq, tok_w).reshape(batch, W * beam)
+    phi = take(phi, parents) + take(logq_w, at)  # phi_c at the chosen children
+    tree = _add_nodes(tree, (d - 1) * beam, tokens, take(frontier, parents), d, valid)
     frontier = jnp.broadcast_to(jnp.arange((d - 1) * beam, d * beam, dtype=jnp.int32),
                                 (batch, beam))
     frontier_ok = valid
