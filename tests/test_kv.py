@@ -563,6 +563,42 @@ def test_a_budgeted_drafter_cache_keeps_speculative_decoding_in_budget_sized_mem
   assert slots and max(slots) <= max(policy.slots, drafter.kv_slots) < len(prompt), slots
 
 
+@pytest.mark.parametrize("evict_every", [1, 3])
+def test_a_budgeted_drafter_evicts_over_what_a_round_can_add_not_over_the_chunk(drafters,
+                                                                               evict_every):
+  """Between rounds a drafter holds at most budget + evict_every - 1 entries and a round feeds
+  `room` more, so its eviction selects over evict_every - 1 + room slots, not over the prefill's
+  wider working block: the same caches round after round as the chunk-wide selection, and one
+  slot narrower leaves a row over the budget (the control)."""
+  import dataclasses
+  gamma, policy = 3, KVPolicy("keydiff", budget=32, sinks=2, chunk=16, evict_every=evict_every)
+  narrow = drafters["random"].with_kv(policy, room=gamma + 1)
+  assert narrow.kv_drop == evict_every + gamma < narrow.kv_slots - policy.budget == policy.chunk
+  tokens = jnp.asarray(np.random.default_rng(14).integers(0, 97, (2, 100)), jnp.int32)
+  lengths = jnp.asarray([60, 45], jnp.int32)
+
+  def run(drafter):
+    @jax.jit
+    def round_(state, seq, grow, key):
+      last2 = jnp.take_along_axis(tokens, seq[:, None] - 2 + jnp.arange(2), axis=1)
+      _, _, state = drafter.propose(state, last2, seq, key, GREEDY, gamma)
+      return drafter.update(state, seq + grow, None), seq + grow
+
+    state, seq, states = drafter.init(tokens[:, :60], lengths, 0, None), lengths, []
+    for r, grow in enumerate([2, 4, 1, 4, 4, 3, 4, 2, 4]):  # n_accepted + 1 of each round
+      state, seq = round_(state, seq, jnp.int32(grow), jax.random.key(r))
+      states.append(state)
+    return states
+
+  def same(a, b):
+    return all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+  got = run(narrow)
+  assert same(got, run(dataclasses.replace(narrow, kv_drop=narrow.kv_slots - policy.budget)))
+  assert max(int(s.cache.lengths.max()) for s in got) <= policy.budget + evict_every - 1
+  assert not same(got, run(dataclasses.replace(narrow, kv_drop=narrow.kv_drop - 1)))
+
+
 @pytest.mark.parametrize("tree", [None, "fixed:2-2-1"])
 def test_a_self_drafter_evicting_like_the_target_agrees_with_it_more(params, drafters, tree):
   """A self drafter whose cache is evicted as the target's is (StreamingLLM, same budget) sees what

@@ -74,6 +74,7 @@ class ModelDrafter(HeadDrafter):
   keep_ids: Array | None = None
   kv: KVPolicy | None = dataclasses.field(default=None, metadata=dict(static=True))
   kv_slots: int = dataclasses.field(default=0, metadata=dict(static=True))
+  kv_drop: int = dataclasses.field(default=0, metadata=dict(static=True))
   stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
@@ -85,15 +86,17 @@ class ModelDrafter(HeadDrafter):
 
   def with_kv(self, policy: KVPolicy | None, room: int) -> ModelDrafter:
     if policy is None:
-      return dataclasses.replace(self, kv=None, kv_slots=0)
+      return dataclasses.replace(self, kv=None, kv_slots=0, kv_drop=0)
     if not isinstance(policy, KVPolicy):
       raise TypeError(f"draft_kv must be a jspec.kv.policy.KVPolicy, got {type(policy).__name__}")
     if policy.needs_attention:
       raise ValueError(f"draft_kv method {policy.method!r} scores by attention, which a drafter's "
                        f"forwards do not record. Fix: draft_kv method 'keydiff' or 'streaming'.")
-    # Between rounds at most budget + evict_every - 1 entries stay; a round feeds `room` more.
-    slots = policy.budget + max(policy.chunk, policy.evict_every - 1 + room)
-    return dataclasses.replace(self, kv=policy, kv_slots=slots)
+    # Between rounds at most budget + evict_every - 1 entries stay; a round feeds `room` more: the
+    # most an eviction drops (its selection's width; the prefill's chunk may need more slots).
+    drop = policy.evict_every - 1 + room
+    return dataclasses.replace(self, kv=policy, kv_slots=policy.budget + max(policy.chunk, drop),
+                               kv_drop=drop)
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ModelDraftState:
@@ -154,7 +157,8 @@ class ModelDrafter(HeadDrafter):
   def _evict_known(self, cache: KVCache, seq_len: Array, evicted: Array) -> ModelDraftState:
     """Under a budget: keep the entries of positions < seq_len - 2 (what the next round does not
     re-read), then evict on decoding's schedule."""
-    cache, dropped = evict_when_full(self.kv, cache.with_lengths(seq_len - 2 - evicted), evicted)
+    cache, dropped = evict_when_full(self.kv, cache.with_lengths(seq_len - 2 - evicted), evicted,
+                                     max_drop=self.kv_drop)
     return ModelDraftState(cache=cache, evicted=evicted + dropped)
 
   def update(self, state: ModelDraftState, seq_len: Array, features: Features
