@@ -255,7 +255,8 @@ def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
   check_drafter(cfg, drafter)
   if spec.tree.widest > cfg.vocab_size:
     raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
-                     f"but the vocabulary has {cfg.vocab_size} tokens")
+                     f"but the vocabulary has {cfg.vocab_size} tokens. Fix: at most "
+                     f"{cfg.vocab_size} children a node (branching, beam or top-k).")
 
 
 def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
