@@ -126,8 +126,8 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   if mesh is not None:
     if dtype in QUANTIZED:
       raise ValueError(f"--weights {dtype}: quantized weights keep jspec's own storage layout, "
-                       f"which is not placed on a mesh. Fix: --weights float32 or bfloat16 with "
-                       f"--mesh, or drop --mesh.")
+                       f"which is not placed on a mesh. Fix: weights float32 or bfloat16 "
+                       f"(--weights, load(..., dtype=)) with the mesh, or drop --mesh / mesh=.")
     dtype = on_xla(dtype)
   cfg, params, tokenizer, path = load_checkpoint(name_or_path, dtype)
   if mesh is not None:

@@ -193,7 +193,7 @@ class LookaheadDrafter(Drafter):
             and shape.candidates <= self.guesses):
       raise ValueError(f"lookahead decoding verifies its pool's n-grams as tree "
                        f"{self.own_tree} (or pool:G,{self.levels} with G <= {self.guesses}); "
-                       f"got tree {shape}. Fix: drop --tree")
+                       f"got tree {shape}. Fix: drop --tree / tree=.")
     grams, valid = candidates(state, last2[:, 1])
     return pool_tree(grams[:, :shape.candidates], valid[:, :shape.candidates],
                      self.vocab_size), state

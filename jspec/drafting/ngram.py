@@ -171,7 +171,7 @@ class NgramDrafter(Drafter):
     if self.fallback is not None and self.fallback.window_size:
       raise ValueError("the n-gram lookup cannot front lookahead decoding (its window rides in "
                        "the target's verification forward, and its pool already holds n-grams): "
-                       "use --drafter lookahead alone")
+                       "Fix: lookahead alone (--drafter lookahead, lookahead_drafter).")
 
   @property
   def vocab_size(self) -> int:

@@ -175,7 +175,9 @@ def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
     return
   if gamma is not None and gamma > k:
     raise ValueError(f"gamma {gamma} drafts per round need {gamma} masks per token; the probe has "
-                     f"{k}. Fix: --drafter mtp:{gamma}, or --gamma {k}")
+                     f"{k}. Fix: --drafter mtp:{gamma} (probe_drafter(..., masks={gamma})), or "
+                     f"--gamma {k} (SpecConfig(gamma={k})).")
   if depth is not None and depth > k:
     raise ValueError(f"a tree {depth} deep needs {depth} masks per token; the probe has {k}. "
-                     f"Fix: --drafter mtp:{depth}, or a tree at most {k} deep")
+                     f"Fix: --drafter mtp:{depth} (probe_drafter(..., masks={depth})), or a tree at "
+                     f"most {k} deep.")

@@ -59,7 +59,8 @@ class SkipDrafter(HeadDrafter):
                        f"leaves nothing to draft with)")
     if len(layers) == L:
       raise ValueError(f"a layer-skip draft that runs all {L} layers is the target itself: "
-                       f"skip at least one (or use --drafter self)")
+                       f"skip at least one (or draft with the target itself: "
+                       f"--drafter self, self_drafter).")
 
   @property
   def stops_early(self) -> bool:
@@ -105,7 +106,7 @@ class SkipDrafter(HeadDrafter):
 
   def tree_feeder(self, state, last2, seq_len):
     raise ValueError("layer-skip drafts chains only (trees would need the target's cache in "
-                     "the tree feeder); drop --tree")
+                     "the tree feeder). Fix: drop --tree / tree=.")
 
   def accept_tree(self, drafted, path, n_accepted, seq_len, features):
     raise ValueError("layer-skip drafts chains only")

@@ -53,7 +53,8 @@ def in_format(params: Params, name: str) -> Params:
   if name == "q4":
     if jax.default_backend() != "cpu":
       raise ValueError(f"--weights q4 runs jspec's CPU kernels only; JAX computes on "
-                       f"{jax.default_backend()}: use --weights int8 or bfloat16 there")
+                       f"{jax.default_backend()}. Fix: int8 or bfloat16 there (--weights, "
+                       f"load(..., dtype=)).")
     return quantize_params(params, "native", bits=4)
   if name == "float32" and jax.default_backend() == "cpu":
     return native_float_params(params)

@@ -297,7 +297,8 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
   K = int(np.prod(w.shape[:len(in_axes)]))
   if K % Q4_GROUP:
     raise ValueError(f"q4 weights need an input size that is a multiple of {Q4_GROUP}, got "
-                     f"{K} (weight {w.shape}); use --weights int8")
+                     f"{K} (weight {w.shape}). Fix: int8 weights (--weights int8, "
+                     f"load(..., dtype='int8')).")
   codes, scale = _q4_codes(w, K)
   return Q4Weight(codes, scale, tuple(w.shape), in_axes)
 

@@ -197,7 +197,7 @@ def check_tree_target(params) -> None:
         "tree speculative decoding with an int8 target on XLA's kernel (int8-xla) is not "
         "token-identical to autoregressive decoding (its attention sums over a tree's slots in "
         "another order), so jspec refuses it. Fix: on CPU load the target with --weights int8 "
-        "(jspec's CPU kernels, whose trees are token-identical), draft chains (--gamma N without "
+        "(load(..., dtype='int8'): jspec's CPU kernels, whose trees are token-identical), draft chains (--gamma N without "
         "--tree), or load it as float32 or bfloat16.")
 
 
@@ -213,8 +213,8 @@ def check_extra_positions_target(params, drafter: Drafter) -> None:
         f"{type(drafter).__name__} runs extra positions beside the verification block, with "
         "which an int8 target on XLA's kernel (int8-xla) scores the block's tokens with other "
         "bits than one-token steps: not token-identical to autoregressive decoding, so jspec "
-        "refuses it. Fix: on CPU load the target with --weights int8 (jspec's CPU kernels), or "
-        "as float32 or bfloat16.")
+        "refuses it. Fix: on CPU load the target with --weights int8 "
+        "(load(..., dtype='int8'): jspec's CPU kernels), or as float32 or bfloat16.")
 
 
 def check_drafter(cfg: Config, drafter: Drafter) -> None:
@@ -242,7 +242,7 @@ def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> Non
   if not drafter.shares_target_cache:
     return
   if tree:
-    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only: drop --tree")
+    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree / tree=.")
   if kv is not None:
     raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
                      "evict under them: drop --kv-budget / kv=, or use another drafter")
