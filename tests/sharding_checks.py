@@ -253,7 +253,7 @@ def check_round_communication():
     if tp == 1:
       assert all(c.op == "all-reduce" and c.bytes <= 64 for c in step), what
     else:  # besides all-reduces only the children's candidates: values and indices, 3 depths
-      rows = len(PROMPTS) // dp  # (and a stochastic beam's two [B/dp, 1] draws)
+      rows = len(PROMPTS) // dp  # (sampled trees move two more, of 64 bytes)
       moved = [c for c in step if c.op != "all-reduce"]
       assert len(moved) <= 8 and sum(c.bytes for c in moved) < rows * TARGET.vocab_size * 4, what
 
