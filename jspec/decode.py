@@ -120,12 +120,31 @@ class Batch:
   cache_size: int
 
 
+def prng_key(key) -> Array:
+  """The run's PRNG key from an int seed (a Python or NumPy integer) or a JAX key, as given
+  (`jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`); anything else is refused here,
+  before jit would fail on it."""
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    return jax.random.key(int(key))
+  if isinstance(key, (jax.Array, np.ndarray)) and (
+      jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      or (key.dtype == np.uint32 and key.shape[-1:] == (2,))):
+    return jnp.asarray(key)
+  raise TypeError(f"key must be an integer seed or a JAX PRNG key, got {type(key).__name__}"
+                  f"{'' if not hasattr(key, 'dtype') else f' of dtype {key.dtype}'}. Fix: key=0 "
+                  f"or key=jax.random.key(0).")
+
+
 def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                   sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
                   cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
   """Host-side checks and padding shared by every generate entry point."""
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+  if not isinstance(sampling, SamplingParams):
+    raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
+                    f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "
+                    f"GREEDY.")
   sampling.validate()
   stop = tuple(int(s) for s in stop_ids)
   if any(not 0 <= s < cfg.vocab_size for s in stop):
@@ -136,7 +155,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
                             reserve, reserve_for)
   tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
   return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
-               key=jax.random.key(key) if isinstance(key, int) else key,
+               key=prng_key(key),
                sampling=jax.tree.map(jnp.asarray, sampling), stop_ids=stop, cache_size=size)
 
 

@@ -237,6 +237,26 @@ def test_bad_input(params, kwargs, match):
     generate(params, CFG, kwargs.pop("prompts"), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampling=0.8), "sampling must be a jspec SamplingParams.*Fix"),
+    (dict(key="seed"), "key must be an integer seed or a JAX PRNG key.*Fix"),
+    (dict(key=1.5), "key must be"),
+    (dict(key=np.zeros(3)), "key must be.*float64"),
+])
+def test_wrong_types_are_refused_before_jit(params, kwargs, match):
+  with pytest.raises(TypeError, match=match):
+    generate(params, CFG, [[1, 2]], max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("key", [3, np.int64(3), jax.random.key(3), jax.random.PRNGKey(3),
+                                 np.asarray(jax.random.PRNGKey(3))])
+def test_every_form_of_a_seed_gives_the_same_draws(params, key):
+  sampled = SamplingParams(temperature=1.0)
+  want = generate(params, CFG, [[1, 2]], max_new_tokens=6, sampling=sampled, key=3).sequences()
+  assert generate(params, CFG, [[1, 2]], max_new_tokens=6, sampling=sampled,
+                  key=key).sequences() == want
+
+
 def test_explicit_cache_size_limit(params):
   with pytest.raises(ValueError, match="raise cache_size"):
     generate(params, CFG, [[1] * 30], max_new_tokens=10, cache_size=32)

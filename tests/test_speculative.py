@@ -22,6 +22,7 @@ from jspec.drafting import base as drafters_module
 from jspec.drafting.model import ModelDrafter, self_drafter, trimmed_drafter
 from jspec.models.vocab_trim import trim_head
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
+from jspec.speculative.tree import TreeSpecConfig
 
 TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -292,3 +293,6 @@ def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="temperature"):
     speculative_generate(target, TARGET, drafter, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4),
                          sampling=SamplingParams(temperature=-1.0))
+  with pytest.raises(TypeError, match="spec must be a SpecConfig.*tree_speculative_generate"):
+    speculative_generate(target, TARGET, drafter, [[1]],
+                         spec=TreeSpecConfig("fixed:2", max_new_tokens=4))

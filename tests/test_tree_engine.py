@@ -19,6 +19,7 @@ from jspec.bench.profiling import CompileCounter
 from jspec.bench.programs import lower_decode
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.drafting.model import ModelDrafter, trimmed_drafter
+from jspec.speculative.chain import SpecConfig
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_tokens, tree_speculative_loop)
 from jspec.tree.shapes import BeamTree, BranchingTree, DynamicTree, parse_tree
@@ -249,6 +250,9 @@ def test_bad_input(target, drafter):
                               spec=TreeSpecConfig("rsd-c:65", max_new_tokens=4))
   with pytest.raises(ValueError, match="must implement"):
     tree_speculative_generate(target, TARGET, object(), [[1]], spec=spec)
+  with pytest.raises(TypeError, match="spec must be a TreeSpecConfig.*speculative_generate"):
+    tree_speculative_generate(target, TARGET, drafter, [[1]],
+                              spec=SpecConfig(gamma=2, max_new_tokens=4))
   with pytest.raises(ValueError, match="temperature"):
     tree_speculative_generate(target, TARGET, drafter, [[1]], spec=spec,
                               sampling=SamplingParams(temperature=-1.0))

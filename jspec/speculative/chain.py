@@ -189,6 +189,10 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   drafter keeps a full cache. mesh: a ("dp", "tp") mesh (as for `generate`): the target sharded,
   a draft model replicated, the batch split over dp.
   """
+  if not isinstance(spec, SpecConfig):
+    raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}. Fix: "
+                    f"spec=SpecConfig(gamma=..., max_new_tokens=...); token trees run with "
+                    f"tree_speculative_generate and a TreeSpecConfig.")
   check_drafter(cfg, drafter)
   check_extra_positions_target(params, drafter)
   check_probe_round(drafter, gamma=spec.gamma, kv=kv)

@@ -251,7 +251,9 @@ _tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,), ke
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
   """Host-side checks of a tree run's drafter and shape against the target config."""
   if not isinstance(spec, TreeSpecConfig):
-    raise ValueError(f"spec must be a TreeSpecConfig, got {type(spec).__name__}")
+    raise TypeError(f"spec must be a TreeSpecConfig, got {type(spec).__name__}. Fix: "
+                    f"spec=TreeSpecConfig(tree, max_new_tokens=...); chains run with "
+                    f"speculative_generate and a SpecConfig.")
   check_drafter(cfg, drafter)
   if spec.tree.widest > cfg.vocab_size:
     raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
