@@ -96,6 +96,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
     if len(p) == 0:
       raise ValueError(f"prompt {b} is empty: every prompt needs at least one token "
                        f"(e.g. the BOS token)")
+    if isinstance(p, str):
+      raise ValueError(f"prompt {b} is text ({p[:20]!r}); generation takes token ids. Fix: "
+                       f"tokenize it first (Model.encode(text)), or call Model.generate_text.")
     arr = np.asarray(p)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"prompt {b} must be a flat sequence of integer token ids, "

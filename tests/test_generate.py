@@ -228,6 +228,7 @@ def test_loop_is_one_program(params):
     (dict(prompts=[[1]], sampling=SamplingParams(top_k=-2)), "top_k"),
     (dict(prompts=[[1]], stop_ids=[200]), "stop ids"),
     (dict(prompts=[[1.5, 2.0]]), "integer token ids"),
+    (dict(prompts=["Hello"]), "is text.*Model.encode"),
     (dict(prompts=[[1]], record_top_k=-1), "record_top_k"),
     (dict(prompts=[[1]], record_top_k=10_000), "record_top_k"),
 ])
