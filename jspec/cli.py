@@ -77,7 +77,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                       "in budget + chunk slots (chunked prefill, eviction by --kv-policy)")
   p.add_argument("--kv-policy", default="keydiff", choices=METHODS,
                  help="which entries survive under --kv-budget (default keydiff)")
-  p.add_argument("--kv-chunk", type=int, default=128, help="prefill tokens per block")
+  p.add_argument("--kv-chunk", type=int, default=None,
+                 help="prefill tokens per block, at most the budget (default: 128, or the budget "
+                      "if smaller)")
   p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
   p.add_argument("--kv-window", type=int, default=0, help="newest entries never evicted")
   p.add_argument("--kv-evict-every", type=int, default=1, help="decoding steps between evictions")
@@ -93,7 +95,9 @@ def _kv_policies(args):
     return None, None
   from jspec.kv.policy import KEY_METHODS, KVPolicy
   make = lambda method: KVPolicy(method, budget=args.kv_budget, sinks=args.kv_sinks,
-                                 window=args.kv_window, chunk=min(args.kv_chunk, args.kv_budget),
+                                 window=args.kv_window,
+                                 chunk=(min(128, args.kv_budget) if args.kv_chunk is None
+                                        else args.kv_chunk),
                                  evict_every=args.kv_evict_every)
   method = args.kv_drafter
   if method == "auto":  # a drafter's forwards record no attention: key scores only

@@ -43,6 +43,10 @@ def test_generate_under_a_kv_budget(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--kv-budget", "4",
                "--kv-sinks", "4"]) == 2
   assert "exceed sinks + window" in capsys.readouterr().err
+  # A chunk asked for beyond the budget is refused, not shrunk (the default shrinks to fit).
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--kv-budget", "16",
+               "--kv-chunk", "32"]) == 2
+  assert "chunk 32 is larger than the kv budget 16" in capsys.readouterr().err
 
 
 @pytest.fixture
