@@ -179,5 +179,5 @@ def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
                      f"--gamma {k} (SpecConfig(gamma={k})).")
   if depth is not None and depth > k:
     raise ValueError(f"a tree {depth} deep needs {depth} masks per token; the probe has {k}. "
-                     f"Fix: --drafter mtp:{depth} (probe_drafter(..., masks={depth})), or a tree at "
-                     f"most {k} deep.")
+                     f"Fix: --drafter mtp:{depth} (probe_drafter(..., masks={depth})), or a tree "
+                     f"at most {k} deep.")

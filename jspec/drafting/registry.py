@@ -162,8 +162,8 @@ def load_drafter(name: str, target: Target, dtype: str = "float32") -> Drafter |
   if mesh is not None:
     if dtype == "q4":
       raise ValueError("--drafter-weights q4 runs jspec's CPU kernel, which cannot run on a "
-                       "mesh. Fix: --drafter-weights (load_drafter(..., dtype=)) float32 or int8 with "
-                       "the mesh, or drop --mesh.")
+                       "mesh. Fix: float32 or int8 drafter weights (--drafter-weights, "
+                       "load_drafter(..., dtype=)) with the mesh, or drop --mesh.")
     dtype = on_xla(dtype)
   drafter = _load_drafter(name, target, dtype)
   if drafter is not None and stacked:

@@ -197,8 +197,8 @@ def check_tree_target(params) -> None:
         "tree speculative decoding with an int8 target on XLA's kernel (int8-xla) is not "
         "token-identical to autoregressive decoding (its attention sums over a tree's slots in "
         "another order), so jspec refuses it. Fix: on CPU load the target with --weights int8 "
-        "(load(..., dtype='int8'): jspec's CPU kernels, whose trees are token-identical), draft chains (--gamma N without "
-        "--tree), or load it as float32 or bfloat16.")
+        "(load(..., dtype='int8'): jspec's CPU kernels, whose trees are token-identical), "
+        "draft chains (--gamma N without --tree), or load it as float32 or bfloat16.")
 
 
 def check_extra_positions_target(params, drafter: Drafter) -> None:
@@ -242,7 +242,8 @@ def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> Non
   if not drafter.shares_target_cache:
     return
   if tree:
-    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree / tree=.")
+    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree / "
+                     "tree=.")
   if kv is not None:
     raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
                      "evict under them: drop --kv-budget / kv=, or use another drafter")
