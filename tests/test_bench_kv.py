@@ -116,6 +116,8 @@ def test_full_cache_runs_only_when_listed(tiny):
     (dict(tasks=["needle"]), "unknown task"),
     (dict(decode_tokens=1), "decode_tokens 1"),
     (dict(budgets=[4096]), "must be below the context"),
+    (dict(methods=["keydiff"], budgets=[0]), "budget must be a positive integer"),
+    (dict(methods=["full", "h2o"], budgets=[64, 4]), "leaves no slot to choose"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
   base = dict(methods=["full"], budgets=[64], context=512)

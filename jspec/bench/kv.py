@@ -224,6 +224,9 @@ class BenchKV:
     if any(b >= self.context for b in self.budgets):
       raise ValueError(f"budgets {list(self.budgets)} must be below the context {self.context} "
                        f"(a budget that holds the whole context is the full cache)")
+    for method in self.methods:  # each policy's own checks (budget, sinks, window), before any run
+      for budget in self.budgets if method != "full" else ():
+        policy_for(method, budget, self.context, 1, self.chunk, self.sinks, self.window)
 
 
 def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) -> list[dict]:
