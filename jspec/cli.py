@@ -554,6 +554,9 @@ def check_args(args) -> None:
     value = getattr(args, name, None)
     if isinstance(value, int) and not isinstance(value, bool) and value < least:
       raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+  if hasattr(args, "gen_batch_size") and args.top_k < 1:  # the distillation data's teacher
+    raise ValueError(f"--top-k must be at least 1 for distillation data (the teacher's top-k "
+                     f"log-probs are what a drafter learns from), got {args.top_k}")
   for prompt in getattr(args, "prompt", None) or ():
     if not prompt.strip():
       raise ValueError("--prompt is empty: give the text to continue (or answer, with --chat)")

@@ -471,6 +471,8 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
     (["bench", "--drafters", "ngram,mtp:9"], "mtp:K takes K = 1 .. 8"),
     (["bench", "--drafters", "lookahead:5-4"], "write lookahead:W-N-G (window, n-gram size, guess set), e.g. lookahead:5-4-5; got 'lookahead:5-4'"),
     (["bench-tau", "--tree", "fixed:2", "--rounds", "0"], "--rounds must be at least 1"),
+    (["distill-data", "--out", "o", "--top-k", "0"], "--top-k must be at least 1 for distillation"),
+    (["bench-kv", "--budgets", "0"], "budget must be a positive integer"),
     (["eval-drafter", "--drafters", "self,model:/nope", "--data", "."], "drafter 'model:/nope'"),
     (["train-eagle", "--target", "default", "--out", "o", "--data", "/nonexistent:2"],
      "--data /nonexistent:2: no directory '/nonexistent'"),

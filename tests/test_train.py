@@ -570,3 +570,9 @@ def test_confu_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
   save_file(tensors, str(out / "model.safetensors"))
   with pytest.raises(ValueError, match="lacks drafter weights"):
     load_drafter(f"model:{out}", target6)
+
+
+@pytest.mark.parametrize("field", ["num_prompts", "max_new_tokens", "batch_size", "top_k"])
+def test_data_settings_below_one_are_refused(field):
+  with pytest.raises(ValueError, match=f"DataConfig {field} must be an integer >= 1, got 0"):
+    distill.DataConfig(**{field: 0})

@@ -42,6 +42,12 @@ class DataConfig:
   temperatures: tuple[float, ...] = (0.0, 1.0)  # cycled over shards
   seed: int = 0
 
+  def __post_init__(self):
+    for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "top_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"DataConfig {name} must be an integer >= 1, got {value!r}")
+
 
 def _sha256_lines(lines: Sequence[str]) -> str:
   h = hashlib.sha256()
