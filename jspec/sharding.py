@@ -337,7 +337,8 @@ def top_k_by_rows(x: Any, k: int, indices: bool = True,
     out = ArraySpec(x.shape[:-1] + (k,), rows.axes)
     values, idx = on_own_shards(lambda a: tuple(jax.lax.top_k(a, k)), (x,), (rows,), (out, out))
     return values, idx if indices else None
-  lead = _lead_axes(split, x)
+  batch = split.batch if x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 else None
+  lead = (batch,) + (None,) * (x.ndim - 2)
 
   def on_shard(block: jax.Array):  # [b, ..., N/S], one device's shard
     values, idx = jax.lax.top_k(block, min(k, block.shape[-1]))  # [b, ..., k']
@@ -351,34 +352,6 @@ def top_k_by_rows(x: Any, k: int, indices: bool = True,
   out = PartitionSpec(*lead, None)
   return jax.shard_map(on_shard, mesh=split.mesh, in_specs=PartitionSpec(*lead, split.vocab),
                        out_specs=(out, out if indices else None), check_vma=False)(x)
-
-
-def take_by_vocab(x: jax.Array, idx: jax.Array) -> jax.Array:
-  """jnp.take_along_axis(x, idx, axis=-1) for x [B, ..., V] over the vocabulary and idx
-  [B, ..., k]. Where the engine being traced splits the vocabulary (`vocab_split`), each shard
-  gives the entries it holds and zeros elsewhere, summed over the shards: one all-reduce of idx's
-  shape, exact (a sum of one value and zeros), where XLA's partitioner would gather [B, ..., V]."""
-  split = vocab_split(x.shape[-1]) if x.ndim > 1 else None
-  if split is None:
-    return jnp.take_along_axis(x, idx, axis=-1)
-  lead = _lead_axes(split, x)
-
-  def on_shard(block: jax.Array, at: jax.Array):  # [b, ..., V/S], [b, ..., k]
-    n = block.shape[-1]
-    local = at - jax.lax.axis_index(split.vocab) * n
-    held = (local >= 0) & (local < n)
-    got = jnp.take_along_axis(block, jnp.clip(local, 0, n - 1), axis=-1)
-    return jax.lax.psum(jnp.where(held, got, jnp.zeros_like(got)), split.vocab)
-
-  return jax.shard_map(on_shard, mesh=split.mesh,
-                       in_specs=(PartitionSpec(*lead, split.vocab), PartitionSpec(*lead, None)),
-                       out_specs=PartitionSpec(*lead, None), check_vma=False)(x, idx)
-
-
-def _lead_axes(split: VocabSplit, x: jax.Array) -> tuple[str | None, ...]:
-  """The mesh axes of x [B, ..., V]'s leading axes under `split`: the batch's where it divides B."""
-  batch = split.batch if x.shape[0] % split.mesh.shape.get(split.batch, 1) == 0 else None
-  return (batch,) + (None,) * (x.ndim - 2)
 
 
 def vocab_split(vocab_size: int) -> VocabSplit | None:

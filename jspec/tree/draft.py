@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, processed_logprobs
-from jspec.sharding import set_rows, take_by_vocab, top_k_by_rows
+from jspec.sharding import set_rows, top_k_by_rows
 from jspec.tree.structure import Siblings, Tree, prune_to_budget, take
 
 Array = jax.Array
@@ -192,7 +192,8 @@ def draft_stochastic_beam(key: Array, next_logits: NextLogits, batch: int, vocab
     g, at = top_k_by_rows(g_w.reshape(batch, W * beam), beam)  # [B, beam]
     valid = g > -jnp.inf
     tokens, parents = take(tok_w.reshape(batch, W * beam), at), at // beam
-    logq_w = take_by_vocab(logq, tok_w).reshape(batch, W * beam)
+    # (XLA reads these from a vocabulary split in place: a small all-reduce, no gather.)
+    logq_w = jnp.take_along_axis(logq, tok_w, axis=-1).reshape(batch, W * beam)
     phi = take(phi, parents) + take(logq_w, at)  # phi_c at the chosen children
     tree = _add_nodes(tree, (d - 1) * beam, tokens, take(frontier, parents), d, valid)
     frontier = jnp.broadcast_to(jnp.arange((d - 1) * beam, d * beam, dtype=jnp.int32),
