@@ -238,11 +238,6 @@ def test_anchors_are_distinct_scored_positions_and_reproducible():
 
 
 def test_refusals(target, drafter):
-  from jspec.kv.policy import KVPolicy
-  with pytest.raises(ValueError, match="KV budget"):
-    speculative_generate(target, TARGET, drafter, PROMPTS,
-                         spec=SpecConfig(gamma=3, max_new_tokens=4),
-                         kv=KVPolicy("keydiff", budget=16, sinks=2, chunk=4))
   bad = dataclasses.replace(drafter.contemplate, proj=jnp.zeros((3, 3)))
   with pytest.raises(ValueError, match="do not fit"):
     confu_drafter(drafter.params, bad, drafter.cfg, target_params=target)

@@ -489,11 +489,12 @@ def test_sampled_speculative_runs_under_a_budget(params, drafters):
   assert len(out.sequences()[0]) == 20
 
 
-def test_sampled_speculative_follows_the_budgeted_targets_distribution():
+@pytest.mark.parametrize("drafter_kind,method", [("model", "keydiff"), ("mtp", "h2o")])
+def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_kind, method):
   """Temperature 1 under a budget that binds in prefill and decoding (and a cut in most rounds):
   the sampled tokens must follow the distribution of autoregressive decoding under the same policy,
   computed exactly by enumerating every continuation and teacher-forcing it through the evicting
-  cache."""
+  cache. The probing drafter's masks ride in every verification forward, unscored by H2O."""
   from test_speculative import TINY, chi_square
   import itertools
   from jspec.bench.kv import continuation_logprobs
@@ -502,8 +503,12 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution():
   from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
 
   params = init_params(TINY, jax.random.key(20), scale=0.8)
-  drafter = ModelDrafter(init_params(TINY, jax.random.key(21), scale=0.8), TINY)
-  policy = KVPolicy("keydiff", budget=6, sinks=1, chunk=4, evict_every=2)
+  if drafter_kind == "model":
+    drafter = ModelDrafter(init_params(TINY, jax.random.key(21), scale=0.8), TINY)
+  else:
+    from jspec.drafting.probe import probe_drafter
+    drafter = probe_drafter(params, TINY, 2)
+  policy = KVPolicy(method, budget=6, sinks=1, chunk=4, evict_every=2)
   sp = SamplingParams(temperature=1.0)
   prompt = [3, 7, 1, 12, 5, 9, 0, 4, 11, 2]
   V, P = TINY.vocab_size, len(prompt)
@@ -543,6 +548,90 @@ def test_greedy_tree_speculative_equals_greedy_autoregressive_under_the_same_bud
   assert out.sequences() == want
   if drafter == "self" and evict_every > 3:
     assert int(out.accept_hist[-1]) > 0  # whole paths went through between evictions
+
+
+def training_free(kind: str, params):
+  """(target params, config, drafter): the drafters that run positions beside the verification
+  block or draft in the target's own cache; CFG's target but for ConFu (EAGLE-3's taps need 4
+  layers)."""
+  from jspec.drafting.lookahead import lookahead_drafter
+  from jspec.drafting.ngram import ngram_drafter
+  from jspec.drafting.probe import probe_drafter
+  from jspec.drafting.skip import skip_drafter
+  if kind == "confu":
+    import dataclasses
+    from tests.test_confu import make_confu
+    deep = dataclasses.replace(CFG, num_layers=4)
+    deep_params = init_params(deep, jax.random.key(4), scale=0.3)
+    return deep_params, deep, make_confu(deep_params, deep)
+  return params, CFG, {"mtp": lambda: probe_drafter(params, CFG, 3),
+          "ngram+mtp": lambda: ngram_drafter(CFG.vocab_size, fallback=probe_drafter(params, CFG, 3)),
+          "skip": lambda: skip_drafter(params, CFG, (1,)),
+          "skip-stop": lambda: skip_drafter(params, CFG, (0,)).with_stop(0.3),
+          "ngram+skip": lambda: ngram_drafter(CFG.vocab_size, fallback=skip_drafter(params, CFG,
+                                                                                     (1,))),
+          "lookahead": lambda: lookahead_drafter(params, CFG, 3, 4, 2)}[kind]()
+
+
+# Rows that repeat, so lookups and the lookahead pool find what the target then accepts.
+REPEATING_ROWS = [[5, 17, 3, 44] * 10, [8, 1, 30], [8, 1] * 12 + [30, 31, 32]]
+
+
+@pytest.mark.parametrize("kind,engine,method,evict_every", [
+    ("mtp", "chain", "h2o", 1), ("mtp", "tree", "snapkv+caote", 4),
+    ("ngram+mtp", "chain", "keydiff", 2), ("ngram+mtp", "tree", "tova", 4),
+    ("confu", "chain", "h2o+caote", 2), ("confu", "tree", "keydiff", 1),
+    ("lookahead", "tree", "h2o", 4), ("lookahead", "chain", "streaming", 1),
+    ("skip", "chain", "tova", 2), ("skip-stop", "chain", "keydiff", 1),
+    ("ngram+skip", "chain", "h2o+caote", 4)])
+def test_training_free_drafters_equal_greedy_autoregressive_under_the_same_budget(
+    params, kind, engine, method, evict_every):
+  """Probe masks, ConFu's contemplate and soft tokens and a lookahead window ride in the
+  verification forward after the block: their KV entries go past the committed ones and their
+  attention counts in no score. A layer-skip draft writes into the budgeted target cache itself,
+  at slots after the kept entries and RoPE positions that count the evicted ones."""
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  params, cfg, drafter = training_free(kind, params)
+  policy = KVPolicy(method, budget=16, sinks=2, chunk=8, evict_every=evict_every)
+  want = generate(params, cfg, REPEATING_ROWS, max_new_tokens=24, kv=policy).sequences()
+  if engine == "chain":
+    out = speculative_generate(params, cfg, drafter, REPEATING_ROWS, kv=policy,
+                               spec=SpecConfig(gamma=3, max_new_tokens=24))
+  else:
+    tree = "pool:2,3" if kind == "lookahead" else "dynamic:8,3,1,4"
+    out = tree_speculative_generate(params, cfg, drafter, REPEATING_ROWS, kv=policy,
+                                    spec=TreeSpecConfig(tree, max_new_tokens=24))
+  assert out.sequences() == want
+
+
+@pytest.mark.parametrize("engine", ["chain", "tree"])
+def test_riders_attention_counted_in_the_scores_breaks_identity(params, monkeypatch, engine):
+  """The control for the test above: the probe masks' attention added to H2O's scores (weight 1
+  instead of 0) evicts other entries than autoregressive decoding does, and the output moves."""
+  import jspec.kv.evict as evict_module
+  import jspec.speculative.chain as chain_module
+  import jspec.speculative.tree as tree_module
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+
+  def counted(cache, T, riders=0):
+    cache, weights = evict_module.block_mass(cache, T, riders)
+    return cache, weights.at[:, T:].set(1.0)
+
+  monkeypatch.setattr(chain_module, "block_mass", counted)
+  monkeypatch.setattr(tree_module, "block_mass", counted)
+  _, _, drafter = training_free("mtp", params)
+  # sinks=3: settings no other test runs, so no program compiled with the true weights is reused.
+  policy = KVPolicy("h2o", budget=16, sinks=3, chunk=8, evict_every=1)
+  want = generate(params, CFG, REPEATING_ROWS, max_new_tokens=24, kv=policy).sequences()
+  if engine == "chain":
+    out = speculative_generate(params, CFG, drafter, REPEATING_ROWS, kv=policy,
+                               spec=SpecConfig(gamma=3, max_new_tokens=24))
+  else:
+    out = tree_speculative_generate(params, CFG, drafter, REPEATING_ROWS, kv=policy,
+                                    spec=TreeSpecConfig("dynamic:8,3,1,4", max_new_tokens=24))
+  assert out.sequences() != want
 
 
 # ------------------------------------------------------------------------------------------------

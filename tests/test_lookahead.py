@@ -16,7 +16,6 @@ from jspec.drafting.lookahead import (LookaheadDrafter, lookahead_drafter, pool_
                                       window_pattern)
 from jspec.drafting.registry import parse_drafter
 from jspec.generate import generate
-from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params, lm_head
 from jspec.sampling.processing import GREEDY, SamplingParams
@@ -248,11 +247,6 @@ def test_one_program_no_recompile(target):
                                          PROMPTS[:1],
                                          spec=TreeSpecConfig("fixed:2-2", max_new_tokens=4)),
      "verifies its pool's n-grams as tree pool:2,2"),
-    (lambda t: tree_speculative_generate(t, TARGET, lookahead_drafter(t, TARGET, 3, 3, 2),
-                                         PROMPTS[:1],
-                                         spec=TreeSpecConfig("pool:2,2", max_new_tokens=4),
-                                         kv=KVPolicy("keydiff", budget=16, chunk=8)),
-     "does not run under a KV budget"),
     (lambda t: tree_speculative_generate(t, TARGET, ngram_drafter(TARGET.vocab_size),
                                          PROMPTS[:1],
                                          spec=TreeSpecConfig("pool:2,2", max_new_tokens=4)),

@@ -70,12 +70,15 @@ def _mask_embedding(params, prompt, committed):
   return m
 
 
-def _masks_after(params, context, m, k):
-  """The target's logits [1, k, V] at k masks (embedding m) after `context`, from scratch."""
+def _masks_after(params, context, m, k, positions=None, cfg=TARGET):
+  """The target's logits [1, k, V] at k masks (embedding m) after `context`, from scratch: the
+  context at RoPE `positions` (default 0 .. L - 1), the masks at the next k after its last."""
   L = len(context)
-  masks = jnp.broadcast_to(jnp.asarray(m, jnp.float32), (1, k, TARGET.hidden_size))
-  _, hidden, _ = forward(params, TARGET, jnp.asarray([context]), jnp.arange(L + k)[None],
-                         KVCache.init(TARGET, 1, L + k), appended=masks)
+  positions = list(range(L)) if positions is None else list(positions)
+  positions += [positions[-1] + j for j in range(1, k + 1)]
+  masks = jnp.broadcast_to(jnp.asarray(m, jnp.float32), (1, k, cfg.hidden_size))
+  _, hidden, _ = forward(params, cfg, jnp.asarray([context]), jnp.asarray([positions]),
+                         KVCache.init(cfg, 1, L + k), appended=masks)
   return lm_head(params, hidden[:, L:])
 
 
@@ -169,6 +172,40 @@ def test_the_prefill_probes_after_each_prompts_last_token(target, engine):
   assert [list(np.asarray(s.tokens[r, :1])) for r in range(3)] == first
 
 
+@pytest.mark.parametrize("engine", ["chain", "tree"])
+def test_under_a_budget_the_prefill_probes_after_the_kept_entries(engine):
+  """Chunked prefill under StreamingLLM (budget 8, 2 sinks, chunks of 4) keeps each row's first 2
+  and newest 6 prompt tokens; the probe then holds the target's logits at k masks after exactly
+  those, at their original RoPE positions, and the masks at the prompt's next k positions (rows
+  ending in different chunks; the short row lost nothing). One layer, so a kept entry is a
+  function of its token and position alone and a from-scratch forward over the kept tokens is the
+  reference. Read with the kept entries' slots as positions, the masks would see another context:
+  the last assertion shows the test can tell."""
+  one = dataclasses.replace(TARGET, num_layers=1)
+  target = init_params(one, jax.random.key(1), scale=0.3)
+  prompts, k = [PROMPTS[2] + [6], PROMPTS[0][:6], PROMPTS[2][:10]], 2
+  policy = KVPolicy("streaming", budget=8, sinks=2, chunk=4)
+  spec = (SpecConfig(gamma=2, max_new_tokens=1) if engine == "chain"
+          else TreeSpecConfig("dynamic:4,2,1,2", max_new_tokens=1))
+  loop = speculative_loop if engine == "chain" else tree_speculative_loop
+  b = prepare_batch(one, prompts, max_new_tokens=1, sampling=GREEDY, key=0, stop_ids=(),
+                    cache_size=None, reserve=3 * (1 + k), reserve_for="the block")
+  s = jax.jit(lambda d, t, n, key: loop(target, one, d, t, n, key, b.sampling, spec=spec,
+                                        cache_size=b.cache_size, kv=policy))(
+      probe_drafter(target, one, k), b.tokens, b.lengths, b.key)
+  for row, prompt in enumerate(prompts):
+    L = len(prompt)
+    kept = list(range(L)) if L <= 8 else [0, 1] + list(range(L - 6, L))
+    m = np.asarray(target.embed)[prompt].mean(0)
+    want = _masks_after(target, [prompt[i] for i in kept], m, k, kept, one)
+    np.testing.assert_allclose(np.asarray(s.draft.logits[row]), np.asarray(want[0]), atol=2e-4)
+    if L > 8:
+      slots = _masks_after(target, [prompt[i] for i in kept], m, k, cfg=one)
+      assert np.abs(np.asarray(slots[0]) - np.asarray(want[0])).max() > 1e-2
+  first = generate(target, one, prompts, max_new_tokens=1, kv=policy).sequences()
+  assert [list(np.asarray(s.tokens[r, :1])) for r in range(3)] == first
+
+
 def test_chain_tree_and_lookup_greedy_identical_to_autoregressive(target):
   ar = generate(target, TARGET, PROMPT_SET, max_new_tokens=14).sequences()
   probe = probe_drafter(target, TARGET, 3)
@@ -222,10 +259,6 @@ def test_sampled_probing_follows_the_target_distribution(kind):
     (lambda t: tree_speculative_generate(t, TARGET, probe_drafter(t, TARGET, 2), PROMPTS[:1],
                                          spec=TreeSpecConfig("fixed:2-2-2", max_new_tokens=4)),
      "a tree 3 deep needs 3 masks"),
-    (lambda t: speculative_generate(t, TARGET, probe_drafter(t, TARGET, 2), PROMPTS[:1],
-                                    spec=SpecConfig(gamma=2, max_new_tokens=4),
-                                    kv=KVPolicy("keydiff", budget=16, chunk=8)),
-     "not run under a KV budget"),
     (lambda t: probe_drafter(t, TARGET, 0), "k >= 1 masks"),
 ])
 def test_bad_probe_settings_are_refused(target, make, match):

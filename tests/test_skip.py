@@ -45,23 +45,34 @@ def test_kept_layers_compute_what_a_model_of_those_layers_does(deep):
   assert float(jnp.abs(cache.k[1]).max()) == 0.0 and float(jnp.abs(cache.k[2]).max()) > 0.0
 
 
-def test_the_draft_reads_the_targets_kv_and_leaves_the_length(deep):
-  """After a full-model prefill, the draft's first logits are those of the kept layers over the
-  target's own cached entries; its entries sit past the committed length, which is unchanged."""
+@pytest.mark.parametrize("evicted", [0, 3])
+def test_the_draft_reads_the_targets_kv_and_leaves_the_length(deep, evicted):
+  """After a full-model prefill, the draft's chain is the kept layers' chain over the target's own
+  cached entries, step by step (its q the kept layers' softmax at T=1); its entries sit past the
+  committed length, which is unchanged. Under a KV budget (`evicted` entries dropped before:
+  seq_len - 1 exceeds the cache's length) the slots follow the kept entries and the RoPE positions
+  count the evicted ones: read at the slots' positions, q would differ."""
   prompt = jnp.asarray([[4, 8, 15, 16, 23]])
   cache = KVCache.init(DEEP, 1, 16)
   _, _, cache = forward(deep, DEEP, prompt, jnp.arange(5)[None], cache)
   cache = cache.commit(5)
   drafter = skip_drafter(deep, DEEP, (0, 3))
   last2 = jnp.asarray([[23, 42]])
+  seq_len = 6 + evicted  # the root (42) is the last known token, not yet in the cache
   tokens, q, _, shared = drafter.propose_shared(drafter.init(None, None, 0, None), cache, last2,
-                                                jnp.asarray([7]), jax.random.key(0),
-                                                SamplingParams(temperature=0.0), 2)
-  assert int(shared.lengths[0]) == 6  # seq_len - 1: the root is the last known token
-  first, _ = forward_layers(deep, DEEP, last2[:, 1:], jnp.asarray([[6]]),
-                            dataclasses.replace(cache, lengths=jnp.asarray([6])), (0, 3))
-  assert int(tokens[0, 0]) == int(jnp.argmax(first[0, 0]))
-  np.testing.assert_array_equal(np.asarray(shared.k[:, :, :6]), np.asarray(cache.k[:, :, :6]))
+                                                jnp.asarray([seq_len]), jax.random.key(0),
+                                                SamplingParams(temperature=1.0), 3)
+  assert int(shared.lengths[0]) == 5
+  np.testing.assert_array_equal(np.asarray(shared.k[:, :, :5]), np.asarray(cache.k[:, :, :5]))
+
+  def chain_q(offset):  # [3, V]: the kept layers' softmax over root, d1, d2 at 5 + offset + i
+    fed = jnp.concatenate([last2[:, 1:], tokens[:, :2]], axis=1)
+    logits, _ = forward_layers(deep, DEEP, fed, 5 + offset + jnp.arange(3)[None], cache, (0, 3))
+    return np.asarray(jax.nn.softmax(logits[0], axis=-1))
+
+  np.testing.assert_allclose(np.asarray(q[0]), chain_q(evicted), atol=1e-5)
+  if evicted:
+    assert np.abs(np.asarray(q[0]) - chain_q(0)).max() > 1e-3
 
 
 def test_skip_drafts_are_greedy_identical_to_autoregressive(deep):

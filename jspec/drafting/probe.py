@@ -158,19 +158,11 @@ def probe_drafter(params: Params, cfg: Config, masks: int = 2) -> ProbeDrafter:
 
 def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
                       depth: int | None = None, kv=None) -> None:
-  """Host-side: a chain of `gamma` drafts or a tree `depth` deep fits the probe's masks, and no
-  KV budget (masks, or a lookahead window, would need the budget's slots and attention-mass
-  bookkeeping)."""
-  if drafter.window_size and kv is not None:
-    raise ValueError("lookahead decoding (--drafter lookahead) does not run under a KV budget: "
-                     "drop --kv-budget / kv=, or use a model or n-gram drafter")
+  """Host-side: a chain of `gamma` drafts or a tree `depth` deep fits the probe's masks, and a
+  lookahead window runs without a KV budget (its pool would need the budget's positions)."""
   k = drafter.probe_masks
   if not k:
     return
-  if kv is not None:
-    raise ValueError("drafters that append positions after every block token (--drafter mtp, "
-                     "a ConFu drafter) do not run under a KV budget yet: drop --kv-budget / kv=, "
-                     "or use a model or n-gram drafter")
   if not drafter.drafts_from_masks:  # ConFu: its masks feed a drafter model of any depth
     return
   if gamma is not None and gamma > k:

@@ -79,12 +79,14 @@ class SkipDrafter(HeadDrafter):
 
   def propose_shared(self, state: SkipState, cache: KVCache, last2: Array, seq_len: Array,
                      key: Array, sampling: SamplingParams, gamma: int, pick: Pick | None = None):
-    """A chain drafted over the target's `cache` (holding seq_len - 1 entries) → (tokens, q,
-    state, the cache with the draft's entries past its length, length unchanged)."""
-    start = seq_len - 1
+    """A chain drafted over the target's `cache` (its lengths: the committed entries, seq_len - 1
+    less any a KV budget evicted) → (tokens, q, state, the cache with the draft's entries past
+    its length, length unchanged). RoPE positions count the evicted entries too."""
+    evicted = seq_len - 1 - cache.lengths  # [B]
     run = lambda tokens, cache: forward_layers(self.params, self.cfg, tokens,
-                                               cache.lengths[:, None], cache, self.layers)
-    logits, shared = run(last2[:, 1:], cache.with_lengths(start))
+                                               (cache.lengths + evicted)[:, None], cache,
+                                               self.layers)
+    logits, shared = run(last2[:, 1:], cache)
 
     def step(cache: KVCache, prev: Array):
       logits, cache = run(prev[:, None], cache)
@@ -93,7 +95,7 @@ class SkipDrafter(HeadDrafter):
     tokens, probs, shared = draft_chain(
         key, gamma, logits[:, 0], shared.commit(1), step, self.sampler(sampling), pick,
         None if self.stop_below is None else unsure(self.stop_below))
-    return tokens, probs, state, shared.with_lengths(start)
+    return tokens, probs, state, shared.with_lengths(cache.lengths)
 
   catches_up = True
 

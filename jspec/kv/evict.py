@@ -143,13 +143,16 @@ def before_forward(policy: KVPolicy, cache: KVCache, n_new: Array,
   return reset_mass(policy, cache, n_new), mass_weights(policy, n_new, T)
 
 
-def block_mass(cache: KVCache, T: int) -> tuple[KVCache, Array]:
+def block_mass(cache: KVCache, T: int, riders: int = 0) -> tuple[KVCache, Array]:
   """For a verification block of T tokens whose committed count is known only afterwards: the
-  cache with a zero [L, B, S, K, T] mass (one column per query) and the [B, T, T] identity
-  weights that make the forward fill it; `fold_block_mass` then keeps the committed queries'."""
+  cache with a zero [L, B, S, K, T] mass (one column per query) and the [B, T + riders, T]
+  identity weights that make the forward fill it; `fold_block_mass` then keeps the committed
+  queries'. riders: positions the forward runs after the block (probe masks), whose attention
+  no decoding step would have had: zero weight."""
   L, B, S, K, _ = cache.k.shape
-  eye = jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32), (B, T, T))
-  return dataclasses.replace(cache, mass=jnp.zeros((L, B, S, K, T), jnp.float32)), eye
+  eye = jnp.eye(T + riders, T, dtype=jnp.float32)
+  return (dataclasses.replace(cache, mass=jnp.zeros((L, B, S, K, T), jnp.float32)),
+          jnp.broadcast_to(eye, (B, T + riders, T)))
 
 
 def fold_block_mass(policy: KVPolicy, before: KVCache, after: KVCache, n_new: Array) -> KVCache:

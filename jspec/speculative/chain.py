@@ -25,10 +25,10 @@ from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
-from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_extra_positions_target,
+from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
+                                    check_drafter, check_extra_positions_target,
                                     check_shared_cache, initial_state)
-from jspec.speculative.probing import probe_hidden, verification_inputs
+from jspec.speculative.probing import probe_hidden, riders_of, verification_inputs
 
 Array = jax.Array
 
@@ -57,9 +57,10 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
   G = spec.gamma
   k = drafter.probe_masks  # mask positions after every block token (probing drafters)
   check_probe_round(drafter, gamma=G, kv=kv)
-  check_shared_cache(drafter, kv, tree=False)
+  check_shared_cache(drafter, tree=False)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=G, kv=kv, placement=placement)
+                        cache_size, max_accepted=G, kv=kv,
+                        target_slots=budgeted_slots(kv, drafter, G + 1), placement=placement)
 
   def body(s: SpecState) -> SpecState:
     if kv is None and not drafter.stops_early:
@@ -85,9 +86,9 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     X = drafter.window_size
     cache_in, weights = target_cache.with_lengths(start), None
     if kv is not None:
-      cache_in = s.cache
+      cache_in = target_cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
-        cache_in, weights = block_mass(s.cache, G + 1)
+        cache_in, weights = block_mass(target_cache, G + 1, riders_of(tokens_in, masks, G + 1))
     taps = drafter.feature_layers
     wide = lambda: forward(params, cfg, tokens_in, positions, cache_in, mask, mass_weights=weights,
                            appended=masks, logits_indices=heads, taps=taps)
@@ -196,7 +197,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   check_drafter(cfg, drafter)
   check_extra_positions_target(params, drafter)
   check_probe_round(drafter, gamma=spec.gamma, kv=kv)
-  check_shared_cache(drafter, kv, tree=False)
+  check_shared_cache(drafter, tree=False)
   # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.gamma + 1)

@@ -121,6 +121,8 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                                      kv, keep_hidden=True,
                                                      taps=drafter.feature_layers,
                                                      placement=placement)
+    if drafter.probe_masks:
+      probed = probe_budgeted_prompt(params, cfg, drafter, prompt, prompt_lengths, cache, evicted)
   key, sub = jax.random.split(key)
   first = sample(sub, logits, sampling)  # [B]
   # The token after each prompt position: the prompt shifted by one, then the first sample.
@@ -137,6 +139,34 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
       accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted)
+
+
+def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | None:
+  """Target cache slots under a budget (None without one): a full cache (budget + evict_every - 1
+  entries) plus a verification block of `block` tokens and what the drafter runs beside it (k
+  masks a token, soft tokens), so none of their KV falls off the end."""
+  if kv is None:
+    return None
+  riders = block * drafter.probe_masks + drafter.soft_tokens + drafter.window_size
+  return max(kv.slots, kv.budget + kv.evict_every - 1 + block + riders)
+
+
+def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                          prompt_lengths: Array, cache: KVCache, evicted: Array) -> Array:
+  """[B, k, E]: the hidden states of k masks after each prompt's last token (then the drafter's
+  soft tokens), run over the prompt's budgeted cache (its entries committed, `evicted` [B]
+  dropped) in a forward of their own: chunked prefill ends ragged rows in different chunks, so
+  the masks cannot ride along as they do in `prefill_layout`'s single forward. Their KV entries
+  go past the committed ones, which no round counts; RoPE positions count the evicted ones too.
+  Only what the first round drafts depends on it, never what it emits."""
+  B, P = prompt.shape
+  k = drafter.probe_masks
+  appended = drafter.prompt_probe_inputs(prompt, prompt_lengths)  # [B, k + S, E]
+  mask, positions = prefill_layout(cache.lengths + evicted, 0, k, drafter.soft_tokens)
+  _, hidden, _ = forward(params, cfg, prompt[:, :0], positions, cache, mask,
+                         logits_indices=jnp.zeros((B, 1), jnp.int32), appended=appended,
+                         taps=drafter.feature_layers)
+  return hidden[:, :k]
 
 
 def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
@@ -236,15 +266,9 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
                      "positions")
 
 
-def check_shared_cache(drafter: Drafter, kv: KVPolicy | None, tree: bool) -> None:
-  """Host-side: a drafter that drafts in the target's KV cache (layer skipping) runs chains over
-  a full target cache only."""
-  if not drafter.shares_target_cache:
-    return
-  if tree:
+def check_shared_cache(drafter: Drafter, tree: bool) -> None:
+  """Host-side: a drafter that drafts in the target's KV cache (layer skipping) drafts chains."""
+  if drafter.shares_target_cache and tree:
     raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree / "
                      "tree=.")
-  if kv is not None:
-    raise ValueError("layer-skip drafts share the target's KV cache, which a KV budget would "
-                     "evict under them: drop --kv-budget / kv=, or use another drafter")
 

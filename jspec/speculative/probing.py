@@ -94,6 +94,12 @@ def verification_inputs(drafter, state, block: Array, block_mask: Array | None,
           heads)
 
 
+def riders_of(tokens_in: Array, appended: Array | None, T: int) -> int:
+  """Positions the verification forward runs after a block of T tokens (`verification_inputs`'
+  tokens and appended embeddings): masks, soft tokens or a window; static."""
+  return tokens_in.shape[1] - T + (0 if appended is None else appended.shape[1])
+
+
 def causal(B: int, T: int) -> Array:
   """[B, T, T]: a chain block's visibility."""
   return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))

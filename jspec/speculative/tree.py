@@ -38,9 +38,10 @@ from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
-from jspec.speculative.loop import (SpecOutput, SpecState, advance, check_drafter,
-                                    check_shared_cache, check_tree_target, initial_state)
-from jspec.speculative.probing import probe_hidden, verification_inputs
+from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
+                                    check_drafter, check_shared_cache, check_tree_target,
+                                    initial_state)
+from jspec.speculative.probing import probe_hidden, riders_of, verification_inputs
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -138,7 +139,7 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
   k, X = drafter.probe_masks, drafter.window_size
   cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
   if kv is not None and kv.needs_attention:
-    cache_in, weights = block_mass(s.cache, T)
+    cache_in, weights = block_mass(s.cache, T, riders_of(tokens_in, masks, T))
   target_logits, hidden, cache = forward(params, cfg, tokens_in, positions, cache_in, mask,
                                          mass_weights=weights, appended=masks,
                                          logits_indices=heads,
@@ -148,12 +149,6 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
                    probed=hidden if k else None, window=hidden[:, T:] if X else None,
                    path=path, n_acc=n_acc, next_token=nxt,
                    target_logits=target_logits)
-
-
-def budgeted_tree_slots(kv: KVPolicy, spec: TreeSpecConfig) -> int:
-  """Target cache slots under a budget: a full cache (budget + evict_every - 1 entries) plus the
-  root and every node of a tree, so no node's KV falls off the end."""
-  return max(kv.slots, kv.budget + kv.evict_every + spec.num_nodes)
 
 
 def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
@@ -169,10 +164,10 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   it moves with the path's KV."""
   shape = spec.tree
   check_probe_round(drafter, depth=shape.max_depth, kv=kv)
-  check_shared_cache(drafter, kv, tree=True)
+  check_shared_cache(drafter, tree=True)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
-                        target_slots=None if kv is None else budgeted_tree_slots(kv, spec),
+                        target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1),
                         placement=placement)
 
   def body(s: SpecState) -> SpecState:
@@ -284,7 +279,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   """
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
-  check_shared_cache(drafter, kv, tree=True)
+  check_shared_cache(drafter, tree=True)
   check_probe_round(drafter, depth=spec.tree.max_depth, kv=kv)
   # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:
