@@ -105,6 +105,17 @@ def _kv_policies(args):
   return make(args.kv_policy), None if method == "full" else make(method)
 
 
+def _note_eviction_cadence(kv, depth: int) -> None:
+  """On stderr: a budget that evicts more often than every depth + 1 tokens lets a speculative
+  round through only up to its next eviction (the output is exact either way)."""
+  if kv is not None and kv.evict_every < depth + 1:
+    print(f"[jspec] note: --kv-evict-every {kv.evict_every} evicts a full cache every "
+          f"{kv.evict_every} token(s), and a round stops at the next eviction, so once the budget "
+          f"fills a round emits at most {kv.evict_every} token(s). --kv-evict-every {depth + 1} "
+          f"lets whole rounds of {depth} drafts through (and changes the output as it would "
+          f"autoregressive decoding's).", file=sys.stderr)
+
+
 def _gamma(text: str) -> int | str:
   if text == "auto":
     return text
@@ -163,6 +174,7 @@ def cmd_generate(args) -> int:
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
   from jspec.sharding import Placement
+  from jspec.tree.shapes import parse_tree
 
   sampling = _sampling(args)
   kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
@@ -176,6 +188,9 @@ def cmd_generate(args) -> int:
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
   gamma, _ = _resolve_gamma(args, model, [drafter], ids[0], sampling, args.tree)
+  if drafter is not None:
+    tree = parse_tree(args.tree) if args.tree else drafter.own_tree
+    _note_eviction_cadence(kv, gamma if tree is None else tree.max_depth)
   # One call; its compile time is counted apart so the speed shown is the run's own.
   start = time.perf_counter()
   with CompileCounter() as compiled:
@@ -239,6 +254,7 @@ def cmd_bench(args) -> int:
   from jspec.tree.shapes import parse_trees
 
   sampling = _sampling(args)
+  kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   mesh = _mesh(args, 1)  # one prompt at a time: tp (or a dp of 1)
   if mesh is not None and mesh.shape["dp"] > 1:
     raise ValueError(f"jspec bench runs one prompt at a time, which cannot split over --mesh "
@@ -264,12 +280,19 @@ def cmd_bench(args) -> int:
   for d in drafters:  # nor run probe masks or windows beside its verification block
     check_extra_positions_target(model.params, d.drafter)
   gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling)
+  if drafters:
+    _note_eviction_cadence(kv, max([gamma] + [t.max_depth for t in trees]
+                                   + [d.drafter.own_tree.max_depth for d in drafters
+                                      if d.drafter.own_tree is not None]))
+  if kv is not None and not (args.no_transformers and args.no_overhead):
+    _progress("under --kv-budget every jspec run evicts; transformers (no such cache) and the "
+              "engine-overhead baseline (a full cache) are not run")
   records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=gamma, trees=trees,
                             compare_transformers=not args.no_transformers,
                             measure_overhead=not args.no_overhead,
-                            measure_ttft=not args.no_ttft)
+                            measure_ttft=not args.no_ttft, kv=kv, draft_kv=draft_kv)
   for r in records:
     if r.get("drafter", "none") != "none" and r["method"].startswith("jspec"):
       r["drafter_weights"] = drafter_weights
@@ -282,6 +305,7 @@ def cmd_bench(args) -> int:
   tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
                                          if ":" in d.name else "") for d in drafters) or "ar"
   tag += "+trees" if trees else ""
+  tag += f"_kv{kv.budget}-{kv.method}" if kv is not None else ""
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   speed.print_table(records)
   print(f"wrote {speed.write_records(records, out)}")
@@ -651,6 +675,7 @@ def build_parser() -> argparse.ArgumentParser:
   b.add_argument("--no-ttft", action="store_true",
                  help="speculative and tree runs: skip the time-to-first-token calls (one compiled "
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
+  _add_kv_args(b)  # every jspec run under the budget (no transformers run, no overhead baseline)
   b.set_defaults(fn=cmd_bench)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "
                                       "(passkey, multi-key, variable tracking; KL vs the full cache)")

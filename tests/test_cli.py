@@ -206,6 +206,26 @@ def test_bench_runs_probing_and_stopping_drafters(tiny_model, tmp_path):
   assert records[0]["gamma"] == 2
 
 
+def test_bench_under_a_kv_budget(tiny_model, tmp_path, capsys):
+  """--kv-budget puts every jspec run under the budget, autoregressive too, so each speculative
+  record is measured against the same policy (and stays identical to it); the records carry both
+  policies; transformers and the overhead baseline, which have no budget, are left out with a
+  line saying so; a cadence that stops rounds at every eviction gets a note."""
+  out = tmp_path / "bench.json"
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "2",
+               "--max-new-tokens", "12", "--drafters", "mtp:2,self", "--gamma", "2",
+               "--kv-budget", "24", "--kv-chunk", "8", "--kv-policy", "tova",
+               "--kv-evict-every", "2", "--json", str(out)]) == 0
+  err = capsys.readouterr().err
+  assert "transformers (no such cache)" in err and "--kv-evict-every 3 lets whole rounds" in err
+  records = json.loads(out.read_text())
+  assert [r["method"] for r in records] == ["jspec-autoregressive"] + ["jspec-speculative"] * 2
+  assert all(r["kv"]["method"] == "tova" and r["kv"]["budget"] == 24 for r in records)
+  assert "draft_kv" not in records[0] and records[2]["draft_kv"]["method"] == "keydiff"
+  assert all(r["identical_to_ar"] for r in records[1:])
+  assert "engine_overhead" not in records[2]
+
+
 def test_generate_with_layer_skipping(tmp_path, capsys):
   """--drafter skip:N calibrates on the target's own text, then drafts chains; trees and
   impossible N are refused in one line."""

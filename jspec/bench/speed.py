@@ -28,6 +28,7 @@ from jspec.train.features import feature_width
 from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
 from jspec.io.load import resolve_path
+from jspec.kv.policy import KVPolicy
 from jspec.model import Model
 from jspec.models import quant
 from jspec.models.cache import KVCache
@@ -86,11 +87,15 @@ class Method:
   gamma: int = 4
   tree: TreeShape | None = None
   measure_ttft: bool = True
+  kv: KVPolicy | None = None  # the target's KV budget
+  draft_kv: KVPolicy | None = None  # a model drafter's own (under kv only)
 
   def generate(self, prompt: list[int], n: int):
+    budget = {} if self.kv is None else {
+        "kv": self.kv, "draft_kv": self.draft_kv if self.drafter is not None else None}
     return self.model.generate_ids([prompt], max_new_tokens=n, sampling=self.sampling,
                                    key=self.seed, drafter=self.drafter, gamma=self.gamma,
-                                   tree=self.tree)
+                                   tree=self.tree, **budget)
 
   def warm(self, prompts: Sequence[list[int]]) -> dict:
     """Compile every prompt bucket's programs (timed apart from the runs)."""
@@ -372,17 +377,20 @@ def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,
 
 def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,
                  named: NamedDrafter, tree: TreeShape, base: dict, ar_run: Run, ar: dict,
-                 chain: dict, gamma: int, measure_ttft: bool = True) -> dict:
+                 chain: dict, gamma: int, measure_ttft: bool = True,
+                 kv: KVPolicy | None = None, draft_kv: KVPolicy | None = None) -> dict:
   """One drafter with one token tree: τ, tree size and speed beside its chain and AR records.
 
   The tree is timed interleaved with its drafter's chain (`bench_interleaved`), so the ratio to
   the chain is side by side; the ratio to AR is that times the chain's own side-by-side ratio."""
   method = lambda tree: Method(model, max_new_tokens, sampling, seed, named.drafter, gamma, tree,
-                               measure_ttft)
+                               measure_ttft, kv, draft_kv)
   (chain_run, _), (run, extra) = bench_interleaved([method(None), method(tree)], prompts)
   record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
             "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
-            "tree_depth": tree.max_depth, **base, **run.summary(), **extra,
+            "tree_depth": tree.max_depth, **base,
+            **({} if kv is None else {"draft_kv": chain.get("draft_kv")}),
+            **run.summary(), **extra,
             **_speculative_fields(run, tree.max_depth, ar_run, ar, sampling),
             "chain_tokens_per_s": chain_run.summary()["tokens_per_s"]}
   record["speedup_vs_chain"] = record["tokens_per_s"] / record["chain_tokens_per_s"]
@@ -397,13 +405,21 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
               drafters: Sequence[NamedDrafter] = (), gamma: int = 4,
               trees: Sequence[TreeShape] = (), compare_transformers: bool = True,
               measure_bandwidth: bool = True, measure_overhead: bool = True,
-              measure_ttft: bool = True) -> list[dict]:
+              measure_ttft: bool = True, kv: KVPolicy | None = None,
+              draft_kv: KVPolicy | None = None) -> list[dict]:
   """Benchmark jspec autoregressive, jspec speculative (each of `drafters`, chain and each of
   `trees`) and transformers (plain, and assisted for drafters it can load) on token-id prompts,
   in one process. Sweeps that want τ and tokens/s only can skip the engine-overhead baseline
   (`measure_overhead`) and the speculative runs' time to first token (`measure_ttft`); the
-  autoregressive baseline always times its first token."""
+  autoregressive baseline always times its first token.
+
+  kv: a KV budget for the target in every jspec run, autoregressive included (draft_kv: model
+  drafters' own caches), so each speculative run is measured against autoregressive decoding
+  under the same policy. transformers has no such cache, and the engine-overhead baseline runs a
+  full one: both are left out under a budget."""
   greedy = float(sampling.temperature) == 0
+  if kv is not None:
+    compare_transformers = measure_overhead = False
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
@@ -416,12 +432,16 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "layers": "stacked" if layers_stacked(model.params) else "unrolled",
           # "highest" under --precision exact (jspec.models.numerics), else the backend default.
           "matmul_precision": precision_label(),
+          "kv": None if kv is None else dataclasses.asdict(kv),
           "machine": machine_info()}
+  # Speculative records: the policy model drafters' own caches were given (others have none).
+  drafted = {} if kv is None else {
+      "draft_kv": None if draft_kv is None else dataclasses.asdict(draft_kv)}
   records = []
   # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).
-  methods = [Method(model, max_new_tokens, sampling, seed)] + [
+  methods = [Method(model, max_new_tokens, sampling, seed, kv=kv)] + [
       Method(model, max_new_tokens, sampling, seed, named.drafter, gamma,
-             measure_ttft=measure_ttft) for named in drafters]
+             measure_ttft=measure_ttft, kv=kv, draft_kv=draft_kv) for named in drafters]
   (ar_run, extra), *chain_runs = bench_interleaved(methods, prompts)
   ar = {"method": "jspec-autoregressive", "drafter": "none", **base, **ar_run.summary(), **extra}
   if measure_bandwidth:
@@ -435,7 +455,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
         "gamma": None, "tree": str(own), "tree_method": own.method,
         "tree_nodes": own.num_nodes + 1, "tree_depth": own.max_depth,
         "window_tokens": named.drafter.window_size}
-    spec = {"method": "jspec-speculative", "drafter": named.name, **shape, **base,
+    spec = {"method": "jspec-speculative", "drafter": named.name, **shape, **base, **drafted,
             **run.summary(), **extra,
             **_speculative_fields(run, gamma if own is None else own.max_depth, ar_run, ar,
                                   sampling)}
@@ -448,7 +468,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
       # allocate memory" with 20 GB free; vm.max_map_count is 65530 on the machine that hit it).
       jax.clear_caches()
       records.append(_tree_record(model, prompts, max_new_tokens, sampling, seed, named, tree,
-                                  base, ar_run, ar, spec, gamma, measure_ttft))
+                                  base, ar_run, ar, spec, gamma, measure_ttft, kv, draft_kv))
     if trees:
       jax.clear_caches()
     if not (measure_overhead and measure_ttft):
