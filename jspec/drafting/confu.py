@@ -72,7 +72,8 @@ class ConFuDrafter(EagleDrafter):
     feature added; that feature is kept for the round's drafts."""
     if features.probe_hidden is None:
       raise ValueError("ConFu needs the contemplate tokens' taps (Features.probe_hidden is "
-                       "None): run it through jspec's engines, without a KV budget")
+                       "None): run it through jspec's engines (speculative_generate, "
+                       "tree_speculative_generate), which run them beside every verification")
     c = contemplate_feature(self.contemplate, self.params, self.cfg,
                             features.probe_hidden[:, 0])  # [B, E]
     W = features.tokens.shape[1]

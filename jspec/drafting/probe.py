@@ -157,9 +157,8 @@ def probe_drafter(params: Params, cfg: Config, masks: int = 2) -> ProbeDrafter:
 
 
 def check_probe_round(drafter: Drafter, *, gamma: int | None = None,
-                      depth: int | None = None, kv=None) -> None:
-  """Host-side: a chain of `gamma` drafts or a tree `depth` deep fits the probe's masks, and a
-  lookahead window runs without a KV budget (its pool would need the budget's positions)."""
+                      depth: int | None = None) -> None:
+  """Host-side: a chain of `gamma` drafts or a tree `depth` deep fits the probe's masks."""
   k = drafter.probe_masks
   if not k:
     return

@@ -56,7 +56,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
   `speculative_generate_tokens`."""
   G = spec.gamma
   k = drafter.probe_masks  # mask positions after every block token (probing drafters)
-  check_probe_round(drafter, gamma=G, kv=kv)
+  check_probe_round(drafter, gamma=G)
   check_shared_cache(drafter, tree=False)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=G, kv=kv,
@@ -196,7 +196,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                     f"tree_speculative_generate and a TreeSpecConfig.")
   check_drafter(cfg, drafter)
   check_extra_positions_target(params, drafter)
-  check_probe_round(drafter, gamma=spec.gamma, kv=kv)
+  check_probe_round(drafter, gamma=spec.gamma)
   check_shared_cache(drafter, tree=False)
   # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
   if draft_kv is not None:

@@ -159,7 +159,7 @@ def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt:
   the masks cannot ride along as they do in `prefill_layout`'s single forward. Their KV entries
   go past the committed ones, which no round counts; RoPE positions count the evicted ones too.
   Only what the first round drafts depends on it, never what it emits."""
-  B, P = prompt.shape
+  B = prompt.shape[0]
   k = drafter.probe_masks
   appended = drafter.prompt_probe_inputs(prompt, prompt_lengths)  # [B, k + S, E]
   mask, positions = prefill_layout(cache.lengths + evicted, 0, k, drafter.soft_tokens)

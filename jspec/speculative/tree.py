@@ -163,7 +163,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   the mass of the committed queries only (the root and the accepted path, in decoding order), and
   it moves with the path's KV."""
   shape = spec.tree
-  check_probe_round(drafter, depth=shape.max_depth, kv=kv)
+  check_probe_round(drafter, depth=shape.max_depth)
   check_shared_cache(drafter, tree=True)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
                         cache_size, max_accepted=shape.max_depth, kv=kv,
@@ -280,7 +280,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   check_tree_run(cfg, drafter, spec)
   check_tree_target(params)
   check_shared_cache(drafter, tree=True)
-  check_probe_round(drafter, depth=spec.tree.max_depth, kv=kv)
+  check_probe_round(drafter, depth=spec.tree.max_depth)
   # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.reserve + 1)
