@@ -550,6 +550,9 @@ def test_greedy_tree_speculative_equals_greedy_autoregressive_under_the_same_bud
     assert int(out.accept_hist[-1]) > 0  # whole paths went through between evictions
 
 
+V = CFG.vocab_size
+
+
 def training_free(kind: str, params):
   """(target params, config, drafter): the drafters that run positions beside the verification
   block or draft in the target's own cache; CFG's target but for ConFu (EAGLE-3's taps need 4
@@ -564,16 +567,17 @@ def training_free(kind: str, params):
     deep = dataclasses.replace(CFG, num_layers=4)
     deep_params = init_params(deep, jax.random.key(4), scale=0.3)
     return deep_params, deep, make_confu(deep_params, deep)
-  return params, CFG, {"mtp": lambda: probe_drafter(params, CFG, 3),
-          "ngram+mtp": lambda: ngram_drafter(CFG.vocab_size, fallback=probe_drafter(params, CFG, 3)),
-          "skip": lambda: skip_drafter(params, CFG, (1,)),
-          "skip-stop": lambda: skip_drafter(params, CFG, (0,)).with_stop(0.3),
-          "ngram+skip": lambda: ngram_drafter(CFG.vocab_size, fallback=skip_drafter(params, CFG,
-                                                                                     (1,))),
-          "lookahead": lambda: lookahead_drafter(params, CFG, 3, 4, 2)}[kind]()
+  skip = lambda layers: skip_drafter(params, CFG, layers)
+  makers = {"mtp": lambda: probe_drafter(params, CFG, 3),
+            "ngram+mtp": lambda: ngram_drafter(V, fallback=probe_drafter(params, CFG, 3)),
+            "skip": lambda: skip((1,)),
+            "skip-stop": lambda: skip((0,)).with_stop(0.3),
+            "ngram+skip": lambda: ngram_drafter(V, fallback=skip((1,))),
+            "lookahead": lambda: lookahead_drafter(params, CFG, 3, 4, 2)}
+  return params, CFG, makers[kind]()
 
 
-# Rows that repeat, so lookups and the lookahead pool find what the target then accepts.
+# Rows that repeat: the lookups and the lookahead pool have n-grams to find.
 REPEATING_ROWS = [[5, 17, 3, 44] * 10, [8, 1, 30], [8, 1] * 12 + [30, 31, 32]]
 
 
