@@ -145,20 +145,26 @@ def test_probe_after_a_round_reads_the_masks_after_its_last_accepted_token(targe
                              atol=1e-5)
 
 
+def _one_token_run(target, cfg, engine, prompts, k, kv=None):
+  """The final loop state of a probing chain or tree engine run for one token: what the prefill
+  leaves (the first token, the cache, the probe's logits)."""
+  spec = (SpecConfig(gamma=2, max_new_tokens=1) if engine == "chain"
+          else TreeSpecConfig("dynamic:4,2,1,2", max_new_tokens=1))
+  loop = speculative_loop if engine == "chain" else tree_speculative_loop
+  b = prepare_batch(cfg, prompts, max_new_tokens=1, sampling=GREEDY, key=0, stop_ids=(),
+                    cache_size=None, reserve=3 * (1 + k), reserve_for="the block")
+  return jax.jit(lambda d, t, n, key: loop(target, cfg, d, t, n, key, b.sampling, spec=spec,
+                                           cache_size=b.cache_size, kv=kv))(
+      probe_drafter(target, cfg, k), b.tokens, b.lengths, b.key)
+
+
 @pytest.mark.parametrize("engine", ["chain", "tree"])
 def test_the_prefill_probes_after_each_prompts_last_token(target, engine):
   """Before round one the probe holds the target's logits at k masks (the prompt's mean
   embedding) after each row's last prompt token, rows of different lengths in one padded batch;
   the prefill's own logits and committed cache are those of a prefill without masks."""
   prompts, k = [PROMPTS[1], PROMPTS[0][:3], REPEATING[1]], 2
-  spec = (SpecConfig(gamma=2, max_new_tokens=1) if engine == "chain"
-          else TreeSpecConfig("dynamic:4,2,1,2", max_new_tokens=1))
-  loop = speculative_loop if engine == "chain" else tree_speculative_loop
-  b = prepare_batch(TARGET, prompts, max_new_tokens=1, sampling=GREEDY, key=0, stop_ids=(),
-                    cache_size=None, reserve=3 * (1 + k), reserve_for="the block")
-  s = jax.jit(lambda d, t, n, key: loop(target, TARGET, d, t, n, key, b.sampling, spec=spec,
-                                        cache_size=b.cache_size))(
-      probe_drafter(target, TARGET, k), b.tokens, b.lengths, b.key)
+  s = _one_token_run(target, TARGET, engine, prompts, k)
   for row, prompt in enumerate(prompts):
     m = np.asarray(target.embed)[prompt].mean(0)
     want = _masks_after(target, prompt, m, k)
@@ -185,14 +191,7 @@ def test_under_a_budget_the_prefill_probes_after_the_kept_entries(engine):
   target = init_params(one, jax.random.key(1), scale=0.3)
   prompts, k = [PROMPTS[2] + [6], PROMPTS[0][:6], PROMPTS[2][:10]], 2
   policy = KVPolicy("streaming", budget=8, sinks=2, chunk=4)
-  spec = (SpecConfig(gamma=2, max_new_tokens=1) if engine == "chain"
-          else TreeSpecConfig("dynamic:4,2,1,2", max_new_tokens=1))
-  loop = speculative_loop if engine == "chain" else tree_speculative_loop
-  b = prepare_batch(one, prompts, max_new_tokens=1, sampling=GREEDY, key=0, stop_ids=(),
-                    cache_size=None, reserve=3 * (1 + k), reserve_for="the block")
-  s = jax.jit(lambda d, t, n, key: loop(target, one, d, t, n, key, b.sampling, spec=spec,
-                                        cache_size=b.cache_size, kv=policy))(
-      probe_drafter(target, one, k), b.tokens, b.lengths, b.key)
+  s = _one_token_run(target, one, engine, prompts, k, policy)
   for row, prompt in enumerate(prompts):
     L = len(prompt)
     kept = list(range(L)) if L <= 8 else [0, 1] + list(range(L - 6, L))
