@@ -47,9 +47,9 @@ def test_kept_layers_compute_what_a_model_of_those_layers_does(deep):
 
 @pytest.mark.parametrize("evicted", [0, 3])
 def test_the_draft_reads_the_targets_kv_and_leaves_the_length(deep, evicted):
-  """After a full-model prefill, the draft's chain is the kept layers' chain over the target's own
-  cached entries, step by step (its q the kept layers' softmax at T=1); its entries sit past the
-  committed length, which is unchanged. Under a KV budget (`evicted` entries dropped before:
+  """After a full-model prefill, the draft's q at each of its steps (T=1) is the kept layers'
+  softmax over the target's own cached entries and the tokens it drafted before; its entries sit
+  past the committed length, which is unchanged. Under a KV budget (`evicted` entries dropped before:
   seq_len - 1 exceeds the cache's length) the slots follow the kept entries and the RoPE positions
   count the evicted ones: read at the slots' positions, q would differ."""
   prompt = jnp.asarray([[4, 8, 15, 16, 23]])
