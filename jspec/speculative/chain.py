@@ -28,7 +28,7 @@ from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_extra_positions_target,
                                     check_shared_cache, initial_state)
-from jspec.speculative.probing import probe_hidden, riders_of, verification_inputs
+from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
 
 Array = jax.Array
 
@@ -88,7 +88,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     if kv is not None:
       cache_in = target_cache
       if kv.needs_attention:  # per-query mass now; the committed queries' once n_acc is known
-        cache_in, weights = block_mass(target_cache, G + 1, riders_of(tokens_in, masks, G + 1))
+        cache_in, weights = block_mass(target_cache, G + 1,
+                                       verification_width(drafter, G + 1) - (G + 1))
     taps = drafter.feature_layers
     wide = lambda: forward(params, cfg, tokens_in, positions, cache_in, mask, mass_weights=weights,
                            appended=masks, logits_indices=heads, taps=taps)
@@ -204,8 +205,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=(spec.gamma + 1) * (1 + drafter.probe_masks) + drafter.soft_tokens
-                    + drafter.window_size,
+                    reserve=verification_width(drafter, spec.gamma + 1),
                     reserve_for="gamma + 1 (the draft block"
                                 + (f" and its {drafter.probe_masks} masks a token"
                                    if drafter.probe_masks else "")

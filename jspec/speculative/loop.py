@@ -21,7 +21,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.sampling.processing import SamplingParams, sample
 from jspec.sharding import Placement, set_rows
-from jspec.speculative.probing import prefill_layout
+from jspec.speculative.probing import prefill_layout, verification_width
 
 Array = jax.Array
 
@@ -147,8 +147,7 @@ def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | N
   masks a token, soft tokens), so none of their KV falls off the end."""
   if kv is None:
     return None
-  riders = block * drafter.probe_masks + drafter.soft_tokens + drafter.window_size
-  return max(kv.slots, kv.budget + kv.evict_every - 1 + block + riders)
+  return max(kv.slots, kv.budget + kv.evict_every - 1 + verification_width(drafter, block))
 
 
 def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt: Array,

@@ -94,10 +94,11 @@ def verification_inputs(drafter, state, block: Array, block_mask: Array | None,
           heads)
 
 
-def riders_of(tokens_in: Array, appended: Array | None, T: int) -> int:
-  """Positions the verification forward runs after a block of T tokens (`verification_inputs`'
-  tokens and appended embeddings): masks, soft tokens or a window; static."""
-  return tokens_in.shape[1] - T + (0 if appended is None else appended.shape[1])
+def verification_width(drafter, T: int) -> int:
+  """Positions the verification forward of a T-token block runs (static): the block, then what
+  `drafter` has ride along (`verification_inputs`): k masks after each token and soft tokens, or
+  a lookahead window. Its KV entries all go past the committed ones."""
+  return T * (1 + drafter.probe_masks) + drafter.soft_tokens + drafter.window_size
 
 
 def causal(B: int, T: int) -> Array:

@@ -41,7 +41,7 @@ from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_shared_cache, check_tree_target,
                                     initial_state)
-from jspec.speculative.probing import probe_hidden, riders_of, verification_inputs
+from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -139,7 +139,7 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
   k, X = drafter.probe_masks, drafter.window_size
   cache_in, weights = (s.cache.with_lengths(start) if kv is None else s.cache), None
   if kv is not None and kv.needs_attention:
-    cache_in, weights = block_mass(s.cache, T, riders_of(tokens_in, masks, T))
+    cache_in, weights = block_mass(s.cache, T, verification_width(drafter, T) - T)
   target_logits, hidden, cache = forward(params, cfg, tokens_in, positions, cache_in, mask,
                                          mass_weights=weights, appended=masks,
                                          logits_indices=heads,
@@ -287,8 +287,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=max(spec.reserve, spec.tree_nodes * (1 + k) + drafter.soft_tokens
-                                + drafter.window_size),
+                    reserve=max(spec.reserve, verification_width(drafter, spec.tree_nodes)),
                     reserve_for=f"tree_nodes (the root and the {spec.num_nodes} draft nodes "
                                 f"of {spec.tree} verified per round"
                                 + (f", {k} masks after each" if k else "")
