@@ -35,7 +35,7 @@ def main() -> int:
   rows = []
   for layout, weights in (("unrolled", params), ("stacked", stack_layers(params))):
     for method in args.methods.split(","):
-      policy = KVPolicy(method, budget=32, sinks=2, chunk=16)
+      policy = KVPolicy(method, budget=32, sinks=2, chunk=16, evict_every=1)
       lowered, _ = lower_decode(weights, CFG, jnp.zeros((1, 40), jnp.int32), jnp.asarray([40]),
                                 jax.random.key(0), max_new_tokens=8, cache_size=0, kv=policy)
       shape = (CFG.num_layers, 1, policy.slots, CFG.num_kv_heads, CFG.head_dim)

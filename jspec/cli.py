@@ -73,8 +73,10 @@ def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
   from jspec.kv.policy import METHODS
   p.add_argument("--kv-budget", type=int, default=None,
-                 help="keep at most this many KV-cache entries per row: prompts of any length run "
-                      "in budget + chunk slots (chunked prefill, eviction by --kv-policy)")
+                 help="KV-cache entries kept per row after each eviction (a row holds at most "
+                      "budget + evict_every - 1 between them): prompts of any length run in "
+                      "budget + max(chunk, evict_every) slots (chunked prefill, eviction by "
+                      "--kv-policy)")
   p.add_argument("--kv-policy", default="keydiff", choices=METHODS,
                  help="which entries survive under --kv-budget (default keydiff)")
   p.add_argument("--kv-chunk", type=int, default=None,
@@ -82,7 +84,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                       "if smaller)")
   p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
   p.add_argument("--kv-window", type=int, default=0, help="newest entries never evicted")
-  p.add_argument("--kv-evict-every", type=int, default=1, help="decoding steps between evictions")
+  p.add_argument("--kv-evict-every", type=int, default=16,
+                 help="decoded tokens between evictions (default 16: speculative rounds of up to "
+                      "15 drafts run whole; 1 evicts after every token, so a round can use one)")
   p.add_argument("--kv-drafter", default="auto", choices=("auto", "full", "keydiff", "streaming"),
                  help="a model drafter's own cache under --kv-budget: 'auto' (the default) evicts "
                       "it like the target's with --kv-policy when that scores keys, else with "
@@ -492,7 +496,8 @@ def cmd_bench_kv(args) -> int:
       methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
       time_decode=not args.no_timing, decode_tokens=args.decode_tokens,
-      chunk=args.chunk, sinks=args.sinks, window=args.window, seed=args.seed)
+      chunk=args.chunk, sinks=args.sinks, window=args.window, evict_every=args.evict_every,
+      continuation=args.continuation, seed=args.seed)
   model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   out = args.json or Path("benchmarks") / f"kv_{args.context}_{_stamp([])}.json"
   machine, done = machine_info(), []
@@ -701,6 +706,12 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=0)
+  v.add_argument("--continuation", type=int, default=32,
+                 help="kl task: teacher-forced tokens scored after the context")
+  v.add_argument("--evict-every", type=int, default=1,
+                 help="decoding (the answers, the kl continuation): tokens between evictions "
+                      "(default 1, per-token eviction as the policies' papers run it and every "
+                      "record before session 45; generate's default is 16)")
   v.add_argument("--seed", type=int, default=0)
   v.add_argument("--json", type=Path, default=None)
   v.add_argument("--plot", type=Path, default=None, help="also a PNG of score vs budget")

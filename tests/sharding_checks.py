@@ -84,8 +84,8 @@ def check_generate():
     processing.CANDIDATES = 256
     jax.clear_caches()
   # A KV budget (chunked prefill, eviction scored per layer, row and KV head) on a mesh too.
-  for policy in (KVPolicy("keydiff", budget=8, sinks=2, chunk=4),
-                 KVPolicy("h2o", budget=8, sinks=2, chunk=4)):
+  for policy in (KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1),
+                 KVPolicy("h2o", budget=8, sinks=2, chunk=4, evict_every=1)):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy)
     for dp, tp in ((2, 2), (1, 4)):
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy,
@@ -263,8 +263,8 @@ def check_budget_communication():
   itself, gathered every row's scores and moved entries to every device (16 all-gathers in the
   HLO of generate under dp=8). Chains and trees on a mesh under a budget equal one device's."""
   target, draft = models()
-  keydiff = KVPolicy("keydiff", budget=8, sinks=2, chunk=4)
-  caote = KVPolicy("h2o+caote", budget=8, sinks=2, chunk=4)
+  keydiff = KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1)
+  caote = KVPolicy("h2o+caote", budget=8, sinks=2, chunk=4, evict_every=1)
   spec = SpecConfig(gamma=3, max_new_tokens=8)
   for dp, tp in ((8, 1), (4, 2)):
     b = prepare_batch(TARGET, PROMPTS, max_new_tokens=8, sampling=GREEDY, key=0, stop_ids=(),
@@ -361,7 +361,7 @@ def check_repeated_kv_heads():
     assert {s.data.shape for s in placed.layers[0].wk.addressable_shards} == {(64, 1, 8)}
     same(generate(placed, cfg, PROMPTS, max_new_tokens=10, mesh=mesh), want, f"dp={dp} tp={tp}")
     # Attention-scored eviction: every copy of a KV head scores (and evicts) as the one head.
-    h2o = KVPolicy("h2o", budget=8, sinks=2, chunk=4)
+    h2o = KVPolicy("h2o", budget=8, sinks=2, chunk=4, evict_every=1)
     same(generate(placed, cfg, PROMPTS, max_new_tokens=10, kv=h2o, mesh=mesh),
          generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=h2o), f"h2o dp={dp} tp={tp}")
     drafter = skip_drafter(params, cfg, (1,))  # unplaced: place_drafter maps it to `placed`

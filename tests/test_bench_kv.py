@@ -71,10 +71,15 @@ def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
                                     KVPolicy("streaming", budget=232, sinks=0, chunk=16))
   kl, agree = bench_kv.kl_and_agreement(ref, same)
   assert abs(kl) < 1e-5 and agree == 1.0
-  tight = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160,
-                                     KVPolicy("keydiff", budget=24, sinks=2, chunk=16))
+  tight = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160, KVPolicy(
+      "keydiff", budget=24, sinks=2, chunk=16, evict_every=1))
   kl, agree = bench_kv.kl_and_agreement(ref, tight)
   assert kl > 1e-4 and 0.0 <= agree <= 1.0
+  # The continuation evicts at the policy's cadence: every 4 tokens is another run than every one.
+  every4 = bench_kv._continuation_jit(tiny.params, tiny.cfg, tokens, 160,
+                                      KVPolicy("keydiff", budget=24, sinks=2, chunk=16,
+                                               evict_every=4))
+  assert float(jnp.max(jnp.abs(every4 - tight))) > 1e-4
   # Teacher forcing is right: row i is the next-token distribution after tokens[:160 + i], as one
   # uncached forward over the whole sequence computes it.
   logits, _, _ = forward(tiny.params, tiny.cfg, tokens, jnp.arange(200)[None],
@@ -85,7 +90,7 @@ def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
 def test_records_and_plot(tiny, tmp_path):
   setup = bench_kv.BenchKV(methods=["full", "keydiff", "h2o+caote"], budgets=[48], context=160,
                            tasks=["passkey", "kl"], num_samples=1, chunk=16, continuation=8,
-                           decode_tokens=9)
+                           decode_tokens=9, evict_every=3)
   records = bench_kv.run_bench_kv(tiny, setup, texts(), progress=lambda r: None)
   got = {(r["task"], r["method"]) for r in records}
   assert got == {("passkey", "full"), ("passkey", "keydiff"), ("passkey", "h2o+caote"),
@@ -99,6 +104,7 @@ def test_records_and_plot(tiny, tmp_path):
       assert r["decode_tokens_per_s"] is None or 0 < r["decode_tokens_per_s"] < 1e7
   assert kd["peak_kv_bytes"] < full["peak_kv_bytes"] and kd["kl"] >= 0
   assert kd["budget"] == 48 and kd["budget_fraction"] == pytest.approx(48 / 160)
+  assert kd["evict_every"] == 3 and kd["continuation"] == 8
   pytest.importorskip("matplotlib")
   bench_kv.plot(records, tmp_path / "kv.png")
   assert (tmp_path / "kv.png").stat().st_size > 1000
@@ -118,6 +124,8 @@ def test_full_cache_runs_only_when_listed(tiny):
     (dict(budgets=[4096]), "must be below the context"),
     (dict(methods=["keydiff"], budgets=[0]), "budget must be a positive integer"),
     (dict(methods=["full", "h2o"], budgets=[64, 4]), "leaves no slot to choose"),
+    (dict(methods=["keydiff"], evict_every=0), "evict_every must be a positive integer"),
+    (dict(tasks=["kl"], continuation=0), "kl task scores `continuation` tokens"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
   base = dict(methods=["full"], budgets=[64], context=512)

@@ -67,7 +67,7 @@ def test_evicting_every_token_copies_no_whole_cache_over_stacked_layers(layouts,
   in place (compacting the whole cache, before session 38, copied it twice a step here)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the copies are XLA:CPU's")
-  policy = KVPolicy(method, budget=32, sinks=2, chunk=16)
+  policy = KVPolicy(method, budget=32, sinks=2, chunk=16, evict_every=1)
   lowered, _ = lower_decode(layouts["stacked"], DEEP, jnp.zeros((1, 40), jnp.int32),
                             jnp.asarray([40]), jax.random.key(0), max_new_tokens=8, cache_size=0,
                             kv=policy)

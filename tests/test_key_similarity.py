@@ -97,7 +97,8 @@ def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores(impl):
   params = init_params(cfg, jax.random.key(0), scale=0.3)
   prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
   outs = [generate(params, cfg, [prompt], max_new_tokens=8,
-                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=score_impl),
+                   kv=KVPolicy("keydiff", budget=24, sinks=2, chunk=8, score_impl=score_impl,
+                               evict_every=1),
                    record_top_k=2)
           for score_impl in ("xla", impl)]
   assert outs[0].sequences() == outs[1].sequences()

@@ -4,6 +4,8 @@ chunked prefill and decoding under a budget equal an uncompressed run that hides
 positions, a prompt many times the budget runs in budget-sized memory, and bad settings are
 refused before any compile."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,7 +227,7 @@ def test_budget_that_never_binds_equals_plain_generation(params):
   prompts = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 4], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40,
                                                    41, 42]]
   plain = generate(params, CFG, prompts, max_new_tokens=10, record_top_k=3)
-  kv = KVPolicy("keydiff", budget=64, sinks=0, chunk=4)
+  kv = KVPolicy("keydiff", budget=64, sinks=0, chunk=4, evict_every=1)
   budgeted = generate(params, CFG, prompts, max_new_tokens=10, record_top_k=3, kv=kv)
   assert budgeted.sequences() == plain.sequences()
   np.testing.assert_allclose(budgeted.top_logprobs, plain.top_logprobs, rtol=1e-4, atol=1e-4)
@@ -279,7 +281,7 @@ def test_streaming_generation_equals_an_uncompressed_run_that_hides_evicted_posi
   decoding evicts every step: the budgeted engine must match the masked reference token for
   token."""
   prompt = [int(x) for x in np.random.default_rng(prompt_len).integers(0, 97, prompt_len)]
-  policy = KVPolicy("streaming", budget=8, sinks=2, chunk=chunk)
+  policy = KVPolicy("streaming", budget=8, sinks=2, chunk=chunk, evict_every=1)
   want, want_lp = streaming_reference(params, prompt, 8, policy)
   got = generate(params, CFG, [prompt], max_new_tokens=8, kv=policy, record_top_k=1)
   assert got.sequences()[0] == want
@@ -310,7 +312,7 @@ def streaming_reference_wrong_positions(params, prompt, n_new, policy):
 
 
 def test_a_prompt_eight_times_the_budget_runs_in_budget_sized_memory(params):
-  policy = KVPolicy("keydiff", budget=32, sinks=4, chunk=16)
+  policy = KVPolicy("keydiff", budget=32, sinks=4, chunk=16, evict_every=1)
   prompt = [int(x) for x in np.random.default_rng(5).integers(0, 97, 8 * 32)]
   out = generate(params, CFG, [prompt], max_new_tokens=6, kv=policy)
   assert len(out.sequences()[0]) == 6
@@ -371,7 +373,7 @@ def test_chunked_prefill_records_the_attention_mass_of_a_one_shot_forward(params
   each block) must equal one forward over the prompt with the method's query weights."""
   prompt = jnp.asarray([[int(x) for x in np.random.default_rng(7).integers(0, 97, 14)]])
   n = jnp.asarray([14])
-  policy = KVPolicy(method, budget=32, sinks=0, chunk=4, snap_window=2)
+  policy = KVPolicy(method, budget=32, sinks=0, chunk=4, snap_window=2, evict_every=1)
   _, cache, _, _ = chunked_prefill(params, CFG, prompt, n, KVCache.init(CFG, 1, policy.slots),
                                 policy)
   # The last chunk holds prompt tokens 12-13: TOVA's newest query is 13, SnapKV's window 12-13.
@@ -413,7 +415,7 @@ def test_caote_is_the_attention_output_error_of_evicting_each_slot():
                                     "h2o+caote", "tova+caote", "snapkv+caote"])
 def test_every_policy_generates_under_a_binding_budget(params, method):
   prompt = [int(x) for x in np.random.default_rng(9).integers(0, 97, 40)]
-  policy = KVPolicy(method, budget=16, sinks=2, chunk=8)
+  policy = KVPolicy(method, budget=16, sinks=2, chunk=8, evict_every=1)
   out = generate(params, CFG, [prompt, prompt[:9]], max_new_tokens=12, kv=policy)
   seqs = out.sequences()
   assert [len(s) for s in seqs] == [12, 12] and all(0 <= t < 97 for s in seqs for t in s)
@@ -422,7 +424,6 @@ def test_every_policy_generates_under_a_binding_budget(params, method):
 
 
 def test_attention_score_policies_refuse_a_kernel_that_cannot_give_scores(params):
-  import dataclasses
   cfg = dataclasses.replace(CFG, attention_impl="pallas-interpret")
   with pytest.raises(ValueError, match="attention probabilities"):
     generate(params, cfg, [[1, 2, 3]], max_new_tokens=4, kv=KVPolicy("h2o", budget=16, chunk=8))
@@ -480,9 +481,30 @@ def test_greedy_speculative_equals_greedy_autoregressive_under_the_same_budget(
     assert int(out.accept_hist[-1]) > 0  # whole blocks went through between evictions
 
 
+def test_the_default_cadence_lets_whole_rounds_through_a_full_budget(params, drafters):
+  """KVPolicy's default evict_every lets rounds of gamma drafts through a cache at its budget;
+  evicting after every token (the control) cuts every round to one token once the budget fills
+  (12 prompt tokens, budget 16: one whole round fits before). Both exact."""
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  prompt = [[int(x) for x in np.random.default_rng(11).integers(0, 97, 12)]]
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8)
+  assert policy.evict_every >= 3 + 1
+  runs = {}
+  for every in (policy.evict_every, 1):
+    kv = dataclasses.replace(policy, evict_every=every)
+    want = generate(params, CFG, prompt, max_new_tokens=30, kv=kv).sequences()
+    runs[every] = speculative_generate(  # a drafter evicted like the target agrees with it
+        params, CFG, drafters["self"].with_kv(kv, room=4), prompt, kv=kv,
+        spec=SpecConfig(gamma=3, max_new_tokens=30))
+    assert runs[every].sequences() == want
+  whole = np.asarray(runs[policy.evict_every].accept_hist)
+  assert whole[-1] >= whole.sum() / 2, whole
+  assert int(runs[1].accept_hist[-1]) <= 1, np.asarray(runs[1].accept_hist)
+
+
 def test_sampled_speculative_runs_under_a_budget(params, drafters):
   from jspec.speculative.chain import SpecConfig, speculative_generate
-  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8)
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=1)
   out = speculative_generate(params, CFG, drafters["self"], [list(range(1, 41))], kv=policy,
                              spec=SpecConfig(gamma=3, max_new_tokens=20),
                              sampling=SamplingParams(temperature=1.0), key=3)
@@ -645,7 +667,7 @@ def test_riders_attention_counted_in_the_scores_breaks_identity(params, monkeypa
 def test_a_budgeted_drafter_cache_keeps_speculative_decoding_in_budget_sized_memory(params,
                                                                                    drafters):
   from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
-  policy = KVPolicy("keydiff", budget=32, sinks=4, chunk=16)
+  policy = KVPolicy("keydiff", budget=32, sinks=4, chunk=16, evict_every=1)
   prompt = [int(x) for x in np.random.default_rng(6).integers(0, 97, 8 * 32)]
   drafter = drafters["random"].with_kv(policy, room=4)
   jaxpr = jax.make_jaxpr(lambda p, d, t, n: speculative_generate_tokens(

@@ -190,7 +190,7 @@ def test_under_a_budget_the_prefill_probes_after_the_kept_entries(engine):
   one = dataclasses.replace(TARGET, num_layers=1)
   target = init_params(one, jax.random.key(1), scale=0.3)
   prompts, k = [PROMPTS[2] + [6], PROMPTS[0][:6], PROMPTS[2][:10]], 2
-  policy = KVPolicy("streaming", budget=8, sinks=2, chunk=4)
+  policy = KVPolicy("streaming", budget=8, sinks=2, chunk=4, evict_every=1)
   s = _one_token_run(target, one, engine, prompts, k, policy)
   for row, prompt in enumerate(prompts):
     L = len(prompt)

@@ -179,11 +179,12 @@ def kl_and_agreement(full: Array, policy: Array) -> tuple[float, float]:
 
 
 def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int, sinks: int,
-               window: int) -> KVPolicy:
+               window: int, evict_every: int = 1) -> KVPolicy:
   """The method's policy; "full" is a budget no run can fill (same chunked prefill, no eviction)."""
   if method == "full":
     return KVPolicy("streaming", budget=context + max_new + chunk, sinks=0, chunk=chunk)
-  return KVPolicy(method, budget=budget, sinks=sinks, window=window, chunk=min(chunk, budget))
+  return KVPolicy(method, budget=budget, sinks=sinks, window=window, chunk=min(chunk, budget),
+                  evict_every=evict_every)
 
 
 def cache_bytes(cfg: Config, policy: KVPolicy, itemsize: int) -> int:
@@ -206,6 +207,7 @@ class BenchKV:
   chunk: int = 128
   sinks: int = 4
   window: int = 0
+  evict_every: int = 1  # decoding (answers, the kl continuation): tokens between evictions
   continuation: int = 32
   seed: int = 0
   time_decode: bool = True  # prefill s and decode tok/s per record (two programs, eight runs more)
@@ -221,12 +223,16 @@ class BenchKV:
     if self.time_decode and self.decode_tokens < 2:
       raise ValueError(f"decode_tokens {self.decode_tokens} times nothing past the prefill's "
                        f"token: give 2 or more, or turn the timing off")
+    if "kl" in self.tasks and (not isinstance(self.continuation, int) or self.continuation < 1):
+      raise ValueError(f"the kl task scores `continuation` tokens after the context: give a "
+                       f"positive integer, got {self.continuation!r}")
     if any(b >= self.context for b in self.budgets):
       raise ValueError(f"budgets {list(self.budgets)} must be below the context {self.context} "
                        f"(a budget that holds the whole context is the full cache)")
     for method in self.methods:  # each policy's own checks (budget, sinks, window), before any run
       for budget in self.budgets if method != "full" else ():
-        policy_for(method, budget, self.context, 1, self.chunk, self.sinks, self.window)
+        policy_for(method, budget, self.context, 1, self.chunk, self.sinks, self.window,
+                   self.evict_every)
 
 
 def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) -> list[dict]:
@@ -255,7 +261,7 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
       if task == "kl" and method == "full":
         continue
       policy = policy_for(method, budget, setup.context, most_new, setup.chunk, setup.sinks,
-                          setup.window)
+                          setup.window, setup.evict_every)
       start = time.perf_counter()
       with CompileCounter() as compiled:
         if task == "kl":
@@ -273,6 +279,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
                                       others))
           result = {"accuracy": float(np.mean(correct)), "correct": [bool(c) for c in correct]}
       seconds = time.perf_counter() - start - compiled.seconds
+      if task == "kl":
+        result["continuation"] = setup.continuation
       if task != "kl" and setup.time_decode:  # every prompt is `context` tokens: one stands
         prefill_s, decode = time_prefill_decode(model, built[0][0], policy,  # for all
                                                 setup.decode_tokens)
@@ -281,7 +289,8 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
                 else None, "budget_fraction": budget / setup.context if method != "full" else 1.0,
                 "context": setup.context, "num_samples": setup.num_samples, **result,
                 "peak_kv_bytes": cache_bytes(cfg, policy, itemsize), "seconds": seconds,
-                "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.window}
+                "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.window,
+                "evict_every": policy.evict_every}
       records.append(record)
       progress(record)
   return records

@@ -28,7 +28,10 @@ class KVPolicy:
   window: the most recent committed positions, never evicted.
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
-    (1: every decoded token once the budget is full).
+    (1: every decoded token once the budget is full). The default, 16, lets speculative rounds of
+    up to 15 drafts through whole (a round stops at the next eviction to stay exact), costs no
+    memory while it is at most `chunk`, and tracked the full cache closer than 1 in every policy
+    measured (benchmarks/README.md, session 45).
   snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (kept
     positions).
   score_impl: how KeyDiff's scores are computed: "xla" (jnp), "pallas" (the key-similarity kernel,
@@ -40,7 +43,7 @@ class KVPolicy:
   sinks: int = 4
   window: int = 0
   chunk: int = 128
-  evict_every: int = 1
+  evict_every: int = 16
   snap_window: int = 32
   snap_kernel: int = 5
   score_impl: str = "xla"
