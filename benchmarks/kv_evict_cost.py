@@ -1,6 +1,6 @@
 """What evicting every decoded token costs: prefill seconds and decode tokens/s of one long prompt
-under a KV budget, evicting every token (`evict_every=1`, the default) and every k tokens, beside
-the full cache, in one process.
+under a KV budget, evicting every token (`evict_every=1`, the default until session 45) and every
+k tokens (16, the default since), beside the full cache, in one process.
 
   python benchmarks/kv_evict_cost.py --json benchmarks/kv_evict_cost_cpu.json
 
