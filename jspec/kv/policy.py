@@ -30,8 +30,8 @@ class KVPolicy:
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
     (1: every decoded token once the budget is full). The default, 16, lets speculative rounds of
     up to 15 drafts through whole (a round stops at the next eviction to stay exact), costs no
-    memory while it is at most `chunk`, and tracked the full cache closer than 1 in every policy
-    measured (benchmarks/README.md, session 45).
+    memory while it is at most `chunk`, and tracked the full cache at least as closely as 1 in
+    every policy measured (far closer for KeyDiff and H2O: benchmarks/README.md, session 45).
   snap_window, snap_kernel: SnapKV's observation window (queries) and pooling width (kept
     positions).
   score_impl: how KeyDiff's scores are computed: "xla" (jnp), "pallas" (the key-similarity kernel,
