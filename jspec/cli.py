@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 import time
@@ -528,6 +529,7 @@ def cmd_bench_tau(args) -> int:
 
   sampling = _sampling(args)
   trees = [t for text in args.tree for t in parse_trees(text)]
+  kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   if args.mesh not in (None, "none"):
     raise ValueError("bench-tau scores trees on one device (tau does not depend on the mesh): "
                      "drop --mesh")
@@ -537,21 +539,26 @@ def cmd_bench_tau(args) -> int:
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
+  _note_eviction_cadence(kv, max(t.max_depth for t in trees))
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
   responses = paired_tau.target_responses(model, prompts, max_new_tokens=args.max_new_tokens,
                                           sampling=sampling, seed=args.seed)
   contexts = paired_tau.contexts_from_responses(prompts, responses, args.stride)
   result = paired_tau.paired_tau(model.params, model.cfg, drafter, contexts, trees,
                                  sampling=sampling, seed=args.seed, rounds=args.rounds,
-                                 batch=args.batch)
+                                 batch=args.batch, kv=kv, draft_kv=draft_kv)
   records = result.records()
   for r in records:
-    r.update(model=args.model, drafter=args.drafter, dataset=args.dataset,
+    r.update(kv=None if kv is None else dataclasses.asdict(kv),
+             draft_kv=None if draft_kv is None else dataclasses.asdict(draft_kv),
+             model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
              top_p=args.top_p, seed=args.seed, matmul_precision=precision_label())
   stamp = _stamp(records)
-  out = args.json or Path("benchmarks") / f"paired_tau_{args.dataset}_t{args.temperature:g}_{stamp}.json"
+  tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"
+  out = args.json or Path("benchmarks") / (f"paired_tau_{args.dataset}_t{args.temperature:g}"
+                                           f"{tag}_{stamp}.json")
   for r in records:
     if r["kind"] == "paired_tau":
       print(f"{r['tree']:<28} N={r['num_nodes']:<3} tau {r['tau']:.3f} +- {r['tau_se']:.3f} "
@@ -760,7 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
   a.add_argument("--rounds", type=int, default=8, help="independent rounds per context")
   a.add_argument("--batch", type=int, default=16, help="contexts per compiled call")
   a.add_argument("--json", type=Path, default=None, help="output file (default under benchmarks/)")
-  a.set_defaults(fn=cmd_bench_tau)
+  _add_kv_args(a)  # the target (and a model drafter) under the budget; the contexts come from the
+  a.set_defaults(fn=cmd_bench_tau)  # full-cache target's responses, so runs pair across budgets
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
   t.add_argument("--model", "--target", dest="model", default="default", help=_TARGET_HELP)
   t.add_argument("--out", type=Path, required=True,

@@ -369,6 +369,27 @@ def test_bench_tau_paired_records(tiny_model, tmp_path, capsys):
   assert "needs a drafter" in capsys.readouterr().err
 
 
+def test_bench_tau_under_a_kv_budget(tiny_model, tmp_path, capsys):
+  """bench-tau --kv-budget scores rounds as the budgeted engine runs them: every chat prompt
+  overfills a budget of 8, so at --kv-evict-every 1 each round is cut before its first draft
+  (tau exactly 1, while the same trees on the full cache accept the self drafter's whole depth);
+  the records carry both policies, and the cadence note is printed."""
+  out = tmp_path / "tau.json"
+  base = ["bench-tau", "--model", str(tiny_model), "--num-prompts", "2", "--max-new-tokens", "4",
+          "--stride", "2", "--rounds", "1", "--batch", "2", "--drafter", "self", "--tree",
+          "chain:2,rsd-c:2-1", "--json", str(out)]
+  assert main(base + ["--kv-budget", "8", "--kv-policy", "h2o", "--kv-evict-every", "1"]) == 0
+  records = json.loads(out.read_text())
+  taus = [r for r in records if r["kind"] == "paired_tau"]
+  assert [r["tau"] for r in taus] == [1.0, 1.0]
+  assert all(r["kv"]["budget"] == 8 and r["kv"]["method"] == "h2o" for r in records)
+  assert all(r["draft_kv"]["method"] == "keydiff" for r in records)  # --kv-drafter auto
+  assert "--kv-evict-every 3" in capsys.readouterr().err
+  assert main(base) == 0
+  assert [r["tau"] for r in json.loads(out.read_text()) if r["kind"] == "paired_tau"] == [3.0, 3.0]
+  assert all(r["kv"] is None for r in json.loads(out.read_text()))
+
+
 def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys):
   base = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
           "--max-new-tokens", "8"]

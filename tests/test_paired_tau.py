@@ -10,6 +10,7 @@ import pytest
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params
 from jspec.bench.paired_tau import PairedResult, contexts_from_responses, paired_tau
+from jspec.kv.policy import KVPolicy
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.drafting.model import ModelDrafter
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
@@ -37,6 +38,34 @@ def test_greedy_rounds_equal_the_engines_first_round(target, tree):
     hist = np.asarray(out.accept_hist)  # one round (the second token ends the run)
     assert hist.sum() == 1 and np.argmax(hist) == n[c, 0], (c, ctx, hist)
   assert 0 < n.mean() < shape.max_depth  # rejections and acceptances both happened
+
+
+@pytest.mark.parametrize("method,every", [("h2o", 4), ("keydiff", 4), ("keydiff", 1)])
+def test_greedy_rounds_under_a_budget_equal_the_budgeted_engines_first_round(target, method,
+                                                                              every):
+  """Under a KV budget each round is the budgeted engine's first round (the prompt's chunked
+  prefill evicting to the budget; H2O fed by the verification's queries). At evict_every 1 a
+  prompt that filled the budget is due for eviction after its next token, so the engine uses no
+  draft: every round must score 0 (its cut), whatever the tree accepted. KeyDiff budgets the drafter's cache too."""
+  drafter = noised_drafter(target, 0.1)
+  shape = parse_tree("rsd-c:3-2-1")
+  kv = KVPolicy(method, budget=10, sinks=2, chunk=4, evict_every=every)
+  draft_kv = kv if method == "keydiff" else None
+  contexts = [[(7 * i + 3 * j) % 64 for j in range(14 + i)] for i in range(6)]  # 14..19 > 10
+  res = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=2,
+                   batch=3, progress=False, kv=kv, draft_kv=draft_kv)
+  n = res.n_acc[0]  # [C, R]
+  for c, ctx in enumerate(contexts):
+    out = tree_speculative_generate(target, TARGET, drafter, [ctx], kv=kv, draft_kv=draft_kv,
+                                    spec=TreeSpecConfig(shape, max_new_tokens=2))
+    hist = np.asarray(out.accept_hist)
+    assert hist.sum() == 1 and np.argmax(hist) == n[c, 0], (c, hist, n[c])
+  if every == 1:
+    assert (n == 0).all()
+  else:
+    full = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=1,
+                      batch=3, progress=False).n_acc[0, :, 0]
+    assert 0 < n.mean() and (full != n[:, 0]).any(), (full, n[:, 0])  # the budget mattered
 
 
 def test_sampled_rounds_match_exact_acceptance():

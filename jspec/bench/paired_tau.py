@@ -25,11 +25,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jspec.decode import pad_prompts, plan_cache
+from jspec.kv.policy import KVPolicy
 from jspec.model import Model
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import SamplingParams
-from jspec.speculative.loop import initial_state
+from jspec.speculative.loop import budgeted_slots, initial_state
 from jspec.speculative.tree import TreeSpecConfig, check_tree_run, tree_round
 from jspec.tree.shapes import TreeShape
 
@@ -38,27 +39,37 @@ Array = jax.Array
 
 def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt_lengths: Array,
                      key: Array, sampling: SamplingParams, *, shape: TreeShape, cache_size: int,
-                     rounds: int) -> Array:
+                     rounds: int, kv: KVPolicy | None = None) -> Array:
   """Accepted drafts [rounds, B] of `rounds` independent rounds of `shape` from each prompt.
 
   Target and drafter prefill the prompt and the target samples one token (as the engine's first
   step, from `key`'s first split: equal keys give equal contexts across shapes); every round then
   drafts and verifies from that same state with its own key.
+
+  kv: the target under a KV budget, as the tree engine runs it (chunked prefill evicting to the
+  budget, attention-score policies fed by the verification's committed queries). A round counts
+  what the engine would emit: drafts past the next eviction are not used (the engine's cut), so a
+  cadence below the tree's depth caps a round at it from a prompt that filled the budget.
   """
   spec = TreeSpecConfig(shape, max_new_tokens=1)
   k_start, k_rounds = jax.random.split(key)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, k_start, sampling, spec,
-                        cache_size, max_accepted=shape.max_depth)
+                        cache_size, max_accepted=shape.max_depth, kv=kv,
+                        target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1))
 
   def one_round(k: Array) -> Array:
     k_draft, k_verify = jax.random.split(k)
-    return tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape).n_acc
+    n_acc = tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape, kv).n_acc
+    if kv is None:
+      return n_acc
+    cut = jnp.maximum(kv.budget + kv.evict_every - 1 - state.cache.lengths, 0)  # [B]
+    return jnp.minimum(n_acc, cut)
 
   return jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
 
 
 _round_acceptance_jit = jax.jit(round_acceptance, static_argnums=(1,),
-                                static_argnames=("shape", "cache_size", "rounds"))
+                                static_argnames=("shape", "cache_size", "rounds", "kv"))
 
 
 def contexts_from_responses(prompts: Sequence[Sequence[int]],
@@ -111,11 +122,15 @@ class PairedResult:
 
 def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence[int]],
                shapes: Sequence[TreeShape], *, sampling: SamplingParams, seed: int = 0,
-               rounds: int = 8, batch: int = 16, progress: bool = True) -> PairedResult:
+               rounds: int = 8, batch: int = 16, progress: bool = True,
+               kv: KVPolicy | None = None, draft_kv: KVPolicy | None = None) -> PairedResult:
   """Score every shape on the same contexts: n_acc [S, C, R].
 
   All contexts are padded to one prompt bucket (one compiled program per shape); batches of
   `batch` contexts, the last one padded with repeats of the first context (dropped after).
+  kv: the target under this KV budget (`round_acceptance`); draft_kv: a model drafter's own
+  cache under this one (`Drafter.with_kv`). The same contexts and keys with and without them, so
+  runs that differ only in the budget are paired too.
   """
   if not shapes:
     raise ValueError("paired_tau needs at least one tree shape")
@@ -125,6 +140,10 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
     raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
   sampling.validate()
   reserve = max(TreeSpecConfig(s, max_new_tokens=1).reserve for s in shapes)
+  if draft_kv is not None:
+    if kv is None:
+      raise ValueError("draft_kv budgets the drafter beside a budgeted target: give kv too")
+    drafter = drafter.with_kv(draft_kv, reserve + 1)
   for s in shapes:
     check_tree_run(cfg, drafter, TreeSpecConfig(s, max_new_tokens=1))
   bucket, cache_size = plan_cache(cfg, [len(c) for c in contexts], 1, None, reserve,
@@ -141,7 +160,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
       key = jax.random.fold_in(base, i)  # the same contexts and keys for every shape
       out = _round_acceptance_jit(params, cfg, drafter, jnp.asarray(tokens[i:i + batch]),
                                   jnp.asarray(lengths[i:i + batch]), key, sampling_arrays,
-                                  shape=shape, cache_size=cache_size, rounds=rounds)
+                                  shape=shape, cache_size=cache_size, rounds=rounds, kv=kv)
       n_acc[s, i:i + batch] = np.asarray(out).T
       bar.update(1)
     jax.clear_caches()  # one program per shape: drop it (LLVM memory maps, see jspec bench)
