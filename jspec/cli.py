@@ -84,7 +84,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                  help="prefill tokens per block, at most the budget (default: 128, or the budget "
                       "if smaller)")
   p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
-  p.add_argument("--kv-window", type=int, default=0, help="newest entries never evicted")
+  p.add_argument("--kv-window", type=int, default=None,
+                 help="newest entries never evicted (default: the method's own; h2o keeps a "
+                      "recent half of what the sinks leave, as its paper; the others none)")
   p.add_argument("--kv-evict-every", type=int, default=16,
                  help="decoded tokens between evictions (default 16: speculative rounds of up to "
                       "15 drafts run whole; 1 evicts after every token, so a round can use one)")
@@ -712,7 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "- a one-token run's), best of 3 alternated)")
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
-  v.add_argument("--window", type=int, default=0)
+  v.add_argument("--window", type=int, default=None,
+                 help="newest entries never evicted (default: each method's own; h2o keeps a "
+                      "recent half of what the sinks leave, as its paper; the others none; "
+                      "records before session 46 ran h2o with 0)")
   v.add_argument("--continuation", type=int, default=32,
                  help="kl task: teacher-forced tokens scored after the context")
   v.add_argument("--evict-every", type=int, default=1,

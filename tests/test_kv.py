@@ -91,6 +91,31 @@ def test_eviction_protects_sinks_and_window_and_ignores_empty_slots():
   assert np.isfinite(scores[:, 0, 1:7]).all()
 
 
+def test_h2o_keeps_a_recent_half_by_default_as_its_paper():
+  """H2O's paper splits its budget between heavy hitters and the most recent tokens; without the
+  recent half it drops every new token at once (one query's mass). The default window is that
+  half of what the sinks leave, for H2O (+ CAOTE) only; an explicit window wins; and eviction
+  protects it: the newest entries survive with no attention mass at all."""
+  assert KVPolicy("h2o", budget=512).window == 254
+  assert KVPolicy("h2o+caote", budget=64, sinks=0, chunk=64).window == 32
+  for method in ("keydiff", "streaming", "tova", "snapkv", "tova+caote", "snapkv+caote"):
+    assert KVPolicy(method, budget=512).window == 0, method
+  assert KVPolicy("h2o", budget=512, window=0).window == 0
+  assert KVPolicy("h2o", budget=5, chunk=4).window == 0  # no room beside the sinks' 4
+  L, B, S, K, D = 1, 1, 16, 1, 4
+  rng = np.random.default_rng(3)
+  k, v = rng.standard_normal((2, L, B, S, K, D)).astype(np.float32)
+  mass = np.zeros((L, B, S, K), np.float32)
+  mass[0, 0, :6, 0] = [1, 5, 4, 3, 2, 6]  # the 6 oldest are the heavy hitters
+  cache = dataclasses.replace(cache_of(k, v, [12]), mass=jnp.asarray(mass))
+  policy = KVPolicy("h2o", budget=8, sinks=0, chunk=4)  # window 4
+  out, _ = evict(policy, cache, NONE_YET)
+  kept = sorted(np.asarray(out.positions[0, 0, :8, 0]).tolist())
+  assert kept == [1, 2, 3, 5, 8, 9, 10, 11], kept  # 4 heaviest + the 4 newest (mass 0)
+  out, _ = evict(dataclasses.replace(policy, window=0), cache, NONE_YET)
+  assert sorted(np.asarray(out.positions[0, 0, :8, 0]).tolist())[:6] == [0, 1, 2, 3, 4, 5]
+
+
 def test_sinks_window_and_recency_read_positions_once_slots_are_reused():
   """After evictions the newest entries sit in freed low slots: the window, the sinks and
   StreamingLLM's recency must follow the recorded positions (a slot-order rule would protect

@@ -179,7 +179,7 @@ def kl_and_agreement(full: Array, policy: Array) -> tuple[float, float]:
 
 
 def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int, sinks: int,
-               window: int, evict_every: int = 1) -> KVPolicy:
+               window: int | None, evict_every: int = 1) -> KVPolicy:
   """The method's policy; "full" is a budget no run can fill (same chunked prefill, no eviction)."""
   if method == "full":
     return KVPolicy("streaming", budget=context + max_new + chunk, sinks=0, chunk=chunk)
@@ -206,7 +206,7 @@ class BenchKV:
   num_samples: int = 8
   chunk: int = 128
   sinks: int = 4
-  window: int = 0
+  window: int | None = None  # None: each method's own (KVPolicy.window)
   evict_every: int = 1  # decoding (answers, the kl continuation): tokens between evictions
   continuation: int = 32
   seed: int = 0

@@ -13,6 +13,16 @@ SCORE_IMPLS = ("xla", "pallas", "pallas-interpret")
 METHODS = KEY_METHODS + ATTENTION_METHODS + tuple(f"{m}+caote" for m in ATTENTION_METHODS)
 
 
+def default_window(method: str, budget: int, sinks: int) -> int:
+  """The recent window a method keeps unless told otherwise: H2O's paper splits its budget evenly
+  between heavy hitters and the most recent tokens (e.g. 10% + 10%); here half of what the sinks
+  leave. Without it H2O drops each new token at once (its accumulated mass is one query's), 3.8x
+  further from the full cache in KL at a 25% budget (benchmarks/README.md, session 46). StreamingLLM
+  keeps sinks + the newest by definition, and KeyDiff, TOVA and SnapKV score the newest entries
+  like any other."""
+  return max(budget - sinks, 0) // 2 if method.split("+")[0] == "h2o" else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class KVPolicy:
   """Keep `budget` committed cache slots per row (in every layer and KV head).
@@ -25,7 +35,9 @@ class KVPolicy:
     error in the attention output that evicting the slot would cause, from those scores and the
     values).
   sinks: the first positions, never evicted (attention sinks).
-  window: the most recent committed positions, never evicted.
+  window: the most recent committed positions, never evicted. None (the default): the method's
+    own, `default_window`: H2O keeps a recent half beside its heavy hitters, as its paper does
+    (half of what the sinks leave); the other methods keep none (their papers' choice).
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
     (1: every decoded token once the budget is full). The default, 16, lets speculative rounds of
@@ -41,7 +53,7 @@ class KVPolicy:
   method: str
   budget: int
   sinks: int = 4
-  window: int = 0
+  window: int | None = None
   chunk: int = 128
   evict_every: int = 16
   snap_window: int = 32
@@ -55,6 +67,8 @@ class KVPolicy:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"KVPolicy {name} must be a positive integer, got {value!r}")
+    if isinstance(self.sinks, int) and self.sinks >= 0 and self.window is None:
+      object.__setattr__(self, "window", default_window(self.method, self.budget, self.sinks))
     for name in ("sinks", "window"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
