@@ -67,7 +67,7 @@ def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gamma", type=_gamma, default=None,
                  help="draft tokens per round (default 4; K for --drafter mtp:K), or 'auto': "
                       "calibrate on the first prompt (one run at gamma 8 + each piece of a round "
-                      "timed) and take the gamma with the most expected tokens per second (model "
+                      "timed, under --kv-budget if given) and take the gamma with the most expected tokens per second (model "
                       "drafters)")
 
 
@@ -132,9 +132,11 @@ def _gamma(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
-def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None):
+def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None, kv=None,
+                   draft_kv=None):
   """(gamma, choice): args.gamma, or for 'auto' the gamma calibrated with the first model drafter
-  among `drafters` (its table printed to stderr) and that GammaChoice. Without --gamma: 4, or
+  among `drafters` (under the run's KV budget `kv`, `draft_kv`; its table printed to stderr) and
+  that GammaChoice. Without --gamma: 4, or
   the fewest masks of the probing drafters (mtp:K drafts at most K a round)."""
   if args.gamma is None:
     probes = [d.probe_masks for d in drafters if d is not None and d.probe_masks]
@@ -147,7 +149,8 @@ def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None
   if drafter is None or tree is not None:
     raise ValueError("--gamma auto picks a chain length for a model drafter: it needs a model "
                      "drafter (default, self, early-exit:K, model:PATH) and no --tree")
-  choice = choose_gamma(model, drafter, prompt, sampling=sampling, key=args.seed)
+  choice = choose_gamma(model, drafter, prompt, sampling=sampling, key=args.seed, kv=kv,
+                        draft_kv=draft_kv)
   print(f"[jspec] --gamma auto (calibrated on the first prompt):\n{choice.table()}",
         file=sys.stderr)
   return choice.gamma, choice
@@ -194,7 +197,7 @@ def cmd_generate(args) -> int:
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]
-  gamma, _ = _resolve_gamma(args, model, [drafter], ids[0], sampling, args.tree)
+  gamma, _ = _resolve_gamma(args, model, [drafter], ids[0], sampling, args.tree, kv, draft_kv)
   if drafter is not None:
     tree = parse_tree(args.tree) if args.tree else drafter.own_tree
     _note_eviction_cadence(kv, gamma if tree is None else tree.max_depth)
@@ -286,7 +289,8 @@ def cmd_bench(args) -> int:
     check_tree_target(model.params)  # an int8-xla target cannot verify trees
   for d in drafters:  # nor run probe masks or windows beside its verification block
     check_extra_positions_target(model.params, d.drafter)
-  gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling)
+  gamma, choice = _resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling,
+                                 kv=kv, draft_kv=draft_kv)
   if drafters:
     _note_eviction_cadence(kv, max([gamma] + [t.max_depth for t in trees]
                                    + [d.drafter.own_tree.max_depth for d in drafters

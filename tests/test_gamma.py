@@ -64,3 +64,26 @@ def test_calibration_costs_come_from_the_round_split(tiny, monkeypatch):
 def test_needs_a_model_drafter(tiny):
   with pytest.raises(ValueError, match="needs a model drafter"):
     choose_gamma(tiny, NgramDrafter(vocab=CFG.vocab_size), [1, 2, 3])
+
+
+def test_calibration_runs_under_the_budget_the_run_will_have(tiny, monkeypatch):
+  """Under a KV budget the calibration run evicts as the run will (the target evicts, the self
+  drafter keeps a full cache: acceptance below 1, equal to that budgeted run's) and the pieces
+  are timed over the budgeted cache at a context it holds, not over the whole prompt."""
+  from jspec.kv.policy import KVPolicy
+  from jspec.speculative.loop import budgeted_slots
+  kv = KVPolicy("h2o", budget=16, sinks=2, chunk=8, evict_every=4)
+  prompt = [(5 * i + 3) % 64 for i in range(120)]
+  seen = {}
+  monkeypatch.setattr("jspec.bench.gamma.round_split_s",
+                      lambda *a, context, cache_size, **k: seen.update(
+                          context=context, cache_size=cache_size) or {
+                          "draft_layers": 0.3, "draft_head": 0.06, "verify_layers": 1.5,
+                          "verify_head": 0.5, "ar_step": 1.0})
+  drafter = ModelDrafter(tiny.params, CFG)
+  choice = choose_gamma(tiny, drafter, prompt, max_gamma=3, calibration_tokens=16, kv=kv)
+  want = tiny.generate_ids([prompt], max_new_tokens=16, stop=False, drafter=drafter, gamma=3,
+                           kv=kv).acceptance_rate
+  np.testing.assert_allclose(choice.accepted_at, want)
+  assert min(choice.accepted_at) < 1.0  # the budget changed what the target says
+  assert seen == {"context": 16 + 4 - 1, "cache_size": budgeted_slots(kv, drafter, 4)}

@@ -8,7 +8,9 @@ Cost of a round: gamma drafter steps + one target forward of gamma + 1 tokens, f
 split (`bench.round_split`: each piece jitted and timed alone) at max_gamma; the verification
 forward is linear between the one-token step (also the baseline: one autoregressive step) and the
 max_gamma + 1 token block. This is the expected speed-up of Leviathan et al. (2023, section 3.4)
-with the acceptance per position measured instead of assumed constant.
+with the acceptance per position measured instead of assumed constant. Under a KV budget both are
+measured as the run will go: the calibration run evicts like it, and the pieces are timed over a
+budget-sized cache at a context the budget holds.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import numpy as np
 from jspec.bench.round_split import round_split_s
 from jspec.decode import plan_cache
 from jspec.drafting.model import ModelDrafter
+from jspec.kv.policy import KVPolicy
 from jspec.model import Model
 from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.speculative.loop import budgeted_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +62,31 @@ def expected_rows(accepted_at: Sequence[float], draft_step_s: float, verify_s,
 
 def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
                  max_gamma: int = 8, sampling: SamplingParams = GREEDY, key: int = 0,
-                 calibration_tokens: int = 64) -> GammaChoice:
-  """Calibrate on `prompt` (one speculative run at max_gamma + the round split) and pick gamma."""
+                 calibration_tokens: int = 64, kv: KVPolicy | None = None,
+                 draft_kv: KVPolicy | None = None) -> GammaChoice:
+  """Calibrate on `prompt` (one speculative run at max_gamma + the round split) and pick gamma.
+
+  kv, draft_kv: the budget the run will have (`Model.generate_ids`): calibrating on a full cache
+  would prefill a long prompt whole (the memory the budget exists to avoid) and time forwards over
+  a cache the run never has."""
   if not isinstance(drafter, ModelDrafter):
     raise ValueError(f"--gamma auto times the drafter's network, so it needs a model drafter "
                      f"(default, self, early-exit:K, model:PATH), got {type(drafter).__name__}; "
                      f"pass a number, e.g. --gamma 4")
   if int(max_gamma) != max_gamma or max_gamma < 1:
     raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
+  budget = {} if kv is None else {"kv": kv, "draft_kv": draft_kv}
   out = model.off_mesh_for(1).generate_ids([prompt], max_new_tokens=calibration_tokens,
                                            sampling=sampling, key=key, stop=False,
-                                           drafter=drafter, gamma=max_gamma)
+                                           drafter=drafter, gamma=max_gamma, **budget)
   accepted_at = out.acceptance_rate  # [max_gamma]: P(draft i accepted)
   context = len(prompt) + calibration_tokens // 2
-  _, cache_size = plan_cache(model.cfg, [len(prompt)], calibration_tokens, reserve=max_gamma + 1)
+  if kv is None:
+    _, cache_size = plan_cache(model.cfg, [len(prompt)], calibration_tokens,
+                               reserve=max_gamma + 1)
+  else:  # the budgeted target's slots, holding at most a full row's entries
+    cache_size = budgeted_slots(kv, drafter, max_gamma + 1)
+    context = min(context, kv.budget + kv.evict_every - 1)
   split = round_split_s(model.params, model.cfg, drafter, max_gamma,
                         jax.tree.map(jnp.asarray, sampling), context=context,
                         cache_size=cache_size)
