@@ -94,12 +94,17 @@ def test_eviction_protects_sinks_and_window_and_ignores_empty_slots():
 def test_h2o_keeps_a_recent_half_by_default_as_its_paper():
   """H2O's paper splits its budget between heavy hitters and the most recent tokens; without the
   recent half it drops every new token at once (one query's mass). The default window is that
-  half of what the sinks leave, for H2O (+ CAOTE) only; an explicit window wins; and eviction
-  protects it: the newest entries survive with no attention mass at all."""
+  half of what the sinks leave for H2O (+ CAOTE), SnapKV's observation window for SnapKV, none
+  for the others; an explicit window wins; and eviction protects it: the newest entries survive
+  with no attention mass at all."""
   assert KVPolicy("h2o", budget=512).window == 254
   assert KVPolicy("h2o+caote", budget=64, sinks=0, chunk=64).window == 32
-  for method in ("keydiff", "streaming", "tova", "snapkv", "tova+caote", "snapkv+caote"):
+  for method in ("keydiff", "streaming", "tova", "tova+caote"):
     assert KVPolicy(method, budget=512).window == 0, method
+  for method in ("snapkv", "snapkv+caote"):  # SnapKV keeps its observation window
+    assert KVPolicy(method, budget=512).window == 32, method
+    assert KVPolicy(method, budget=512, snap_window=8).window == 8, method
+    assert KVPolicy(method, budget=24, chunk=8).window == 10, method  # at most the half
   assert KVPolicy("h2o", budget=512, window=0).window == 0
   assert KVPolicy("h2o", budget=5, chunk=4).window == 0  # no room beside the sinks' 4
   L, B, S, K, D = 1, 1, 16, 1, 4

@@ -13,14 +13,17 @@ SCORE_IMPLS = ("xla", "pallas", "pallas-interpret")
 METHODS = KEY_METHODS + ATTENTION_METHODS + tuple(f"{m}+caote" for m in ATTENTION_METHODS)
 
 
-def default_window(method: str, budget: int, sinks: int) -> int:
+def default_window(method: str, budget: int, sinks: int, snap_window: int = 32) -> int:
   """The recent window a method keeps unless told otherwise: H2O's paper splits its budget evenly
   between heavy hitters and the most recent tokens (e.g. 10% + 10%); here half of what the sinks
   leave. Without it H2O drops each new token at once (its accumulated mass is one query's), 3.8x
-  further from the full cache in KL at a 25% budget (benchmarks/README.md, session 46). StreamingLLM
-  keeps sinks + the newest by definition, and KeyDiff, TOVA and SnapKV score the newest entries
-  like any other."""
-  return max(budget - sinks, 0) // 2 if method.split("+")[0] == "h2o" else 0
+  further from the full cache in KL at a 25% budget (benchmarks/README.md, session 46). SnapKV's
+  paper keeps its observation window beside the entries it selects (`snap_window`, at most that
+  half). StreamingLLM keeps sinks + the newest by definition, and KeyDiff and TOVA score the
+  newest entries like any other."""
+  half = max(budget - sinks, 0) // 2
+  base = method.split("+")[0]
+  return half if base == "h2o" else min(snap_window, half) if base == "snapkv" else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +39,8 @@ class KVPolicy:
     values).
   sinks: the first positions, never evicted (attention sinks).
   window: the most recent committed positions, never evicted. None (the default): the method's
-    own, `default_window`: H2O keeps a recent half beside its heavy hitters, as its paper does
-    (half of what the sinks leave); the other methods keep none (their papers' choice).
+    own, `default_window`: H2O keeps a recent half beside its heavy hitters (half of what the
+    sinks leave) and SnapKV its observation window, as their papers do; the others keep none.
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
     (1: every decoded token once the budget is full). The default, 16, lets speculative rounds of
@@ -68,7 +71,8 @@ class KVPolicy:
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"KVPolicy {name} must be a positive integer, got {value!r}")
     if isinstance(self.sinks, int) and self.sinks >= 0 and self.window is None:
-      object.__setattr__(self, "window", default_window(self.method, self.budget, self.sinks))
+      object.__setattr__(self, "window", default_window(self.method, self.budget, self.sinks,
+                                                        self.snap_window))
     for name in ("sinks", "window"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
