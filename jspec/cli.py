@@ -224,7 +224,10 @@ def cmd_generate(args) -> int:
         + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
            + (f"tree {args.tree or drafter.own_tree})"
               if args.tree or drafter.own_tree is not None else f"gamma {gamma})")
-           if drafter is not None else ")"), file=sys.stderr)
+           if drafter is not None else ")")
+        + ("" if kv is None else f"; KV budget {kv.budget} a row ({kv.method}: sinks {kv.sinks}, "
+           f"window {kv.window}, chunk {kv.chunk}, evict every {kv.evict_every})"),
+        file=sys.stderr)
   return 0
 
 
