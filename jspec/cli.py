@@ -85,9 +85,8 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                       "if smaller)")
   p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
   p.add_argument("--kv-window", type=int, default=None,
-                 help="newest entries never evicted (default: the method's own, as its paper: "
-                      "h2o a recent half of what the sinks leave, snapkv its 32-query "
-                      "observation window, the others none)")
+                 help="newest entries never evicted (default: the method's own: h2o 32 recent "
+                      "entries, snapkv its 32-query observation window, the others none)")
   p.add_argument("--kv-evict-every", type=int, default=16,
                  help="decoded tokens between evictions (default 16: speculative rounds of up to "
                       "15 drafts run whole; 1 evicts after every token, so a round can use one)")
@@ -723,9 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--chunk", type=int, default=128)
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=None,
-                 help="newest entries never evicted (default: each method's own, as its paper: "
-                      "h2o a recent half of what the sinks leave, snapkv its observation window, "
-                      "the others none; records before session 46 ran every method with 0)")
+                 help="newest entries never evicted (default: each method's own: h2o 32 recent "
+                      "entries, snapkv its observation window, the others none; records before "
+                      "session 46 ran every method with 0)")
   v.add_argument("--continuation", type=int, default=32,
                  help="kl task: teacher-forced tokens scored after the context")
   v.add_argument("--evict-every", type=int, default=1,

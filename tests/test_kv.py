@@ -91,21 +91,22 @@ def test_eviction_protects_sinks_and_window_and_ignores_empty_slots():
   assert np.isfinite(scores[:, 0, 1:7]).all()
 
 
-def test_h2o_keeps_a_recent_half_by_default_as_its_paper():
-  """H2O's paper splits its budget between heavy hitters and the most recent tokens; without the
-  recent half it drops every new token at once (one query's mass). The default window is that
-  half of what the sinks leave for H2O (+ CAOTE), SnapKV's observation window for SnapKV, none
-  for the others; an explicit window wins; and eviction protects it: the newest entries survive
-  with no attention mass at all."""
-  assert KVPolicy("h2o", budget=512).window == 254
-  assert KVPolicy("h2o+caote", budget=64, sinks=0, chunk=64).window == 32
+def test_h2o_and_snapkv_keep_recent_entries_by_default_as_their_papers():
+  """H2O's paper keeps recent tokens beside the heavy hitters; without them it drops every new
+  token at once (one query's mass). The default window is 32 entries for H2O (+ CAOTE), SnapKV's
+  observation window for SnapKV, none for the others, at most half of what the sinks leave; an
+  explicit window wins; and eviction protects it: the newest entries survive with no attention
+  mass at all."""
+  assert KVPolicy("h2o", budget=512).window == 32
+  assert KVPolicy("h2o+caote", budget=40, sinks=0, chunk=40).window == 20  # at most the half
   for method in ("keydiff", "streaming", "tova", "tova+caote"):
     assert KVPolicy(method, budget=512).window == 0, method
   for method in ("snapkv", "snapkv+caote"):  # SnapKV keeps its observation window
     assert KVPolicy(method, budget=512).window == 32, method
     assert KVPolicy(method, budget=512, snap_window=8).window == 8, method
-    assert KVPolicy(method, budget=24, chunk=8).window == 10, method  # at most the half
+    assert KVPolicy(method, budget=24, chunk=8).window == 10, method
   assert KVPolicy("h2o", budget=512, window=0).window == 0
+  assert KVPolicy("h2o", budget=512, window=254).window == 254  # the paper's even split
   assert KVPolicy("h2o", budget=5, chunk=4).window == 0  # no room beside the sinks' 4
   L, B, S, K, D = 1, 1, 16, 1, 4
   rng = np.random.default_rng(3)
