@@ -109,6 +109,8 @@ def test_records_and_paired_differences():
   assert [r["tree"] for r in taus] == [str(s) for s in shapes]
   np.testing.assert_allclose([r["tau"] for r in taus], n_acc.mean(axis=(1, 2)) + 1)
   assert all(sum(r["accept_hist"]) == 200 for r in taus)
+  np.testing.assert_allclose([r["per_context_tau"] for r in taus], n_acc.mean(axis=2) + 1,
+                             atol=1e-4)
   # rsd-c:2-1 and specinfer:2-1 have 4 nodes, chain:2 has 2: one pair only.
   assert len(diffs) == 1 and diffs[0]["tau_a_minus_b"] == 0.0
 

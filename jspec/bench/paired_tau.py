@@ -107,7 +107,10 @@ class PairedResult:
                   "tree_nodes": shape.num_nodes + 1, "num_nodes": shape.num_nodes,
                   "tau": float(x[s].mean()), "tau_se": se(x[s]), "contexts": C,
                   "rounds_per_context": int(self.n_acc.shape[2]),
-                  "accept_hist": hist.tolist()})
+                  "accept_hist": hist.tolist(),
+                  # per context, in order: two runs on the same contexts (another budget, say)
+                  # pair context by context from their records
+                  "per_context_tau": [round(float(t), 4) for t in x[s]]})
     for a in range(len(self.shapes)):
       for b in range(a + 1, len(self.shapes)):
         if self.shapes[a].num_nodes != self.shapes[b].num_nodes:
