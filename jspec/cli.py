@@ -67,8 +67,8 @@ def _add_gamma_arg(p: argparse.ArgumentParser) -> None:
   p.add_argument("--gamma", type=_gamma, default=None,
                  help="draft tokens per round (default 4; K for --drafter mtp:K), or 'auto': "
                       "calibrate on the first prompt (one run at gamma 8 + each piece of a round "
-                      "timed, under --kv-budget if given) and take the gamma with the most expected tokens per second (model "
-                      "drafters)")
+                      "timed, under --kv-budget if given) and take the gamma with the most "
+                      "expected tokens per second (model drafters)")
 
 
 def _add_kv_args(p: argparse.ArgumentParser) -> None:
@@ -136,8 +136,8 @@ def _resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None
                    draft_kv=None):
   """(gamma, choice): args.gamma, or for 'auto' the gamma calibrated with the first model drafter
   among `drafters` (under the run's KV budget `kv`, `draft_kv`; its table printed to stderr) and
-  that GammaChoice. Without --gamma: 4, or
-  the fewest masks of the probing drafters (mtp:K drafts at most K a round)."""
+  that GammaChoice. Without --gamma: 4, or the fewest masks of the probing drafters (mtp:K drafts
+  at most K a round)."""
   if args.gamma is None:
     probes = [d.probe_masks for d in drafters if d is not None and d.probe_masks]
     return min(probes, default=4), None
