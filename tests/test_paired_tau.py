@@ -46,7 +46,8 @@ def test_greedy_rounds_under_a_budget_equal_the_budgeted_engines_first_round(tar
   """Under a KV budget each round is the budgeted engine's first round (the prompt's chunked
   prefill evicting to the budget; H2O fed by the verification's queries). At evict_every 1 a
   prompt that filled the budget is due for eviction after its next token, so the engine uses no
-  draft: every round must score 0 (its cut), whatever the tree accepted. KeyDiff budgets the drafter's cache too."""
+  draft: every round must score 0 (its cut), whatever the tree accepted. KeyDiff budgets the
+  drafter's cache too."""
   drafter = noised_drafter(target, 0.1)
   shape = parse_tree("rsd-c:3-2-1")
   kv = KVPolicy(method, budget=10, sinks=2, chunk=4, evict_every=every)
