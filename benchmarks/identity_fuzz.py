@@ -115,6 +115,7 @@ def main() -> int:
   rng, start, cases = random.Random(args.seed), time.time(), []
   while time.time() - start < args.seconds:
     cases.append(one_case(rng, kinds))
+    jax.clear_caches()  # no case reuses another's programs; each kept one holds LLVM memory maps
     if cases[-1]["outcome"] != "identical":
       print(cases[-1], flush=True)
   counts = {k: sum(c["outcome"] == k for c in cases) for k in ("identical", "mismatch", "refused")}
