@@ -41,7 +41,7 @@ def test_generate_under_a_kv_budget(tiny_model, capsys):
   # 20 tokens: decoding evicts once at the default cadence, which lets whole rounds through)
   err = capsys.readouterr().err
   assert "tokens/s" in err and "lets whole rounds" not in err
-  # The policy as it ran, H2O's default recent half included: (24 - 4) // 2.
+  # The policy as it ran, H2O's default window included: 32, at most (24 - 4) // 2.
   assert "KV budget 24 a row (h2o+caote: sinks 4, window 10, chunk 8, evict every 16)" in err
   # A budget that leaves nothing to choose: one clear line, exit 2, nothing loaded.
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--kv-budget", "4",
