@@ -22,7 +22,7 @@ METHODS = KEY_METHODS + ATTENTION_METHODS + tuple(f"{m}+caote" for m in ATTENTIO
 H2O_RECENT = 32
 
 
-def default_window(method: str, budget: int, sinks: int, snap_window: int = 32) -> int:
+def default_window(method: str, budget: int, sinks: int, snap_window: int) -> int:
   """The recent window a method keeps unless told otherwise (at most half of what the sinks
   leave): H2O `H2O_RECENT` entries (its paper's recent tokens; the paper's even split is
   `window=(budget - sinks) // 2`), SnapKV its observation window (`snap_window`), which its paper
