@@ -75,10 +75,10 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
                      f"pass a number, e.g. --gamma 4")
   if int(max_gamma) != max_gamma or max_gamma < 1:
     raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
-  budget = {} if kv is None else {"kv": kv, "draft_kv": draft_kv}
   out = model.off_mesh_for(1).generate_ids([prompt], max_new_tokens=calibration_tokens,
                                            sampling=sampling, key=key, stop=False,
-                                           drafter=drafter, gamma=max_gamma, **budget)
+                                           drafter=drafter, gamma=max_gamma, kv=kv,
+                                           draft_kv=draft_kv)
   accepted_at = out.acceptance_rate  # [max_gamma]: P(draft i accepted)
   context = len(prompt) + calibration_tokens // 2
   if kv is None:
@@ -86,7 +86,7 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
                                reserve=max_gamma + 1)
   else:  # the budgeted target's slots, holding at most a full row's entries
     cache_size = budgeted_slots(kv, drafter, max_gamma + 1)
-    context = min(context, kv.budget + kv.evict_every - 1)
+    context = min(context, kv.full_row)
   split = round_split_s(model.params, model.cfg, drafter, max_gamma,
                         jax.tree.map(jnp.asarray, sampling), context=context,
                         cache_size=cache_size)

@@ -30,7 +30,7 @@ from jspec.model import Model
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import SamplingParams
-from jspec.speculative.loop import budgeted_slots, initial_state
+from jspec.speculative.loop import budgeted_slots, eviction_cut, initial_state
 from jspec.speculative.tree import TreeSpecConfig, check_tree_run, tree_round
 from jspec.tree.shapes import TreeShape
 
@@ -62,8 +62,7 @@ def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt
     n_acc = tree_round(params, cfg, drafter, state, k_draft, k_verify, sampling, shape, kv).n_acc
     if kv is None:
       return n_acc
-    cut = jnp.maximum(kv.budget + kv.evict_every - 1 - state.cache.lengths, 0)  # [B]
-    return jnp.minimum(n_acc, cut)
+    return jnp.minimum(n_acc, eviction_cut(kv, state.cache.lengths))
 
   return jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
 

@@ -111,6 +111,11 @@ class KVPolicy:
     return self.base in ATTENTION_METHODS
 
   @property
+  def full_row(self) -> int:
+    """The most committed entries a row holds: it is evicted once it would hold one more."""
+    return self.budget + self.evict_every - 1
+
+  @property
   def slots(self) -> int:
     """Physical cache slots per row: the budget plus a working block for the newest tokens."""
     return self.budget + max(self.chunk, self.evict_every)

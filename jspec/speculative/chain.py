@@ -27,7 +27,7 @@ from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_extra_positions_target,
-                                    check_shared_cache, initial_state)
+                                    check_shared_cache, eviction_cut, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
 
 Array = jax.Array
@@ -106,10 +106,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       target_logits, hidden, cache = wide()
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
     if kv is not None:
-      # Block token j is scored over the same cache as in autoregressive decoding only while no
-      # eviction would have come between: j <= cut.
-      # [B]; >= 0 while each eviction drops what it is due (the clamp keeps a round sound if not)
-      kv_cut = jnp.maximum(kv.budget + kv.evict_every - 1 - s.cache.lengths, 0)
+      kv_cut = eviction_cut(kv, s.cache.lengths)  # [B]
       cut = kv_cut if cut is None else jnp.minimum(cut, kv_cut)
     if cut is not None:
       # Past the cut, stop: d_1 .. d_cut stand and the next token is drawn afresh from the target

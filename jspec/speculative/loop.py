@@ -147,7 +147,14 @@ def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | N
   masks a token, soft tokens), so none of their KV falls off the end."""
   if kv is None:
     return None
-  return max(kv.slots, kv.budget + kv.evict_every - 1 + verification_width(drafter, block))
+  return max(kv.slots, kv.full_row + verification_width(drafter, block))
+
+
+def eviction_cut(kv: KVPolicy, lengths: Array) -> Array:
+  """[B] drafts a round may use under a budget: block token j is scored over the same cache as
+  autoregressive decoding only while no eviction would have come between (j <= cut). >= 0 while
+  each eviction drops what it is due (the clamp keeps a round sound if not)."""
+  return jnp.maximum(kv.full_row - lengths, 0)
 
 
 def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt: Array,

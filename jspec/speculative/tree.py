@@ -40,7 +40,7 @@ from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_shared_cache, check_tree_target,
-                                    initial_state)
+                                    eviction_cut, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
@@ -178,8 +178,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv)
     n_acc, nxt = r.n_acc, r.next_token
     if kv is not None:  # as in the chain engine: depth j <= cut only, a fresh draw at the cut
-      # [B]; >= 0 while each eviction drops what it is due (the clamp keeps a round sound if not)
-      cut = jnp.maximum(kv.budget + kv.evict_every - 1 - s.cache.lengths, 0)
+      cut = eviction_cut(kv, s.cache.lengths)  # [B]
       depth = jnp.clip(cut, 0, r.path.shape[1])
       node = jnp.take_along_axis(r.path, jnp.maximum(depth - 1, 0)[:, None], axis=1)[:, 0]
       at_cut = jnp.where(depth == 0, 0, node + 1)  # block index of the cut's node (root: 0)
