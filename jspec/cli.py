@@ -78,19 +78,20 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                       "budget + evict_every - 1 between them): prompts of any length run in "
                       "budget + max(chunk, evict_every) slots (chunked prefill, eviction by "
                       "--kv-policy)")
-  p.add_argument("--kv-policy", default="keydiff", choices=METHODS,
+  p.add_argument("--kv-policy", default=None, choices=METHODS,
                  help="which entries survive under --kv-budget (default keydiff)")
   p.add_argument("--kv-chunk", type=int, default=None,
                  help="prefill tokens per block, at most the budget (default: 128, or the budget "
                       "if smaller)")
-  p.add_argument("--kv-sinks", type=int, default=4, help="first positions never evicted")
+  p.add_argument("--kv-sinks", type=int, default=None,
+                 help="first positions never evicted (default 4)")
   p.add_argument("--kv-window", type=int, default=None,
                  help="newest entries never evicted (default: the method's own: h2o 32 recent "
                       "entries, snapkv its 32-query observation window, the others none)")
-  p.add_argument("--kv-evict-every", type=int, default=16,
+  p.add_argument("--kv-evict-every", type=int, default=None,
                  help="decoded tokens between evictions (default 16: speculative rounds of up to "
                       "15 drafts run whole; 1 evicts after every token, so a round can use one)")
-  p.add_argument("--kv-drafter", default="auto", choices=("auto", "full", "keydiff", "streaming"),
+  p.add_argument("--kv-drafter", default=None, choices=("auto", "full", "keydiff", "streaming"),
                  help="a model drafter's own cache under --kv-budget: 'auto' (the default) evicts "
                       "it like the target's with --kv-policy when that scores keys, else with "
                       "keydiff; 'full' keeps it whole")
@@ -101,15 +102,16 @@ def _kv_policies(args):
   if args.kv_budget is None:
     return None, None
   from jspec.kv.policy import KEY_METHODS, KVPolicy
-  make = lambda method: KVPolicy(method, budget=args.kv_budget, sinks=args.kv_sinks,
-                                 window=args.kv_window,
-                                 chunk=(min(128, args.kv_budget) if args.kv_chunk is None
-                                        else args.kv_chunk),
-                                 evict_every=args.kv_evict_every)
-  method = args.kv_drafter
+  given = {name: value for name, value in (("sinks", args.kv_sinks), ("window", args.kv_window),
+                                           ("evict_every", args.kv_evict_every))
+           if value is not None}  # the rest: KVPolicy's defaults
+  chunk = min(128, args.kv_budget) if args.kv_chunk is None else args.kv_chunk
+  make = lambda method: KVPolicy(method, budget=args.kv_budget, chunk=chunk, **given)
+  target = args.kv_policy or "keydiff"
+  method = args.kv_drafter or "auto"
   if method == "auto":  # a drafter's forwards record no attention: key scores only
-    method = args.kv_policy if args.kv_policy in KEY_METHODS else "keydiff"
-  return make(args.kv_policy), None if method == "full" else make(method)
+    method = target if target in KEY_METHODS else "keydiff"
+  return make(target), None if method == "full" else make(method)
 
 
 def _note_eviction_cadence(kv, depth: int) -> None:
@@ -495,6 +497,13 @@ def cmd_bench_kernel(args) -> int:
   return 0
 
 
+def _int_list(flag: str, text: str) -> list[int]:
+  try:
+    return [int(part) for part in text.split(",")]
+  except ValueError:
+    raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_bench_kv(args) -> int:
   from jspec.bench import kv as bench_kv, speed
   from jspec.bench.profiling import machine_info
@@ -503,7 +512,7 @@ def cmd_bench_kv(args) -> int:
   from jspec.data import sharegpt_conversations
 
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
-      methods=args.methods.split(","), budgets=[int(b) for b in args.budgets.split(",")],
+      methods=args.methods.split(","), budgets=_int_list("--budgets", args.budgets),
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
       time_decode=not args.no_timing, decode_tokens=args.decode_tokens,
       chunk=args.chunk, sinks=args.sinks, window=args.window, evict_every=args.evict_every,
@@ -544,9 +553,6 @@ def cmd_bench_tau(args) -> int:
                      "drop --mesh")
   model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   check_tree_target(model.params)
-  if args.drafter == "none":
-    raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
-                     "self|early-exit:K")
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   _note_eviction_cadence(kv, max(t.max_depth for t in trees))
   prompts = _dataset_prompts(model, args.dataset, args.num_prompts)
@@ -584,7 +590,38 @@ _AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "b
              "gen_batch_size": 1, "grad_accum": 1, "steps": 0, "rounds": 1, "stride": 1,
              "batch": 1, "size": 1, "top_k": 0, "num_samples": 1, "context": 1, "repeats": 1,
              "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1,
-             "n_max": 1, "min_count": 1}
+             "n_max": 1, "min_count": 1, "block_s": 1, "block_k": 1, "part": 1, "warmup": 0}
+# --kv-* settings of an evicting cache: they need --kv-budget.
+_KV_SETTINGS = ("kv_policy", "kv_chunk", "kv_sinks", "kv_window", "kv_evict_every",
+                "kv_drafter")
+
+
+def _flag(name: str) -> str:
+  return "--" + name.replace("_", "-")
+
+
+def _check_drafter_args(args) -> None:
+  """Flags that only a speculative run reads, refused where nothing would read them (a silently
+  ignored setting reads as a measured one)."""
+  none = all(name == "none" for name in args.drafter.split(","))
+  gamma = getattr(args, "gamma", None)
+  if none:
+    given = [flag for flag, value in (("--gamma", gamma), ("--drafter-weights",
+                                                             args.drafter_weights),
+                                      ("--kv-drafter", getattr(args, "kv_drafter", None)))
+             if value is not None]
+    if args.tree:
+      given.append("--tree")
+    if given:
+      raise ValueError(f"{', '.join(given)} set(s) how a drafter drafts, but no drafter is "
+                       f"given. Fix: add --drafter NAME (e.g. ngram), or drop them")
+  if args.command == "generate" and args.tree and gamma is not None:
+    raise ValueError(f"--gamma sets a chain's length and --tree {args.tree} a tree's shape: one "
+                     f"round drafts one of them. Fix: drop --gamma (or --tree)")
+  if isinstance(gamma, int) and gamma > args.max_new_tokens:
+    raise ValueError(f"--gamma {gamma} drafts more tokens a round than --max-new-tokens "
+                     f"{args.max_new_tokens} can take (each round verifies gamma + 1 positions). "
+                     f"Fix: --gamma <= {args.max_new_tokens}")
 
 
 def check_args(args) -> None:
@@ -598,7 +635,18 @@ def check_args(args) -> None:
   for name, least in _AT_LEAST.items():
     value = getattr(args, name, None)
     if isinstance(value, int) and not isinstance(value, bool) and value < least:
-      raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
+      raise ValueError(f"{_flag(name)} must be at least {least}, got {value}")
+  if hasattr(args, "kv_budget") and args.kv_budget is None:
+    given = [_flag(name) for name in _KV_SETTINGS if getattr(args, name) is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)} set(s) how a KV budget evicts, but no --kv-budget is "
+                       f"given (the cache holds every token). Fix: add --kv-budget N (entries "
+                       f"kept per row), or drop them")
+  if args.command in ("generate", "bench"):
+    _check_drafter_args(args)
+  if args.command == "bench-tau" and args.drafter == "none":
+    raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
+                     "self|early-exit:K")
   if hasattr(args, "gen_batch_size") and args.top_k < 1:  # the distillation data's teacher
     raise ValueError(f"--top-k must be at least 1 for distillation data (the teacher's top-k "
                      f"log-probs are what a drafter learns from), got {args.top_k}")
@@ -627,6 +675,9 @@ def check_args(args) -> None:
                               f"train-drafter --out)")
   if hasattr(args, "temperature"):
     _sampling(args)
+    if args.temperature == 0 and (args.top_k or args.top_p < 1):
+      print("[jspec] note: --top-k and --top-p filter sampled tokens; at --temperature 0 (greedy, "
+            "the default) they change nothing", file=sys.stderr)
   if getattr(args, "n_max", None) is not None and args.n_max > 8:
     raise ValueError(f"--n-max must be at most 8, got {args.n_max}")
   for source in getattr(args, "sources", None) or ():
@@ -647,10 +698,16 @@ class _DefaultsShown(argparse.HelpFormatter):
 
   def _get_help_string(self, action):
     text = action.help or ""
-    if (action.default in (None, False, argparse.SUPPRESS) or "default" in text
-        or action.option_strings == [] or isinstance(action.default, list)):
+    if not _has_default(action) or "default" in text:
       return text
     return f"{text} (default: {action.default})" if text else f"default: {action.default}"
+
+
+def _has_default(action) -> bool:
+  """Whether an option has a default worth showing (0 and 0.0 are; None, False, lists not)."""
+  return not (action.default is None or action.default is False
+              or action.default is argparse.SUPPRESS or not action.option_strings
+              or isinstance(action.default, list))
 
 
 def _version() -> str:
@@ -902,6 +959,10 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--min-count", type=int, default=8,
                  help="keep contexts seen at least this often")
   s.set_defaults(fn=cmd_build_datastore)
+  for command in sub.choices.values():  # argparse prints no help line, so no default, without help
+    for action in command._actions:
+      if action.help is None and _has_default(action):
+        action.help = f"default: {action.default}"
   return parser
 
 

@@ -6,7 +6,7 @@ and distillation build on it; it imports only the model layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +113,29 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
   return out, lengths
 
 
+def is_int(value) -> bool:
+  """An integer (Python or NumPy), not a bool and not a float that happens to be whole: what a
+  static size must be (2.0 would reach an array shape)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_prompt_list(prompts) -> list:
+  """The prompts as a list of prompts: one flat sequence of ids (a list of ints or a 1-D array)
+  is one prompt; other iterables (a generator) are read into a list. The prompts themselves are
+  checked by `pad_prompts`."""
+  if isinstance(prompts, (np.ndarray, jax.Array)):
+    return [prompts] if np.ndim(prompts) == 1 else list(prompts)
+  if isinstance(prompts, (str, bytes)):
+    raise ValueError(f"prompts is one text ({prompts[:20]!r}); generation takes token ids. Fix: "
+                     f"[Model.encode(text)], or Model.generate_text.")
+  if not isinstance(prompts, Iterable):
+    raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+  prompts = list(prompts)
+  if prompts and all(is_int(t) for t in prompts):
+    return [prompts]
+  return prompts
+
+
 @dataclasses.dataclass
 class Batch:
   """Validated, padded inputs of one jitted call."""
@@ -130,6 +153,9 @@ def prng_key(key) -> Array:
   (`jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`); anything else is refused here,
   before jit would fail on it."""
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    if not -2**63 <= int(key) < 2**63:
+      raise ValueError(f"seed {int(key)} does not fit a signed 64-bit integer, which "
+                       f"jax.random.key takes. Fix: a seed in [-2**63, 2**63).")
     return jax.random.key(int(key))
   if isinstance(key, (jax.Array, np.ndarray)) and (
       jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -144,18 +170,28 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
                   sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
                   cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
   """Host-side checks and padding shared by every generate entry point."""
-  if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  if cache_size is not None and (not is_int(cache_size) or cache_size < 1):
+    raise ValueError(f"cache_size must be a positive integer (None: sized for the prompts), got "
+                     f"{cache_size!r}")
   if not isinstance(sampling, SamplingParams):
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "
                     f"GREEDY.")
   sampling.validate()
+  if float(np.asarray(sampling.top_k)) > cfg.vocab_size:
+    raise ValueError(f"top_k={sampling.top_k!r} is more than the vocabulary's {cfg.vocab_size} "
+                     f"tokens. Fix: top_k <= {cfg.vocab_size}, or 0 (off).")
+  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+    raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
+                    f"stop_ids=({stop_ids!r},) for one id.")
+  if not all(is_int(s) for s in stop_ids):
+    raise ValueError(f"stop_ids must be integer token ids, got {tuple(stop_ids)!r}")
   stop = tuple(int(s) for s in stop_ids)
   if any(not 0 <= s < cfg.vocab_size for s in stop):
     raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
-  if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 1:
-    prompts = [prompts]
+  prompts = as_prompt_list(prompts)
   bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size,
                             reserve, reserve_for)
   tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)

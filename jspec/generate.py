@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import PAD, is_stop, on_mesh, prefill, prepare_batch, trimmed_rows
-from jspec.kv.policy import KVPolicy
+from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -80,7 +80,8 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
     record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
     kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
-      (cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
+      (rounded up to the attention kernel's blocks under Pallas attention: `attention_slots`;
+      cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
     placement: a mesh and its rules (jspec.sharding; static): the cache is pinned to it and the
       outputs are replicated; params and prompts should already be placed (`generate` does it).
   """
@@ -90,7 +91,8 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype).placed(placement)
     logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
-    cache = KVCache.init(cfg, B, kv.slots, cache_dtype or params.embed.dtype).placed(placement)
+    cache = KVCache.init(cfg, B, attention_slots(cfg, kv.slots),
+                         cache_dtype or params.embed.dtype).placed(placement)
     logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv,
                                                 placement=placement)
   key, sub = jax.random.split(key)
@@ -168,12 +170,7 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
                      f"{record_top_k}")
-  if kv is not None and not isinstance(kv, KVPolicy):
-    raise TypeError(f"kv must be a jspec.kv.policy.KVPolicy, got {type(kv).__name__}")
-  if kv is not None and kv.needs_attention and cfg.attention_impl != "xla":
-    raise ValueError(f"kv policy {kv.method!r} scores slots by attention probabilities, which "
-                     f"attention_impl={cfg.attention_impl!r} does not give. Fix: "
-                     f"attention_impl='xla', or kv method 'keydiff' (keys only).")
+  check_kv(cfg, kv)
   if kv is not None and cache_size is not None:
     raise ValueError(f"cache_size={cache_size} and kv= are exclusive: under a KV budget the cache "
                      f"holds kv.slots={kv.slots} slots. Fix: drop cache_size.")

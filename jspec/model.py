@@ -35,6 +35,10 @@ class Model:
 
   def encode(self, text: str, chat: bool = True, system: str | None = None) -> list[int]:
     """Token ids for a prompt, wrapped in the chat template when `chat`."""
+    if not isinstance(text, str):
+      raise TypeError(f"encode takes one text (a str), got {type(text).__name__}"
+                      + (": encode each prompt of a list" if isinstance(text, (list, tuple))
+                         else ""))
     if chat:
       messages = ([{"role": "system", "content": system}] if system else [])
       messages.append({"role": "user", "content": text})
@@ -56,6 +60,9 @@ class Model:
     (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory; draft_kv: a
     key-scored budget for a model drafter's own cache (None: full)."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
+    if isinstance(drafter, str):
+      raise TypeError(f"drafter= takes a drafter, got the name {drafter!r}. Fix: "
+                      f"drafter=jspec.drafting.registry.load_drafter({drafter!r}, model)")
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
@@ -82,8 +89,12 @@ class Model:
       return self
     return dataclasses.replace(self, mesh=None)
 
-  def generate_text(self, prompts: Sequence[str], *, chat: bool = True, **kwargs) -> list[str]:
-    """Generate continuations of text prompts; returns the decoded new text per prompt."""
+  def generate_text(self, prompts: Sequence[str] | str, *, chat: bool = True,
+                    **kwargs) -> list[str]:
+    """Generate continuations of text prompts; returns the decoded new text per prompt (one
+    str given is one prompt: a list of one text back)."""
+    if isinstance(prompts, str):
+      prompts = [prompts]
     out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
 

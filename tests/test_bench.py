@@ -56,3 +56,13 @@ def test_transformers_runs_on_the_gpu_jax_uses_in_jspecs_dtype(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # torch has no TPU backend
   monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
   assert torch_placement(model(jnp.float32)) == ("cpu", "float32")
+
+
+def test_decode_rate_is_withheld_when_the_first_token_took_longer_than_the_run():
+  """ttft is timed in a separate call: on a short answer it can exceed the run's wall time, and
+  a negative decode time must not become a negative rate."""
+  from jspec.bench.speed import Run
+  run = Run(new_tokens=[8, 8], wall_s=[1.0, 1.0], ttft_s=[0.5, 0.25], target_calls=[8, 8])
+  assert run.summary()["decode_tokens_per_s"] == 14 / 1.25
+  run = Run(new_tokens=[8], wall_s=[1.0], ttft_s=[1.1], target_calls=[8])
+  assert run.summary()["decode_tokens_per_s"] is None

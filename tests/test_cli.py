@@ -161,7 +161,8 @@ def test_gamma_auto(tiny_model, capsys):
   assert "--gamma auto" in err and "<- chosen" in err
   chosen = next(line for line in err.splitlines() if "<- chosen" in line).split()[0]
   assert f"gamma {chosen})" in err  # the run used the calibrated gamma
-  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "auto"]) == 2
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "auto",
+               "--drafter", "ngram"]) == 2
   assert "--gamma auto picks a chain length for a model drafter" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--gamma", "four"])
@@ -344,7 +345,7 @@ def test_bench_tree_records(tiny_model, tmp_path):
 
 def test_bench_bad_tree(tiny_model, capsys):
   assert main(["bench", "--model", str(tiny_model), "--tree", "rsd-s:2,2"]) == 2
-  assert "--tree needs a drafter" in capsys.readouterr().err
+  assert "--tree set(s) how a drafter drafts, but no drafter" in capsys.readouterr().err
   assert main(["bench", "--model", str(tiny_model), "--drafters", "self", "--tree", "rsd-s:2"]) == 2
   assert "W,D" in capsys.readouterr().err
 
@@ -401,7 +402,7 @@ def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys)
   captured = capsys.readouterr()
   assert captured.out == want and "tree dynamic:6" in captured.err
   assert main(base + ["--tree", "dynamic:6"]) == 2
-  assert "needs a drafter" in capsys.readouterr().err
+  assert "--tree set(s) how a drafter drafts, but no drafter" in capsys.readouterr().err
   assert main(base + ["--drafter", "self", "--tree", "bushy:3"]) == 2
   assert "unknown tree method" in capsys.readouterr().err
 
@@ -488,6 +489,12 @@ def test_version_and_defaults_in_help(capsys):
   text = " ".join(capsys.readouterr().out.split())
   assert "(default: 7)" in text and "(default: eagle)" in text  # --ttt-steps, --network
   assert "(default: None)" not in text
+  # zeros are defaults too, and options without a help text show theirs
+  with pytest.raises(SystemExit):
+    main(["generate", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert "0 = greedy (default: 0.0)" in text and "--seed SEED default: 0" in text
+  assert "--max-new-tokens MAX_NEW_TOKENS default: 128" in text
 
 
 def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
@@ -518,6 +525,24 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
     (["bench-tau", "--tree", "fixed:2", "--rounds", "0"], "--rounds must be at least 1"),
     (["distill-data", "--out", "o", "--top-k", "0"], "--top-k must be at least 1 for distillation"),
     (["bench-kv", "--budgets", "0"], "budget must be a positive integer"),
+    (["bench-kv", "--budgets", "abc"], "--budgets: expected comma-separated integers, got 'abc'"),
+    (["bench-kernel", "--kernel", "key-similarity", "--block-s", "0"], "--block-s must be at least"),
+    # settings nothing would read are refused, not ignored (a run would report them as measured)
+    (["generate", "--kv-policy", "h2o", "--kv-chunk", "7"],
+     "--kv-policy, --kv-chunk set(s) how a KV budget evicts, but no --kv-budget"),
+    (["generate", "--kv-evict-every", "4"], "no --kv-budget is given"),
+    (["generate", "--kv-budget", "32", "--kv-drafter", "streaming"],
+     "--kv-drafter set(s) how a drafter drafts, but no drafter is given"),
+    (["generate", "--gamma", "3"], "--gamma set(s) how a drafter drafts, but no drafter"),
+    (["generate", "--drafter-weights", "q4"], "--drafter-weights set(s) how a drafter drafts"),
+    (["generate", "--tree", "chain:4"], "--tree set(s) how a drafter drafts"),
+    (["bench", "--gamma", "3"], "--gamma set(s) how a drafter drafts"),
+    (["generate", "--drafter", "ngram", "--gamma", "3", "--tree", "chain:2"],
+     "--gamma sets a chain's length and --tree chain:2 a tree's shape"),
+    (["generate", "--drafter", "ngram", "--gamma", "50", "--max-new-tokens", "8"],
+     "--gamma 50 drafts more tokens a round than --max-new-tokens 8"),
+    (["generate", "--drafter", "ngram", "--tree", "chain:0"], "tree 'chain:0': chain takes one"),
+    (["bench-tau", "--tree", "fixed:2", "--drafter", "none"], "bench-tau needs a drafter"),
     (["eval-drafter", "--drafters", "self,model:/nope", "--data", "."], "drafter 'model:/nope'"),
     (["train-eagle", "--target", "default", "--out", "o", "--data", "/nonexistent:2"],
      "--data /nonexistent:2: no directory '/nonexistent'"),
@@ -590,3 +615,12 @@ def test_layers_stack_by_default_where_jspecs_cpu_kernels_run(tiny_model):
     assert not layers_stacked(load(tiny_model, fmt, scan_layers=False).params)
     assert layers_stacked(load(tiny_model, fmt, scan_layers=True).params)
   assert not stacks_by_default("float32", "dp=1,tp=1")  # a mesh: XLA's formats
+
+
+def test_filters_at_temperature_zero_are_noted(capsys):
+  from jspec.cli import build_parser, check_args
+  check_args(build_parser().parse_args(["generate", "--prompt", "x", "--top-k", "5"]))
+  assert "at --temperature 0 (greedy, the default) they change nothing" in capsys.readouterr().err
+  check_args(build_parser().parse_args(["generate", "--prompt", "x", "--top-k", "5",
+                                        "--temperature", "0.7"]))
+  assert capsys.readouterr().err == ""

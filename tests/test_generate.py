@@ -231,6 +231,17 @@ def test_loop_is_one_program(params):
     (dict(prompts=["Hello"]), "is text.*Model.encode"),
     (dict(prompts=[[1]], record_top_k=-1), "record_top_k"),
     (dict(prompts=[[1]], record_top_k=10_000), "record_top_k"),
+    # whole floats and bools are not sizes (2.0 would reach an array shape inside jit)
+    (dict(prompts=[[1]], max_new_tokens=2.0), "max_new_tokens must be a positive integer"),
+    (dict(prompts=[[1]], max_new_tokens=True), "max_new_tokens must be a positive integer"),
+    (dict(prompts=[[1]], cache_size=30.0), "cache_size must be a positive integer"),
+    (dict(prompts=[[1]], cache_size=0), "cache_size must be a positive integer"),
+    (dict(prompts=[[1]], sampling=SamplingParams(temperature=1.0, top_k=98)),
+     "top_k=98 is more than the vocabulary's 97"),
+    (dict(prompts=[[1]], sampling=SamplingParams(temperature=np.array([0.7, 0.0]))),
+     "temperature must be one number for the whole batch"),
+    (dict(prompts=[[1]], key=2**70), "does not fit a signed 64-bit integer"),
+    (dict(prompts="Hello"), "prompts is one text"),
 ])
 def test_bad_input(params, kwargs, match):
   kwargs = {"max_new_tokens": 4, **kwargs}
@@ -243,6 +254,9 @@ def test_bad_input(params, kwargs, match):
     (dict(key="seed"), "key must be an integer seed or a JAX PRNG key.*Fix"),
     (dict(key=1.5), "key must be"),
     (dict(key=np.zeros(3)), "key must be.*float64"),
+    (dict(stop_ids=2), "stop_ids must be a sequence of token ids.*Fix"),
+    (dict(sampling=SamplingParams(temperature="0.7")), "temperature must be a number"),
+    (dict(sampling=SamplingParams(top_p=None)), "top_p must be a number"),
 ])
 def test_wrong_types_are_refused_before_jit(params, kwargs, match):
   with pytest.raises(TypeError, match=match):
@@ -256,6 +270,14 @@ def test_every_form_of_a_seed_gives_the_same_draws(params, key):
   want = generate(params, CFG, [[1, 2]], max_new_tokens=6, sampling=sampled, key=3).sequences()
   assert generate(params, CFG, [[1, 2]], max_new_tokens=6, sampling=sampled,
                   key=key).sequences() == want
+
+
+def test_one_flat_prompt_is_one_prompt(params):
+  """A flat list of ids, a 1-D array and a generator of prompts all mean what they say."""
+  want = generate(params, CFG, [[1, 2, 3]], max_new_tokens=4).sequences()
+  assert generate(params, CFG, [1, 2, 3], max_new_tokens=4).sequences() == want
+  assert generate(params, CFG, np.asarray([1, 2, 3]), max_new_tokens=4).sequences() == want
+  assert generate(params, CFG, (p for p in [[1, 2, 3]]), max_new_tokens=4).sequences() == want
 
 
 def test_explicit_cache_size_limit(params):

@@ -90,6 +90,14 @@ ACCELERATOR = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
 needs_kernel = pytest.mark.skipif(not ACCELERATOR, reason="no compiled kernel on a CPU-only host")
 
 
+@pytest.mark.skipif(ACCELERATOR, reason="a compiled kernel exists here")
+def test_a_host_without_the_kernel_names_it_and_the_setting():
+  keys, _ = nan_padded_keys(1, 1, 96, 1, 16, [10])
+  with pytest.raises(ValueError, match="key_similarity .KVPolicy score_impl='pallas'.*"
+                                       "has no compiled kernel.*pallas-interpret"):
+    key_similarity(keys, jnp.asarray([10]))
+
+
 @pytest.mark.parametrize("impl", ["pallas-interpret", pytest.param("pallas", marks=needs_kernel)])
 def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores(impl):
   cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -460,6 +460,38 @@ def test_attention_score_policies_refuse_a_kernel_that_cannot_give_scores(params
     generate(params, cfg, [[1, 2, 3]], max_new_tokens=4, kv=KVPolicy("h2o", budget=16, chunk=8))
 
 
+def test_speculative_engines_check_the_policies_before_tracing(params, drafters):
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  cfg = dataclasses.replace(CFG, attention_impl="pallas-interpret")
+  runs = (lambda **kw: speculative_generate(params, cfg, drafters["self"], [[1, 2, 3]],
+                                            spec=SpecConfig(gamma=2, max_new_tokens=4), **kw),
+          lambda **kw: tree_speculative_generate(params, cfg, drafters["self"], [[1, 2, 3]],
+                                                 spec=TreeSpecConfig("chain:2", max_new_tokens=4),
+                                                 **kw))
+  for run in runs:
+    with pytest.raises(TypeError, match="kv must be a jspec.kv.policy.KVPolicy"):
+      run(kv="keydiff")
+    with pytest.raises(TypeError, match="draft_kv must be a jspec.kv.policy.KVPolicy"):
+      run(kv=KVPolicy("keydiff", budget=16, chunk=8), draft_kv="keydiff")
+    with pytest.raises(ValueError, match="scores slots by attention probabilities.*Fix"):
+      run(kv=KVPolicy("h2o", budget=16, chunk=8))
+
+
+def test_pallas_attention_runs_any_budget(params, drafters):
+  """A budget's slots (budget + chunk, plus a verification block) are the user's numbers; the
+  tree-attention kernel reads whole blocks of 16 slots, so the cache is rounded up to them:
+  the same tokens as XLA's attention, and speculation equal to autoregressive decoding."""
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  cfg = dataclasses.replace(CFG, attention_impl="pallas-interpret")
+  policy = KVPolicy("keydiff", budget=20, chunk=8, evict_every=4)  # 28 slots, not a multiple
+  prompt = [[(7 * i) % 97 for i in range(40)]]
+  want = generate(params, CFG, prompt, max_new_tokens=10, kv=policy).sequences()
+  assert generate(params, cfg, prompt, max_new_tokens=10, kv=policy).sequences() == want
+  assert speculative_generate(params, cfg, drafters["self"], prompt, kv=policy,
+                              spec=SpecConfig(gamma=3, max_new_tokens=10)).sequences() == want
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="snapkv-typo", budget=8), "unknown KV eviction method"),
     (dict(method="keydiff+caote", budget=8), "unknown KV eviction method"),

@@ -63,3 +63,45 @@ def test_missing_tensor_is_named(tmp_path):
             str(tmp_path / "model.safetensors"))
   with pytest.raises(ValueError, match="missing tensor for 'layers.0.attn_norm'"):
     load_hf(tmp_path)
+
+
+def test_truncated_safetensors_is_named(tmp_path):
+  import numpy as np
+  from safetensors.numpy import save_file
+  write_config(tmp_path, tie_word_embeddings=True)
+  file = tmp_path / "model.safetensors"
+  save_file({"model.embed_tokens.weight": np.zeros((8, 8), np.float32)}, str(file))
+  file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+  with pytest.raises(ValueError, match=r"model\.safetensors is truncated or corrupt.*Fix"):
+    load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"config\.json is not valid JSON"),
+    ("[1, 2]", r"config\.json holds a JSON list"),
+    (json.dumps({"model_type": "llama", "vocab_size": 8, "intermediate_size": 8,
+                 "num_hidden_layers": 1, "num_attention_heads": 2}),
+     r"config\.json: 'hidden_size' is missing"),
+    (json.dumps({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
+                 "intermediate_size": 8, "num_hidden_layers": "two",
+                 "num_attention_heads": 2}),
+     r"config\.json: 'num_hidden_layers' must be a positive integer, got 'two'"),
+])
+def test_bad_config_json_names_the_file_and_field(tmp_path, text, message):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ValueError, match=message):
+    load_hf(tmp_path)
+
+
+def test_corrupt_tokenizer_json_is_named(tmp_path):
+  from jspec.io.tokenizer import Tokenizer
+  (tmp_path / "tokenizer.json").write_text("{")
+  with pytest.raises(ValueError, match=r"tokenizer\.json is not a valid tokenizer\.json"):
+    Tokenizer.from_hf_dir(tmp_path)
+  import tokenizers
+  tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(
+      str(tmp_path / "tokenizer.json"))
+  Tokenizer.from_hf_dir(tmp_path)  # a valid file loads
+  (tmp_path / "tokenizer_config.json").write_text("{oops")
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json is not valid JSON"):
+    Tokenizer.from_hf_dir(tmp_path)

@@ -261,3 +261,20 @@ def test_one_program_no_recompile(target):
 def test_bad_settings_are_refused(target, make, match):
   with pytest.raises(ValueError, match=match):
     make(target)
+
+
+@pytest.mark.parametrize("drafter,tree,match", [
+    ("lookahead", "fixed:2-2", "verifies its pool's n-grams as tree pool:2,2"),
+    ("lookahead", "pool:3,2", "pool:G,2 with G <= 2"),
+    ("ngram", "pool:2,2", "only a drafter that keeps one"),
+])
+def test_tree_shapes_a_drafter_cannot_grow_are_refused_before_tracing(target, drafter, tree,
+                                                                       match):
+  """The host-side check of a tree run (no trace, no compile) refuses them."""
+  from jspec.speculative.tree import check_tree_run
+  made = (lookahead_drafter(target, TARGET, 3, 3, 2) if drafter == "lookahead"
+          else ngram_drafter(TARGET.vocab_size))
+  with pytest.raises(ValueError, match=match):
+    check_tree_run(TARGET, made, TreeSpecConfig(tree, max_new_tokens=4))
+  check_tree_run(TARGET, made, TreeSpecConfig(
+      "pool:2,2" if drafter == "lookahead" else "fixed:2-2", max_new_tokens=4))

@@ -278,9 +278,36 @@ def test_one_program_no_recompile(target, drafter):
   assert text.count("stablehlo.while") >= 1 and "callback" not in text
 
 
+def test_drafters_that_run_the_target_are_refused_for_another_target(target):
+  """Probing, layer skipping and lookahead run the target's own weights: built for one target,
+  run with another of the same vocabulary, they are refused before tracing (not a shape error
+  from inside XLA)."""
+  from jspec.drafting.lookahead import lookahead_drafter
+  from jspec.drafting.ngram import ngram_drafter
+  from jspec.drafting.probe import probe_drafter
+  from jspec.drafting.skip import skip_drafter
+  other = init_params(DRAFT, jax.random.key(5))
+  spec = SpecConfig(gamma=2, max_new_tokens=4)
+  for built in (probe_drafter(other, DRAFT, masks=2), skip_drafter(target, TARGET, [0]),
+                lookahead_drafter(other, DRAFT)):
+    assert built.target_cfg is not None
+  for wrong in (probe_drafter(other, DRAFT, masks=2), lookahead_drafter(other, DRAFT),
+                ngram_drafter(64, 2, 3, fallback=probe_drafter(other, DRAFT, masks=2))):
+    with pytest.raises(ValueError, match="built for another target.*load_drafter"):
+      speculative_generate(target, TARGET, wrong, [[1, 2, 3]], spec=spec)
+  # built for this target: runs
+  speculative_generate(target, TARGET, probe_drafter(target, TARGET, masks=2), [[1, 2, 3]],
+                       spec=spec)
+
+
 def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="gamma"):
     SpecConfig(gamma=0, max_new_tokens=4)
+  with pytest.raises(ValueError, match="gamma .* must be an integer >= 1, got 2.0"):
+    SpecConfig(gamma=2.0, max_new_tokens=4)
+  with pytest.raises(TypeError, match="kv must be a jspec.kv.policy.KVPolicy.*Fix"):
+    speculative_generate(target, TARGET, drafter, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4),
+                         kv="keydiff")
   mismatched = Config(**{**DRAFT.__dict__, "vocab_size": 65})
   with pytest.raises(ValueError, match="vocabulary"):
     speculative_generate(target, TARGET, ModelDrafter(init_params(mismatched, jax.random.key(0)),

@@ -228,7 +228,7 @@ def test_tree_specs():
     ("dynamic:100,2,2,3", "exceeds the 9 nodes"),
     ("beam:4,4", "unknown tree method 'beam'"),
     ("chain:2,2", "one depth"),
-    ("chain:0", "integers >= 1"),
+    ("chain:0", "depth D >= 1"),
 ])
 def test_bad_tree_specs(spec, message):
   with pytest.raises(ValueError, match=message):

@@ -61,8 +61,10 @@ class Run:
         "new_tokens": toks,
         "target_calls": sum(self.target_calls),
         "tokens_per_s": toks / wall,
-        # Decode rate excludes each prompt's time to first token (timed in a separate call).
-        "decode_tokens_per_s": decode_toks / decode_s if decode_s and decode_toks else None,
+        # Decode rate excludes each prompt's time to first token (timed in a separate call, so
+        # on short answers it can come out longer than the whole run: no rate then).
+        "decode_tokens_per_s": (decode_toks / decode_s if decode_s is not None and decode_s > 0
+                                and decode_toks else None),
         "decode_s": decode_s,
         "wall_s": wall,
         "ttft_s": statistics.mean(self.ttft_s) if timed_ttft else None,

@@ -144,6 +144,21 @@ class Drafter(abc.ABC):
   # drafter then reads that round's tokens afterwards with `catch_up`.
   catches_up: bool = False
 
+  @property
+  def target_cfg(self):
+    """The target config this drafter was built for when it runs the target's own weights or
+    cache (probing, layer skipping, lookahead): it then fits that target's shapes only. None
+    for drafters with weights of their own."""
+    return None
+
+  def check_tree(self, shape) -> None:
+    """Host-side: refuse a tree shape (jspec.tree.shapes) this drafter cannot grow. Any shape but
+    a pool of n-grams, which only a drafter that keeps a pool draws (lookahead)."""
+    if shape.method == "pool":
+      raise ValueError(f"tree {shape} holds n-grams from a pool: only a drafter that keeps one "
+                       f"(--drafter lookahead) drafts it. Fix: another tree shape, or --drafter "
+                       f"lookahead")
+
   def catch_up(self, state: DraftState, tokens: Array, seq_len: Array) -> DraftState:
     """The state as if `propose` had run in a round that started at seq_len: `tokens` [B, W]
     are that round's last two known tokens and its first W - 2 drafts (at positions seq_len - 2

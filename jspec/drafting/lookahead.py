@@ -187,13 +187,20 @@ class LookaheadDrafter(Drafter):
   def update(self, state: LookaheadState, seq_len: Array, features: Features) -> LookaheadState:
     return self._after_round(state, features)
 
-  def draft_tree(self, state: LookaheadState, last2: Array, seq_len: Array, key: Array,
-                 sampling: SamplingParams, shape) -> tuple[Tree, LookaheadState]:
+  @property
+  def target_cfg(self) -> Config:
+    return self.cfg
+
+  def check_tree(self, shape) -> None:
     if not (isinstance(shape, PoolTree) and shape.depth == self.levels
             and shape.candidates <= self.guesses):
       raise ValueError(f"lookahead decoding verifies its pool's n-grams as tree "
                        f"{self.own_tree} (or pool:G,{self.levels} with G <= {self.guesses}); "
                        f"got tree {shape}. Fix: drop --tree / tree=.")
+
+  def draft_tree(self, state: LookaheadState, last2: Array, seq_len: Array, key: Array,
+                 sampling: SamplingParams, shape) -> tuple[Tree, LookaheadState]:
+    self.check_tree(shape)
     grams, valid = candidates(state, last2[:, 1])
     return pool_tree(grams[:, :shape.candidates], valid[:, :shape.candidates],
                      self.vocab_size), state

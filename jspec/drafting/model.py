@@ -17,7 +17,7 @@ from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
-from jspec.models.llama import Params, first_layers, forward, forward_at
+from jspec.models.llama import Params, attention_slots, first_layers, forward, forward_at
 from jspec.models.vocab_trim import check_keep_ids
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take
@@ -95,8 +95,8 @@ class ModelDrafter(HeadDrafter):
     # Between rounds at most budget + evict_every - 1 entries stay; a round feeds `room` more: the
     # most an eviction drops (its selection's width; the prefill's chunk may need more slots).
     drop = policy.evict_every - 1 + room
-    return dataclasses.replace(self, kv=policy, kv_slots=policy.budget + max(policy.chunk, drop),
-                               kv_drop=drop)
+    slots = attention_slots(self.cfg, policy.budget + max(policy.chunk, drop))
+    return dataclasses.replace(self, kv=policy, kv_slots=slots, kv_drop=drop)
 
   def init(self, prompt: Array, prompt_lengths: Array, cache_size: int,
            features: Features) -> ModelDraftState:

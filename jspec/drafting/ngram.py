@@ -177,6 +177,10 @@ class NgramDrafter(Drafter):
   def vocab_size(self) -> int:
     return self.vocab if self.fallback is None else self.fallback.vocab_size
 
+  @property
+  def target_cfg(self):
+    return None if self.fallback is None else self.fallback.target_cfg
+
   def guess(self, history: Array, length: Array) -> tuple[Array, Array]:
     """(token [B], found [B]) after history[b, :length[b]]: the history's own n-gram match, else
     the store's."""

@@ -77,6 +77,10 @@ class ProbeDrafter(Drafter):
     return self.cfg.vocab_size
 
   @property
+  def target_cfg(self) -> Config:
+    return self.cfg
+
+  @property
   def stops_early(self) -> bool:
     return self.stop_below is not None
 

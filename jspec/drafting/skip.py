@@ -66,6 +66,10 @@ class SkipDrafter(HeadDrafter):
   def stops_early(self) -> bool:
     return self.stop_below is not None
 
+  @property
+  def target_cfg(self) -> Config:
+    return self.cfg
+
   def with_stop(self, threshold: float) -> SkipDrafter:
     return dataclasses.replace(self, stop_below=check_stop(threshold))
 

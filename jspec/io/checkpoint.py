@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.io.files import read_json
 from jspec.io.gguf_file import GGUFFile
 from jspec.models.config import Config, RopeScaling, config_from_hf
 from jspec.models.llama import LayerParams, Params, param_layout
@@ -152,10 +152,31 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, Any]], dtype,
 # ----------------------------------------------------------------------------- Hugging Face
 
 
+def read_safetensors(file: Path) -> Iterator[tuple[str, np.ndarray]]:
+  """(name, array) of every tensor in a safetensors file; a truncated or corrupt file is an error
+  that names it."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    # framework="flax": numpy cannot decode bfloat16, the dtype most checkpoints are stored in.
+    with safe_open(str(file), framework="flax") as f:
+      for key in f.keys():
+        yield key, np.asarray(f.get_tensor(key))
+  except SafetensorError as e:
+    raise ValueError(f"{file} is truncated or corrupt ({e}). Fix: download, convert or save it "
+                     f"again") from None
+
+
+def config_from_file(file: Path) -> Config:
+  """The Config of an HF config.json; an error names the file."""
+  hf = read_json(file)
+  try:
+    return config_from_hf(hf)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{file}: {e}") from None
+
+
 def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
   """Config and params from an HF model directory with config.json and *.safetensors."""
-  from safetensors import safe_open
-
   path = Path(path)
   _check_not_pickle(path)
   if not path.exists():
@@ -165,10 +186,14 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
   config_file = path / "config.json"
   if not config_file.is_file():
     raise FileNotFoundError(f"{config_file} not found: an HF model directory needs config.json")
-  cfg = config_from_hf(json.loads(config_file.read_text()))
+  cfg = config_from_file(config_file)
   index = path / "model.safetensors.index.json"
   if index.is_file():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index} has no weight_map: it is not a safetensors index. Fix: restore "
+                       f"the file, or delete it to load every *.safetensors in {path}")
+    files = sorted(set(weight_map.values()))
   else:
     files = sorted(p.name for p in path.glob("*.safetensors"))
   if not files:
@@ -181,10 +206,7 @@ def load_hf(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:
     for name in files:
       if not (path / name).is_file():
         raise FileNotFoundError(f"{path / name} listed in the index is missing")
-      # framework="flax": numpy cannot decode bfloat16, the dtype most checkpoints are stored in.
-      with safe_open(str(path / name), framework="flax") as f:
-        for key in f.keys():
-          yield key, np.asarray(f.get_tensor(key))
+      yield from read_safetensors(path / name)
 
   return cfg, assemble_params(cfg, tensors(), dtype, str(path))
 

@@ -137,22 +137,18 @@ def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_par
                  dtype=jnp.float32) -> tuple[Config, Params, np.ndarray | None]:
   """(cfg, params, keep_ids or None) of a compact drafter directory (a path, or what
   read_drafter_dir read of it), completed from the target."""
-  from safetensors import safe_open
-
-  from jspec.io.checkpoint import assemble_params
-  from jspec.models.config import config_from_hf
+  from jspec.io.checkpoint import assemble_params, config_from_file, read_safetensors
 
   stored = stored if isinstance(stored, DrafterDir) else read_drafter_dir(stored)
   path, fmt = stored.path, stored.format
   if stored.kind != "compact":
     raise ValueError(f"{path} is not a compact drafter directory (its jspec.json says "
                      f"{stored.kind!r})")
-  cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+  cfg = config_from_file(path / "config.json")
   file = path / "model.safetensors"
   if not file.is_file():
     raise FileNotFoundError(f"{file} not found: the drafter directory is incomplete")
-  with safe_open(str(file), framework="flax") as f:
-    tensors = {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+  tensors = dict(read_safetensors(file))
   keep = tensors.pop(KEEP_IDS, None)
   if (keep is None) != (fmt.get("trimmed_vocab") is None):
     raise ValueError(f"{path}: jspec.json and model.safetensors disagree about the trimmed head")
@@ -229,7 +225,7 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   """(cfg, params, keep_ids or None) of a feature-level drafter directory (a path, or what
   read_drafter_dir read of it); it borrows the target's tables when it is built
   (jspec.drafting.feature.eagle_drafter)."""
-  from safetensors import safe_open
+  from jspec.io.checkpoint import read_safetensors
 
   stored = stored if isinstance(stored, DrafterDir) else read_drafter_dir(stored)
   path, fmt = stored.path, stored.format
@@ -247,11 +243,7 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   file = path / "model.safetensors"
   if not file.is_file():
     raise FileNotFoundError(f"{file} not found: the drafter directory is incomplete")
-  try:
-    with safe_open(str(file), framework="flax") as f:
-      tensors = {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
-  except Exception as e:  # safetensors raises its own error types on truncated files
-    raise ValueError(f"{file} cannot be read ({e}): the drafter file is corrupt") from e
+  tensors = dict(read_safetensors(file))
   keep = tensors.pop(KEEP_IDS, None)
   layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
   layer = {k.split(".", 1)[1]: jnp.asarray(v, dtype) for k, v in tensors.items()

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from jspec.io.files import read_json
 from jspec.io.gguf_file import GGUFFile
 
 # llama.cpp's token types (gguf.TokenType).
@@ -141,10 +142,14 @@ class Tokenizer:
           f"the model has only a slow tokenizer (tokenizer.model), write tokenizer.json once with "
           f"`transformers.AutoTokenizer.from_pretrained(dir).save_pretrained(dir)`, or use its "
           f"GGUF.")
-    backend = tokenizers.Tokenizer.from_file(str(file))
-    config = _read_json(path / "tokenizer_config.json")
-    special = _read_json(path / "special_tokens_map.json")
-    generation = _read_json(path / "generation_config.json")
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+      raise ValueError(f"{file} is not a valid tokenizer.json ({e}). Fix: restore the file from "
+                       f"the checkpoint") from None
+    config = read_json(path / "tokenizer_config.json", missing_ok=True)
+    special = read_json(path / "special_tokens_map.json", missing_ok=True)
+    generation = read_json(path / "generation_config.json", missing_ok=True)
 
     def token(name: str) -> str | None:
       value = config.get(name) or special.get(name)
@@ -196,10 +201,6 @@ class Tokenizer:
                chat_template=meta.get("tokenizer.chat_template"),
                extra_stop_ids=[meta.get("tokenizer.ggml.eot_token_id"),
                                meta.get("tokenizer.ggml.eom_token_id")])
-
-
-def _read_json(path: Path) -> dict:
-  return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _first(value: Any) -> int | None:

@@ -119,3 +119,17 @@ class KVPolicy:
   def slots(self) -> int:
     """Physical cache slots per row: the budget plus a working block for the newest tokens."""
     return self.budget + max(self.chunk, self.evict_every)
+
+
+def check_kv(cfg, kv: KVPolicy | None, name: str = "kv") -> None:
+  """Host-side, before anything is traced: `kv` is a KVPolicy (or None) whose scores the model's
+  attention (cfg.attention_impl) can give."""
+  if kv is None:
+    return
+  if not isinstance(kv, KVPolicy):
+    raise TypeError(f"{name} must be a jspec.kv.policy.KVPolicy, got {type(kv).__name__}. Fix: "
+                    f"{name}=KVPolicy('keydiff', budget=N)")
+  if kv.needs_attention and cfg.attention_impl != "xla":
+    raise ValueError(f"{name} policy {kv.method!r} scores slots by attention probabilities, which "
+                     f"attention_impl={cfg.attention_impl!r} does not give. Fix: "
+                     f"attention_impl='xla', or kv method 'keydiff' (keys only).")

@@ -112,13 +112,23 @@ def rope_scaling_from_hf(scaling: dict[str, Any] | None) -> RopeScaling:
   raise ValueError(f"unsupported rope_scaling type {kind!r}; jspec supports default, linear, llama3")
 
 
+def _required_int(hf: dict[str, Any], key: str) -> int:
+  """A positive integer field of config.json that every decoder has."""
+  value = hf.get(key)
+  if value is None:
+    raise ValueError(f"{key!r} is missing, which every decoder config gives")
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{key!r} must be a positive integer, got {value!r}")
+  return value
+
+
 def config_from_hf(hf: dict[str, Any]) -> Config:
   """Config from a Hugging Face `config.json` dictionary."""
   arch = _hf_arch(hf)
   if hf.get("use_sliding_window") and hf.get("sliding_window"):
     raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-  num_heads = int(hf["num_attention_heads"])
-  hidden = int(hf["hidden_size"])
+  num_heads = _required_int(hf, "num_attention_heads")
+  hidden = _required_int(hf, "hidden_size")
   # Qwen2/3 checkpoints carry rope_theta at the top level; newer transformers nests it in
   # rope_parameters together with the scaling.
   rope = hf.get("rope_parameters") or {}
@@ -126,10 +136,10 @@ def config_from_hf(hf: dict[str, Any]) -> Config:
   bias = bool(hf.get("attention_bias", arch == "qwen2"))
   return Config(
       arch=arch,
-      vocab_size=int(hf["vocab_size"]),
+      vocab_size=_required_int(hf, "vocab_size"),
       hidden_size=hidden,
-      intermediate_size=int(hf["intermediate_size"]),
-      num_layers=int(hf["num_hidden_layers"]),
+      intermediate_size=_required_int(hf, "intermediate_size"),
+      num_layers=_required_int(hf, "num_hidden_layers"),
       num_heads=num_heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
       head_dim=int(hf.get("head_dim") or hidden // num_heads),

@@ -266,6 +266,19 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool 
   return out.reshape(B, T, H, D)
 
 
+# The tree-attention kernel reads the cache in blocks of at least this many slots.
+KERNEL_SLOTS = 16
+
+
+def attention_slots(cfg: Config, slots: int) -> int:
+  """Cache slots to allocate for at least `slots` entries: a whole number of the attention
+  kernel's smallest block under Pallas attention (a KV budget's slots are the user's numbers:
+  budget + chunk, a verification block), as many as asked under XLA's."""
+  if cfg.attention_impl == "xla":
+    return slots
+  return -(-slots // KERNEL_SLOTS) * KERNEL_SLOTS
+
+
 def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int,
                  kernel: Optional[str] = None) -> Callable:
   """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
@@ -285,10 +298,10 @@ def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], 
                      f"token-invariant), got {cfg.attention_impl!r}. Fix: attention_impl='xla', "
                      f"or load float32 weights with --weights float32-xla")
   from jspec.pallas.tree_attention import BlockSizes, tree_attention
-  block_k = next((b for b in (128, 64, 32, 16) if size % b == 0), None)
+  block_k = next((b for b in (128, 64, 32, KERNEL_SLOTS) if size % b == 0), None)
   if block_k is None:
     raise ValueError(f"attention_impl={cfg.attention_impl!r} needs a KV cache whose size is a "
-                     f"multiple of 16, got {size}; allocate a multiple of 128 slots")
+                     f"multiple of {KERNEL_SLOTS}, got {size}; allocate a multiple of 128 slots")
   blocks = BlockSizes(block_k=block_k)
   interpret = cfg.attention_impl == "pallas-interpret"
   return lambda q, k_all, v_all, i: tree_attention(q, k_all, v_all, lengths, mask, layer=i,

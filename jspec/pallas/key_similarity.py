@@ -193,7 +193,8 @@ def key_similarity(k: Array, lengths: Array, *, block_s: int = 64, part: Optiona
   S; default `slice_size`). interpret: run in the Pallas interpreter (CPU tests). backend: "gpu"
   (Triton), "tpu" (Mosaic) or None for this machine's.
   """
-  backend = resolve_backend(backend, interpret)
+  backend = resolve_backend(backend, interpret,
+                            "key_similarity (KVPolicy score_impl='pallas', KeyDiff's scores)")
   validate_inputs(k, lengths, block_s, backend)
   S = k.shape[2]
   part = slice_size(S, block_s) if part is None else part

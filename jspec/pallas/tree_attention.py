@@ -121,8 +121,10 @@ class BlockSizes:
           f"BlockSizes.block_q must be a positive int or None (automatic), got {self.block_q!r}.")
 
 
-def resolve_backend(backend: Optional[str], interpret: bool) -> str:
-  """The kernel flavour to build: "gpu" (Triton) or "tpu" (Mosaic)."""
+def resolve_backend(backend: Optional[str], interpret: bool,
+                    kernel: str = "tree_attention (Config.attention_impl='pallas')") -> str:
+  """The kernel flavour to build: "gpu" (Triton) or "tpu" (Mosaic). `kernel` names the kernel
+  and the setting that asked for it, for the error on a platform without one."""
   if backend is None:
     platform = jax.default_backend()
     if platform == "tpu":
@@ -131,8 +133,9 @@ def resolve_backend(backend: Optional[str], interpret: bool) -> str:
       return "gpu"
     if not interpret:
       raise ValueError(
-          f"tree_attention has no compiled kernel for platform {platform!r}: run it on GPU or TPU, "
-          "or pass interpret=True (with backend='gpu' or 'tpu' to pick which kernel to interpret).")
+          f"{kernel} has no compiled kernel for platform {platform!r}: run it on GPU or TPU, or "
+          "interpret it ('pallas-interpret', or interpret=True with backend='gpu' or 'tpu' to "
+          "pick which kernel to interpret).")
     return "gpu"
   if backend not in BACKENDS:
     raise ValueError(

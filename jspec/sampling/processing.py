@@ -89,11 +89,11 @@ class SamplingParams:
 
   def validate(self) -> "SamplingParams":
     """Check concrete values on the host; returns self for chaining."""
-    t, k, p = float(self.temperature), self.top_k, float(self.top_p)
+    t, k, p = (_setting(name, getattr(self, name)) for name in _FIELDS)
     if not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
     if int(k) != k or int(k) < 0:
-      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k}")
+      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
     if not (0.0 < p <= 1.0):
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
     return self
@@ -113,6 +113,21 @@ class SamplingParams:
 
 
 _FIELDS = ("temperature", "top_k", "top_p")
+
+
+def _setting(name: str, value) -> float:
+  """One sampling setting as a host number: a real number (Python, NumPy or a one-number array),
+  the same for every row."""
+  if isinstance(value, (str, bytes)) or value is None:
+    raise TypeError(f"{name} must be a number, got {value!r}")
+  array = np.asarray(value)
+  if array.ndim:
+    raise ValueError(f"{name} must be one number for the whole batch, got an array of shape "
+                     f"{array.shape}: rows with different sampling settings run as separate "
+                     f"calls")
+  if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+    raise TypeError(f"{name} must be a number, got {value!r} of dtype {array.dtype}")
+  return float(array)
 
 
 def _unflatten(mode: Mode | None, values) -> SamplingParams:

@@ -14,11 +14,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import on_mesh, prepare_batch
+from jspec.decode import is_int, on_mesh, prepare_batch
 from jspec.drafting.base import Drafter, Features, place_drafter, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
-from jspec.kv.policy import KVPolicy
+from jspec.kv.policy import KVPolicy, check_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
@@ -42,10 +42,11 @@ class SpecConfig:
   stop_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if int(self.gamma) != self.gamma or self.gamma < 1:
-      raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got {self.gamma}")
-    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+    if not is_int(self.gamma) or self.gamma < 1:
+      raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got "
+                       f"{self.gamma!r}")
+    if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
 
 
 def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
@@ -193,6 +194,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                     f"spec=SpecConfig(gamma=..., max_new_tokens=...); token trees run with "
                     f"tree_speculative_generate and a TreeSpecConfig.")
   check_drafter(cfg, drafter)
+  check_kv(cfg, kv)
+  check_kv(cfg, draft_kv, "draft_kv")
   check_extra_positions_target(params, drafter)
   check_probe_round(drafter, gamma=spec.gamma)
   check_shared_cache(drafter, tree=False)

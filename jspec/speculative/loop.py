@@ -18,7 +18,7 @@ from jspec.kv.prefill import chunked_prefill
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward
+from jspec.models.llama import Params, attention_slots, forward
 from jspec.sampling.processing import SamplingParams, sample
 from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout, verification_width
@@ -116,7 +116,8 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     logits, hidden, cache = prefill(params, cfg, prompt, prompt_lengths, cache,
                                     taps=drafter.feature_layers)
   else:
-    cache = KVCache.init(cfg, B, target_slots or kv.slots, params.embed.dtype).placed(placement)
+    slots = attention_slots(cfg, target_slots or kv.slots)
+    cache = KVCache.init(cfg, B, slots, params.embed.dtype).placed(placement)
     logits, cache, evicted, hidden = chunked_prefill(params, cfg, prompt, prompt_lengths, cache,
                                                      kv, keep_hidden=True,
                                                      taps=drafter.feature_layers,
@@ -253,6 +254,16 @@ def check_extra_positions_target(params, drafter: Drafter) -> None:
         "(load(..., dtype='int8'): jspec's CPU kernels), or as float32 or bfloat16.")
 
 
+def _shape(cfg: Config) -> tuple[int, ...]:
+  return (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+          cfg.num_kv_heads, cfg.head_dim)
+
+
+def _describe(cfg: Config) -> str:
+  return (f"{cfg.arch}, {cfg.num_layers} layers of hidden {cfg.hidden_size}, {cfg.num_heads} "
+          f"heads, {cfg.num_kv_heads} KV heads")
+
+
 def check_drafter(cfg: Config, drafter: Drafter) -> None:
   """Host-side: a drafter implementing the protocol, in the target's vocabulary."""
   if not isinstance(drafter, Drafter):
@@ -262,6 +273,11 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
     raise ValueError(
         f"draft vocabulary ({drafter.vocab_size} tokens) differs from the target's "
         f"({cfg.vocab_size}): speculative decoding needs a drafter with the target's tokenizer")
+  built_for = drafter.target_cfg
+  if built_for is not None and _shape(built_for) != _shape(cfg):
+    raise ValueError(f"the drafter runs the target's own weights but was built for another "
+                     f"target ({_describe(built_for)}; this one: {_describe(cfg)}). Fix: build it "
+                     f"for this model: load_drafter(name, model)")
   taps = drafter.feature_layers
   if taps and not all(0 <= i < cfg.num_layers for i in taps):
     raise ValueError(f"the drafter reads the target's layers {taps}, but the target has "

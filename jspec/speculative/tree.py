@@ -21,16 +21,16 @@ features; the n-gram lookup writes the accepted tokens into its history).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import on_mesh, prepare_batch
+from jspec.decode import is_int, on_mesh, prepare_batch
 from jspec.drafting.base import DraftState, Drafter, Features, place_drafter
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
-from jspec.kv.policy import KVPolicy
+from jspec.kv.policy import KVPolicy, check_kv
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
@@ -63,8 +63,10 @@ class TreeSpecConfig:
     if not isinstance(self.tree, TreeShape):
       raise ValueError(f"tree must be a tree string ({TREE_HELP}) or a shape from "
                        f"parse_tree, got {self.tree!r}")
-    if int(self.max_new_tokens) != self.max_new_tokens or self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+    if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+    if isinstance(self.stop_ids, (str, bytes)) or not isinstance(self.stop_ids, Iterable):
+      raise TypeError(f"stop_ids must be a sequence of token ids, got {self.stop_ids!r}")
     object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
 
   @property
@@ -249,6 +251,7 @@ def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
                     f"spec=TreeSpecConfig(tree, max_new_tokens=...); chains run with "
                     f"speculative_generate and a SpecConfig.")
   check_drafter(cfg, drafter)
+  drafter.check_tree(spec.tree)
   if spec.tree.widest > cfg.vocab_size:
     raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
                      f"but the vocabulary has {cfg.vocab_size} tokens. Fix: at most "
@@ -277,6 +280,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   mesh, as for `speculative_generate`.
   """
   check_tree_run(cfg, drafter, spec)
+  check_kv(cfg, kv)
+  check_kv(cfg, draft_kv, "draft_kv")
   check_tree_target(params)
   check_shared_cache(drafter, tree=True)
   check_probe_round(drafter, depth=spec.tree.max_depth)

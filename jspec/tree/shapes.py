@@ -235,6 +235,15 @@ TREE_HELP = ("chain:D, fixed:B1-B2-..., specinfer:B1-B2-..., rsd-c:B1-B2-... (ch
 
 def parse_tree(text: str) -> TreeShape:
   """A tree shape from its CLI string, e.g. "fixed:4-2-2-1", "rsd-s:4,4", "dynamic:60"."""
+  try:
+    return _parse_tree(text)
+  except ValueError as e:  # a shape's own check names its numbers; say which string gave them
+    if repr(str(text)) in str(e):
+      raise
+    raise ValueError(f"tree {str(text)!r}: {e}") from None
+
+
+def _parse_tree(text: str) -> TreeShape:
   method, sep, args = str(text).strip().partition(":")
   method = method.lower()
 
@@ -249,8 +258,8 @@ def parse_tree(text: str) -> TreeShape:
     raise ValueError(f"tree {text!r} has no shape; expected one of: {TREE_HELP}")
   if method == "chain":
     depth = ints(",")
-    if len(depth) != 1:
-      raise ValueError(f"tree {text!r}: chain takes one depth D, e.g. chain:4")
+    if len(depth) != 1 or depth[0] < 1:
+      raise ValueError(f"tree {text!r}: chain takes one depth D >= 1, e.g. chain:4")
     return BranchingTree("chain", (1,) * depth[0])
   if method in _BRANCHING_SIBLINGS:
     return BranchingTree(method, ints("-"))
