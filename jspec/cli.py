@@ -253,7 +253,11 @@ def _dataset_prompts(model, dataset: str, n: int | None) -> list[list[int]]:
   """The first n prompts of a benchmark set as token ids, chat-templated where the set is chat."""
   from jspec import data
   chat = data.is_chat(dataset) and model.tokenizer.chat_template is not None
-  return [model.encode(t, chat=chat) for t in data.load_prompts(dataset, n)]
+  texts = data.load_prompts(dataset, n)
+  if n is not None and len(texts) < n:
+    print(f"[jspec] note: {dataset} holds {len(texts)} prompts; running all of them "
+          f"(--num-prompts {n})", file=sys.stderr)
+  return [model.encode(t, chat=chat) for t in texts]
 
 
 def _progress(line: str) -> None:
@@ -330,15 +334,14 @@ def cmd_bench(args) -> int:
 
 def cmd_train_drafter(args) -> int:
   from jspec.model import load
-  from jspec.train import distill, trainer
+  from jspec.train import trainer
   from jspec.train.recipe import DrafterRecipe, train_drafter
 
   target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   recipe = DrafterRecipe(
       num_layers=args.layers, hidden_size=args.hidden_size, init=args.init,
       vocab_trim=args.vocab_trim, data_dirs=tuple(args.data or ()), save_dtype=args.save_dtype,
-      data=distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed),
+      data=_data_config(args),
       train=trainer.TrainConfig(loss=args.loss, seq_len=args.seq_len, batch_size=args.batch_size,
                                 grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                                 warmup_steps=min(args.warmup_steps, args.steps),
@@ -357,17 +360,6 @@ def cmd_train_eagle(args) -> int:
 
   from jspec.train.eagle3 import Eagle3Loss, Eagle3Recipe, train_eagle3
 
-  eagle1 = {"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
-            "--noise": args.noise != 0.0}
-  ttt = {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8}
-  confu = {"--anchors": args.anchors != 32, "--experts": args.experts != 4,
-           "--expert-top-k": args.expert_top_k != 2, "--soft-tokens": args.soft_tokens != 2}
-  other = {"eagle": {**ttt, **confu}, "eagle3": {**eagle1, **confu},
-           "confu": eagle1}[args.network]
-  ignored = [flag for flag, given in other.items() if given]
-  if ignored:
-    raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
-                     f"them, or pick the network they belong to")
   target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   tc = trainer.TrainConfig(loss=args.network, seq_len=args.seq_len, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
@@ -403,8 +395,7 @@ def cmd_distill_data(args) -> int:
   from jspec.train.recipe import distill_texts
 
   target = load(args.model, "float32-xla")  # batched training work: XLA's dot
-  cfg = distill.DataConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                           batch_size=args.gen_batch_size, top_k=args.top_k, seed=args.seed)
+  cfg = _data_config(args)
   out = distill.build_dataset(target, distill_texts(cfg, args.prompt_offset), args.out, cfg)
   print(f"wrote {out} ({distill.complete_shards(out)} shards)")
   return 0
@@ -426,7 +417,7 @@ def cmd_build_datastore(args) -> int:
 
   from jspec.io import datastore
   from jspec.io.load import load_tokenizer
-  from jspec.train.distill import iter_examples
+  from jspec.train.distill import check_tokenizer, iter_examples
 
   tokenizer = load_tokenizer(args.model)
   sources = args.sources or ["sharegpt"]
@@ -435,6 +426,7 @@ def cmd_build_datastore(args) -> int:
     if source == "sharegpt":
       sequences += datastore.sharegpt_sequences(tokenizer)
     elif Path(source).is_dir():  # the target's own answers (jspec distill-data)
+      check_tokenizer(source, tokenizer)
       sequences += [ex.response for ex in iter_examples(source)]
     else:
       sequences.append(np.asarray(tokenizer.encode(Path(source).read_text(encoding="utf-8"),
@@ -455,9 +447,7 @@ def cmd_eval_drafter(args) -> int:
 
   target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   names = [n for n in args.drafters.split(",") if n]
-  drafters = {n: load_drafter(n, target) for n in names}
-  if None in drafters.values():
-    raise ValueError("--drafters: 'none' is not a drafter")
+  drafters = {n: load_drafter(n, target) for n in names}  # check_args: draft models only
   records = heldout_acceptance(target, drafters, tuple(args.data), seq_len=args.seq_len,
                                gamma=args.gamma)
   print(f"{'drafter':<48} {'layers':>6} {'head':>6} {'alpha_greedy':>12} {'alpha_sampled':>13} "
@@ -477,12 +467,13 @@ def cmd_bench_kernel(args) -> int:
   if args.kernel == "key-similarity":
     records = kernel.bench_key_similarity(
         kernel.select_key_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
-        backend=args.backend, block_s=args.block_s, part=args.part, repeats=args.repeats,
+        backend=args.backend, block_s=args.block_s or 64, part=args.part, repeats=args.repeats,
         warmup=args.warmup)
   else:
     records = kernel.bench_tree_attention(
         kernel.select_shapes(args.shapes, args.small), args.dtype, interpret=args.interpret,
-        backend=args.backend, block_k=args.block_k, repeats=args.repeats, warmup=args.warmup)
+        backend=args.backend, block_k=args.block_k or 128, repeats=args.repeats,
+        warmup=args.warmup)
   stamp = _stamp(records)
   platform = records[0]["platform"] + ("-interpret" if args.interpret else "")
   name = args.kernel.replace("-", "_")
@@ -590,7 +581,9 @@ _AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "b
              "gen_batch_size": 1, "grad_accum": 1, "steps": 0, "rounds": 1, "stride": 1,
              "batch": 1, "size": 1, "top_k": 0, "num_samples": 1, "context": 1, "repeats": 1,
              "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1,
-             "n_max": 1, "min_count": 1, "block_s": 1, "block_k": 1, "part": 1, "warmup": 0}
+             "n_max": 1, "min_count": 1, "block_s": 1, "block_k": 1, "part": 1, "warmup": 0,
+             "warmup_steps": 0, "prompt_offset": 0, "hidden_size": 1, "anchors": 1,
+             "experts": 1, "expert_top_k": 1, "soft_tokens": 0, "vocab_trim": 0}
 # --kv-* settings of an evicting cache: they need --kv-budget.
 _KV_SETTINGS = ("kv_policy", "kv_chunk", "kv_sinks", "kv_window", "kv_evict_every",
                 "kv_drafter")
@@ -624,12 +617,126 @@ def _check_drafter_args(args) -> None:
                      f"Fix: --gamma <= {args.max_new_tokens}")
 
 
+def _check_data_args(args) -> None:
+  """--data directories: distillation data (a manifest), shard ranges inside them, each read
+  once (a directory given twice would put its held-out rows into training too)."""
+  from jspec.train.distill import parse_data_dir, read_manifest
+  seen = set()
+  for spec in getattr(args, "data", None) or ():
+    directory, start, stop = parse_data_dir(spec)
+    if not directory.is_dir():
+      raise FileNotFoundError(f"--data {spec}: no directory {str(directory)!r}. Fix: the --out "
+                              f"directory of `jspec distill-data` (or data/ under a "
+                              f"train-drafter --out)")
+    if directory.resolve() in seen:
+      raise ValueError(f"--data {spec}: {directory} is given twice. Fix: give each data "
+                       f"directory once (DIR:A-B picks its shards)")
+    seen.add(directory.resolve())
+    try:
+      total = read_manifest(directory)["num_shards"]
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"--data {spec}: {e}") from None
+    end = total if stop is None else stop
+    if not 0 <= start < end <= total:
+      raise ValueError(f"--data {spec}: {directory} holds shards 0..{total - 1}; the range "
+                       f"[{start}, {end}) is not inside it. Fix: DIR, DIR:N (N <= {total}) or "
+                       f"DIR:A-B (A < B <= {total})")
+  if args.command == "train-drafter" and args.data:
+    given = [_flag(name) for name in _DATA_DEFAULTS if getattr(args, name) is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)} set(s) how distillation data is generated, but "
+                       f"--data gives the data. Fix: drop them (or drop --data to generate)")
+
+
+def _check_command_args(args) -> None:
+  """What _AT_LEAST cannot say: training rates, the drafters eval-drafter scores, the kernel
+  that bench-kernel flags belong to, lists that name a thing twice."""
+  import math
+  lr = getattr(args, "lr", None)
+  if lr is not None and not (math.isfinite(lr) and lr > 0):
+    raise ValueError(f"--lr must be a finite number > 0, got {lr}")
+  for name in ("noise", "cls_weight"):
+    value = getattr(args, name, None)
+    if value is not None and not (math.isfinite(value) and value >= 0):
+      raise ValueError(f"{_flag(name)} must be a finite number >= 0, got {value}")
+  decay = getattr(args, "ttt_decay", None)
+  if decay is not None and not 0 < decay <= 1:
+    raise ValueError(f"--ttt-decay must be in (0, 1], got {decay}")
+  if getattr(args, "expert_top_k", 0) > getattr(args, "experts", math.inf):
+    raise ValueError(f"--expert-top-k {args.expert_top_k} picks more experts than --experts "
+                     f"{args.experts} holds")
+  lists = {"bench": ("drafter",), "bench-kv": ("methods", "budgets"), "eval-drafter": ("drafters",)}
+  for name in lists.get(args.command, ()):
+    items = [item.strip() for item in str(getattr(args, name) or "").split(",")]
+    twice = sorted({item for item in items if items.count(item) > 1})
+    if twice:
+      flag = "--drafters" if name == "drafter" else _flag(name)
+      raise ValueError(f"{flag} names {', '.join(twice)} more than once: each would run again. "
+                       f"Fix: name each once")
+  if args.command == "bench-tau":
+    from jspec.tree.shapes import parse_trees
+    shapes = [str(t) for text in args.tree for t in parse_trees(text)]
+    twice = sorted({t for t in shapes if shapes.count(t) > 1})
+    if twice:
+      raise ValueError(f"--tree names {', '.join(twice)} more than once. Fix: name each once")
+  if args.command == "train-eagle":
+    eagle1 = {"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
+              "--noise": args.noise != 0.0}
+    ttt = {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8}
+    confu = {"--anchors": args.anchors != 32, "--experts": args.experts != 4,
+             "--expert-top-k": args.expert_top_k != 2, "--soft-tokens": args.soft_tokens != 2}
+    other = {"eagle": {**ttt, **confu}, "eagle3": {**eagle1, **confu},
+             "confu": eagle1}[args.network]
+    ignored = [flag for flag, given in other.items() if given]
+    if ignored:
+      raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
+                       f"them, or pick the network they belong to")
+  if args.command == "bench-kernel":
+    other = (("--block-k", args.block_k),) if args.kernel == "key-similarity" else (
+        ("--block-s", args.block_s), ("--part", args.part))
+    given = [flag for flag, value in other if value is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)} set(s) the other kernel's blocks, not --kernel "
+                       f"{args.kernel}'s. Fix: drop them, or pick the kernel they belong to")
+  if args.command == "eval-drafter":
+    from jspec.drafting.registry import parse_drafter
+    for name in args.drafters.split(","):
+      parsed = parse_drafter(name) if name else None
+      if parsed is None or parsed.kind.name not in ("default", "self", "early-exit", "model"):
+        raise ValueError(f"--drafters {name or 'none'!r}: eval-drafter scores draft models "
+                         f"(default, self, early-exit:K, model:PATH) on held-out data; the "
+                         f"others draft from the run itself. Fix: jspec bench-tau measures "
+                         f"them")
+
+
+# Commands whose --out is a directory they fill (a file there would be found only at the end).
+_OUT_DIRS = ("train-drafter", "train-eagle", "distill-data", "trim-vocab")
+
+
+def _check_output_paths(args) -> None:
+  """Where a command writes, checked before it runs: a run must not end on a path it cannot
+  write."""
+  out = getattr(args, "out", None)
+  if out is not None:
+    out = Path(out)
+    if args.command in _OUT_DIRS and out.exists() and not out.is_dir():
+      raise ValueError(f"--out {out} is a file; this command writes a directory there. Fix: "
+                       f"another path")
+    if args.command not in _OUT_DIRS and out.is_dir():
+      raise ValueError(f"--out {out} is a directory; this command writes a file there. Fix: a "
+                       f"file path")
+  for flag in ("json", "plot"):
+    path = getattr(args, flag, None)
+    if path is not None and Path(path).is_dir():
+      raise ValueError(f"--{flag} {path} is a directory. Fix: a file path, e.g. "
+                       f"{Path(path) / ('results.json' if flag == 'json' else 'plot.png')}")
+
+
 def check_args(args) -> None:
   """Every check a command's arguments allow without a model, run before anything loads or is
   fetched: a typo fails in a second with the flag named, not after a model load."""
   from jspec.drafting.registry import parse_drafter
   from jspec.io.load import check_source
-  from jspec.train.distill import parse_data_dir
   from jspec.tree.shapes import parse_trees
 
   for name, least in _AT_LEAST.items():
@@ -647,7 +754,7 @@ def check_args(args) -> None:
   if args.command == "bench-tau" and args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")
-  if hasattr(args, "gen_batch_size") and args.top_k < 1:  # the distillation data's teacher
+  if hasattr(args, "gen_batch_size") and args.top_k is not None and args.top_k < 1:
     raise ValueError(f"--top-k must be at least 1 for distillation data (the teacher's top-k "
                      f"log-probs are what a drafter learns from), got {args.top_k}")
   for prompt in getattr(args, "prompt", None) or ():
@@ -667,12 +774,9 @@ def check_args(args) -> None:
   trees = getattr(args, "tree", None)
   for text in [trees] if isinstance(trees, str) else trees or ():
     parse_trees(text)
-  for spec in getattr(args, "data", None) or ():
-    directory = parse_data_dir(spec)[0]
-    if not directory.is_dir():
-      raise FileNotFoundError(f"--data {spec}: no directory {str(directory)!r}. Fix: the --out "
-                              f"directory of `jspec distill-data` (or data/ under a "
-                              f"train-drafter --out)")
+  _check_command_args(args)
+  _check_data_args(args)
+  _check_output_paths(args)
   if hasattr(args, "temperature"):
     _sampling(args)
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
@@ -686,11 +790,26 @@ def check_args(args) -> None:
                               f"directory of `jspec distill-data` or a text file")
 
 
+# Distillation data settings and their defaults (the flags default to None, so a run that reads
+# data from --data can refuse them: they would be recorded but not used).
+_DATA_DEFAULTS = {"num_prompts": 1024, "max_new_tokens": 256, "gen_batch_size": 16, "top_k": 32}
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--num-prompts", type=int, default=1024)
-  p.add_argument("--max-new-tokens", type=int, default=256)
-  p.add_argument("--gen-batch-size", type=int, default=16)
-  p.add_argument("--top-k", type=int, default=32, help="teacher log-probs stored per position")
+  p.add_argument("--num-prompts", type=int, default=None, help="default: 1024")
+  p.add_argument("--max-new-tokens", type=int, default=None, help="default: 256")
+  p.add_argument("--gen-batch-size", type=int, default=None, help="default: 16")
+  p.add_argument("--top-k", type=int, default=None,
+                 help="teacher log-probs stored per position (default: 32)")
+
+
+def _data_config(args):
+  from jspec.train import distill
+  value = lambda name: _DATA_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+  return distill.DataConfig(num_prompts=value("num_prompts"),
+                            max_new_tokens=value("max_new_tokens"),
+                            batch_size=value("gen_batch_size"), top_k=value("top_k"),
+                            seed=args.seed)
 
 
 class _DefaultsShown(argparse.HelpFormatter):
@@ -808,9 +927,10 @@ def build_parser() -> argparse.ArgumentParser:
   k.add_argument("--backend", choices=["gpu", "tpu"], default=None,
                  help="kernel flavour (default: this machine's; with --interpret, which kernel "
                       "to interpret, default gpu)")
-  k.add_argument("--block-k", type=int, default=128, help="cache slots per key block")
-  k.add_argument("--block-s", type=int, default=64,
-                 help="key-similarity: cache slots per block")
+  k.add_argument("--block-k", type=int, default=None,
+                 help="tree-attention: cache slots per key block (default 128)")
+  k.add_argument("--block-s", type=int, default=None,
+                 help="key-similarity: cache slots per block (default 64)")
   k.add_argument("--part", type=int, default=None,
                  help="key-similarity: cache slots per program, a multiple of --block-s (default: "
                       "up to 512; the cache size S = one program per head)")

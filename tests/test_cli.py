@@ -543,6 +543,23 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
      "--gamma 50 drafts more tokens a round than --max-new-tokens 8"),
     (["generate", "--drafter", "ngram", "--tree", "chain:0"], "tree 'chain:0': chain takes one"),
     (["bench-tau", "--tree", "fixed:2", "--drafter", "none"], "bench-tau needs a drafter"),
+    (["bench-tau", "--tree", "chain:2,fixed:2,chain:2"], "--tree names chain:2 more than once"),
+    (["bench", "--drafters", "ngram,self,ngram"], "--drafters names ngram more than once"),
+    (["bench-kv", "--budgets", "32,64,32"], "--budgets names 32 more than once"),
+    (["bench-kernel", "--block-s", "32"], "--block-s set(s) the other kernel's blocks"),
+    (["bench-kernel", "--kernel", "key-similarity", "--block-k", "32"],
+     "--block-k set(s) the other kernel's blocks"),
+    (["train-drafter", "--out", "o", "--lr", "nan"], "--lr must be a finite number > 0"),
+    (["train-drafter", "--out", "o", "--lr", "-0.1"], "--lr must be a finite number > 0"),
+    (["train-drafter", "--out", "o", "--warmup-steps", "-5"], "--warmup-steps must be at least 0"),
+    (["train-drafter", "--out", "o", "--hidden-size", "-64"], "--hidden-size must be at least 1"),
+    (["distill-data", "--out", "o", "--prompt-offset", "-3"], "--prompt-offset must be at least 0"),
+    (["train-eagle", "--out", "o", "--data", ".", "--network", "confu", "--experts", "2",
+      "--expert-top-k", "3"], "--expert-top-k 3 picks more experts than --experts 2"),
+    (["train-eagle", "--out", "o", "--data", ".", "--network", "eagle3", "--ttt-decay", "1.5"],
+     "--ttt-decay must be in (0, 1]"),
+    (["eval-drafter", "--drafters", "self,ngram", "--data", "."],
+     "--drafters 'ngram': eval-drafter scores draft models"),
     (["eval-drafter", "--drafters", "self,model:/nope", "--data", "."], "drafter 'model:/nope'"),
     (["train-eagle", "--target", "default", "--out", "o", "--data", "/nonexistent:2"],
      "--data /nonexistent:2: no directory '/nonexistent'"),
@@ -624,3 +641,35 @@ def test_filters_at_temperature_zero_are_noted(capsys):
   check_args(build_parser().parse_args(["generate", "--prompt", "x", "--top-k", "5",
                                         "--temperature", "0.7"]))
   assert capsys.readouterr().err == ""
+
+
+def test_data_and_output_paths_are_checked_before_anything_loads(monkeypatch, capsys, tmp_path):
+  """--data must be distillation data with the shards asked for, each directory once, and not
+  beside flags that only generating data reads; --out and --json must be writable as what the
+  command writes (a directory, a file)."""
+  import jspec.model
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("a model was loaded before the arguments were checked")
+  monkeypatch.setattr(jspec.model, "load", refuse)
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "manifest.json").write_text(json.dumps({"num_shards": 2}))
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  out = str(tmp_path / "out")
+  for argv, message in [
+      (["train-drafter", "--out", out, "--data", str(tmp_path)], "no manifest.json"),
+      (["train-drafter", "--out", out, "--data", f"{data}:5-2"], "the range [5, 2) is not inside"),
+      (["train-drafter", "--out", out, "--data", f"{data}:3"], "the range [0, 3) is not inside"),
+      (["train-drafter", "--out", out, "--data", str(data), "--data", f"{data}:1"],
+       "is given twice"),
+      (["train-drafter", "--out", out, "--data", str(data), "--top-k", "4"],
+       "--top-k set(s) how distillation data is generated, but --data gives the data"),
+      (["train-drafter", "--out", str(afile), "--data", str(data)], "is a file; this command"),
+      (["build-datastore", "--out", str(tmp_path)], "is a directory; this command writes a file"),
+      (["bench-kv", "--json", str(tmp_path)], "is a directory. Fix: a file path"),
+  ]:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, (argv, err)

@@ -46,6 +46,16 @@ def smollm():
 
 
 @pytest.mark.slow
+def test_fingerprint_is_the_vocabulary_whatever_the_file(smollm, hf_dir, tmp_path):
+  """The same vocabulary read from a GGUF file and from tokenizer.json has one fingerprint
+  (distillation data records it); another vocabulary has another."""
+  ours, ref = smollm
+  ref.save_pretrained(tmp_path)
+  assert Tokenizer.from_hf_dir(tmp_path).fingerprint == ours.fingerprint
+  assert Tokenizer.from_hf_dir(hf_dir).fingerprint != ours.fingerprint
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("text", SAMPLES)
 def test_gguf_ids_and_decode_match_transformers(smollm, text):
   ours, ref = smollm

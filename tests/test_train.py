@@ -71,6 +71,24 @@ def test_distillation_data_resumes_identically(target, data_dir, tmp_path):
     distill.build_dataset(target, TEXTS, copy, dataclasses.replace(cfg, top_k=4), progress=False)
 
 
+def test_data_of_another_tokenizer_is_refused(target, data_dir, tmp_path):
+  """The manifest records the tokenizer: ids made by another mean other text."""
+  from types import SimpleNamespace
+  path, cfg = data_dir
+  assert distill.read_manifest(path)["tokenizer_sha256"] == target.tokenizer.fingerprint
+  distill.load_examples([(path, 0, 1)], target.tokenizer)
+  with pytest.raises(ValueError, match="made by a target with another tokenizer"):
+    distill.load_examples([(path, 0, 1)], SimpleNamespace(fingerprint="another"))
+  # Data made before the manifest recorded it still loads, and resumes.
+  old = tmp_path / "old"
+  shutil.copytree(path, old)
+  manifest = json.loads((old / "manifest.json").read_text())
+  del manifest["tokenizer_sha256"]
+  (old / "manifest.json").write_text(json.dumps(manifest))
+  distill.load_examples([(old, 0, 1)], SimpleNamespace(fingerprint="another"))
+  distill.build_dataset(target, TEXTS, old, cfg, progress=False)
+
+
 def test_examples_from_a_shard_range(data_dir):
   path, cfg = data_dir
   every = list(distill.iter_examples(path))
@@ -229,6 +247,10 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
                       / "jspec.json").read_text())
   assert again["final_eval"] == first["final_eval"]
   assert again["train_seconds_total"] == first["train_seconds_total"]
+  # A rerun with settings that shape another drafter does not resume this one's checkpoint.
+  with pytest.raises(ValueError, match="other settings .init: 'target' then, 'random' now"):
+    train_drafter(target, tmp_path / "run", dataclasses.replace(recipe, init="random"),
+                  progress=False)
   fmt = drafter_format(out)
   assert fmt == {"shares_target_embedding": True, "head_is_table": True, "trimmed_vocab": 60,
                  "dtype": "float16"}
@@ -337,7 +359,7 @@ def test_eval_drafter_cli(target, data_dir, tmp_path, capsys):
   assert "early-exit:1" in capsys.readouterr().out
   assert main(["eval-drafter", "--target", str(target.source), "--drafters", "none",
                "--data", f"{path}:1-3"]) == 2
-  assert "not a drafter" in capsys.readouterr().err
+  assert "--drafters 'none': eval-drafter scores draft models" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- feature drafter
@@ -576,3 +598,25 @@ def test_confu_recipe_trains_saves_and_decodes_losslessly(target6, tmp_path):
 def test_data_settings_below_one_are_refused(field):
   with pytest.raises(ValueError, match=f"DataConfig {field} must be an integer >= 1, got 0"):
     distill.DataConfig(**{field: 0})
+
+
+def test_rows_refuse_a_seq_len_that_leaves_no_response_token():
+  """Prompts longer than seq_len leave nothing to learn: refused, not a run at loss 0."""
+  ex = distill.Example(prompt=np.arange(10, dtype=np.int32), response=np.arange(4, dtype=np.int32),
+                       top_ids=np.zeros((4, 2), np.int32), top_logprobs=np.zeros((4, 2), np.float32))
+  assert trainer.make_rows([ex], seq_len=10).mask.sum() == 1  # the last prompt position
+  with pytest.raises(ValueError, match="no response token fits seq_len=9.*>= 10"):
+    trainer.make_rows([ex], seq_len=9)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lr=float("nan")), "lr must be a finite number > 0"),
+    (dict(lr=-0.1), "lr must be a finite number > 0"),
+    (dict(steps=-3), "steps must be an integer >= 0"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
+    (dict(seq_len=4.0), "seq_len must be an integer >= 2"),
+])
+def test_train_config_refuses_bad_settings(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    trainer.TrainConfig(**kwargs)

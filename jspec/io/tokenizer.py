@@ -13,6 +13,7 @@ so both stay whole when they occur in text (as after a chat template).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import warnings
@@ -98,6 +99,12 @@ class Tokenizer:
     return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
             f"eos={self.eos_token!r}, add_bos={self.add_bos}, stop_ids={self.stop_token_ids}, "
             f"chat_template={'yes' if self.chat_template else 'no'})")
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """SHA-256 of the vocabulary (every id's token string, in order): the same for the same
+    tokenizer whether it came from tokenizer.json or a GGUF file; data made with another differs."""
+    return hashlib.sha256("\x00".join(self.tokens).encode()).hexdigest()
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; special tokens written in it stay whole; BOS first if `add_bos`."""

@@ -74,10 +74,13 @@ def build_dataset(model: Model, texts: Sequence[str], out_dir: str | Path, cfg: 
   out.mkdir(parents=True, exist_ok=True)
   manifest = json.loads(json.dumps({  # as it reads back from JSON (tuples become lists)
       "config": dataclasses.asdict(cfg), "target": model.source,
-      "prompts_sha256": _sha256_lines(texts), "num_texts": len(texts)}))
+      "prompts_sha256": _sha256_lines(texts), "num_texts": len(texts),
+      "tokenizer_sha256": model.tokenizer.fingerprint}))
   path = out / MANIFEST
   if path.exists():
     old = json.loads(path.read_text())
+    if "tokenizer_sha256" not in old:  # data made before the manifest recorded it
+      old["tokenizer_sha256"] = manifest["tokenizer_sha256"]
     if {k: old.get(k) for k in manifest} != manifest:
       raise ValueError(f"{out} holds distillation data made with other settings or prompts; "
                        f"use another directory or delete it")
@@ -86,6 +89,9 @@ def build_dataset(model: Model, texts: Sequence[str], out_dir: str | Path, cfg: 
   manifest["num_prompts"] = sum(len(b) for b in shards)
   path.write_text(json.dumps(manifest, indent=2))
   stops = model.tokenizer.stop_token_ids
+  done = sum((out / f"shard_{i:05d}.npz").exists() for i in range(len(shards)))
+  if done and progress:
+    tqdm.write(f"resuming {out}: {done} of {len(shards)} shards already written")
   bar = tqdm(total=len(shards), desc="distillation data", disable=not progress)
   tokens, start = 0, time.perf_counter()
   for i, prompts in enumerate(shards):
@@ -199,11 +205,25 @@ def parse_data_dir(spec: str) -> tuple[Path, int, int | None]:
   return Path(spec).expanduser(), 0, None
 
 
-def load_examples(sources: list[tuple[Path, int, int | None]]) -> tuple[list, list[dict]]:
-  """Examples of every source in order, and a record of what was read (for the metadata)."""
+def check_tokenizer(data_dir: str | Path, tokenizer) -> None:
+  """Data made with another tokenizer holds other ids for the same text: refused (data made
+  before the manifest recorded its tokenizer passes)."""
+  made_with = read_manifest(data_dir).get("tokenizer_sha256")
+  if made_with is not None and made_with != tokenizer.fingerprint:
+    raise ValueError(f"{data_dir} was made by a target with another tokenizer: its token ids "
+                     f"mean other text for this model. Fix: --data made by this --model (jspec "
+                     f"distill-data --model ...)")
+
+
+def load_examples(sources: list[tuple[Path, int, int | None]], tokenizer=None
+                  ) -> tuple[list, list[dict]]:
+  """Examples of every source in order, and a record of what was read (for the metadata);
+  with `tokenizer`, sources made with another are refused (`check_tokenizer`)."""
   examples, record = [], []
   for path, start, stop in sources:
     total = read_manifest(path)["num_shards"]  # names a non-data directory clearly
+    if tokenizer is not None:
+      check_tokenizer(path, tokenizer)
     n = len(examples)
     examples += iter_examples(path, stop, start_shard=start)
     digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()

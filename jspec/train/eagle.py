@@ -192,7 +192,8 @@ def feature_data(target, out: Path, data_dirs: tuple[str, ...], vocab_trim: int,
   if not data_dirs:
     raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
                      "(make it with `jspec distill-data`)")
-  examples, record = distill.load_examples([distill.parse_data_dir(d) for d in data_dirs])
+  examples, record = distill.load_examples([distill.parse_data_dir(d) for d in data_dirs],
+                                          target.tokenizer)
   n_eval = max(1, int(len(examples) * distill.HELD_OUT))
   keep, vocab_map = None, None
   if vocab_trim:

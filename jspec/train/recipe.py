@@ -56,10 +56,29 @@ def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
   return texts[prompt_offset:]
 
 
+def check_resume(workdir: Path, settings: dict) -> None:
+  """A work directory resumes only the run that made it: the settings that shape the drafter and
+  its data (the training loop checks its own) are recorded there and compared on every rerun."""
+  settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
+  file = workdir / "recipe.json"
+  if file.is_file():
+    old = json.loads(file.read_text())
+    changed = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items()
+               if old.get(k) != v]
+    if changed:
+      raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(changed)}). "
+                       f"Fix: rerun with the first run's settings to resume it, or another --out")
+  workdir.mkdir(parents=True, exist_ok=True)
+  file.write_text(json.dumps(settings, indent=2))
+
+
 def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
                   progress: bool = True, command: str = "") -> Path:
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
+  check_resume(out / "work", {"num_layers": recipe.num_layers,
+                              "hidden_size": recipe.hidden_size, "init": recipe.init,
+                              "vocab_trim": recipe.vocab_trim, "data_dirs": recipe.data_dirs})
   t0 = time.perf_counter()
   if recipe.data_dirs:
     sources = [parse_data_dir(d) for d in recipe.data_dirs]
@@ -68,7 +87,7 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
     sources = [(distill.build_dataset(target, texts, out / "data", recipe.data,
                                       progress=progress), None)]
   data_s = time.perf_counter() - t0
-  examples, data_record = load_examples(sources)
+  examples, data_record = load_examples(sources, target.tokenizer)
   n_eval = max(1, int(len(examples) * HELD_OUT))
   train_examples = examples[:-n_eval]
   keep, vocab_map = None, None
@@ -140,7 +159,7 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
     if not data_dirs:
       raise ValueError("trim-vocab keeps the ids the TARGET generates most: pass --data DIR, the "
                        "target's responses made by `jspec distill-data --target ...`")
-    examples, _ = load_examples([parse_data_dir(d) for d in data_dirs])
+    examples, _ = load_examples([parse_data_dir(d) for d in data_dirs], target.tokenizer)
     counts = distill.token_counts(examples, V)
     keep = most_frequent_ids(counts, size, always=target.tokenizer.stop_token_ids)
     params = trim_head(params, keep)
@@ -164,7 +183,7 @@ def heldout_acceptance(target: Model, drafters: dict, data_dirs: tuple[str, ...]
   states of the same rows; its tau estimate uses draft 2's acceptance for drafts 2..gamma);
   a VocabTrim drafter is scored in its own head's
   vocabulary (teacher mass outside it counts as never accepted, as in decoding)."""
-  examples, record = load_examples([parse_data_dir(d) for d in data_dirs])
+  examples, record = load_examples([parse_data_dir(d) for d in data_dirs], target.tokenizer)
   if len(examples) < batch_size:
     raise ValueError(f"{data_dirs} hold {len(examples)} responses; need at least {batch_size}")
   tc = trainer.TrainConfig(seq_len=seq_len, gamma=gamma)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -53,6 +54,19 @@ class TrainConfig:
   # the drafter in the target's output space, skips the largest weight gradient, and lets the
   # saved drafter borrow the target's table instead of storing it.
   freeze_embeddings: bool = False
+
+  def __post_init__(self):
+    for name, least in (("seq_len", 2), ("batch_size", 1), ("grad_accum", 1), ("steps", 0),
+                        ("warmup_steps", 0), ("eval_every", 1), ("checkpoint_every", 1),
+                        ("gamma", 1)):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"TrainConfig {name} must be an integer >= {least}, got {value!r}")
+    for name, positive in (("lr", True), ("weight_decay", False), ("clip_norm", True)):
+      value = getattr(self, name)
+      if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"TrainConfig {name} must be a finite number "
+                         f"{'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -93,6 +107,11 @@ def make_rows(examples: Sequence[Example], seq_len: int, vocab_map: np.ndarray |
     ids = ex.top_ids[:n_resp]
     top_ids[i, pos] = ids if vocab_map is None else vocab_map[ids]
     top_lps[i, pos] = ex.top_logprobs[:n_resp]
+  if n and not mask.any():
+    shortest = min(len(ex.prompt) for ex in examples)
+    raise ValueError(f"no response token fits seq_len={seq_len}: the prompts are {shortest} "
+                     f"tokens or longer, so every position would be prompt. Fix: seq_len (--seq-"
+                     f"len) >= {shortest}, longer to train on more of each response")
   return Rows(tokens, mask, top_ids, top_lps)
 
 
@@ -232,6 +251,9 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
                        f"be restored: {e}. Fix: delete that step directory to resume from an "
                        f"earlier one, or start in a new workdir") from e
   params, opt_state, start = state["params"], state["opt_state"], int(state["step"])
+  if start and progress:
+    tqdm.write(f"resuming from the checkpoint at micro-step {start} of {tc.steps * tc.grad_accum} "
+               f"in {workdir / 'checkpoints'}")
   # Training seconds behind the latest checkpoint, summed over the calls that made it (a resumed
   # run redoes the micro-steps after its last checkpoint, so their time is not counted twice).
   seconds_file = workdir / SECONDS_FILE
