@@ -17,7 +17,7 @@ from jspec.models import eagle3
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import decoder_layer, forward, init_params, rope_tables
-from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from tests.test_eagle import drafter_init, drafter_update, greedy_propose

@@ -406,6 +406,17 @@ def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_d
   out = train_eagle(target, tmp_path / "run", recipe, progress=False)
   log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
   assert [e["step"] for e in log] == [12, 24]
+  # Another network or data into this run's directory: refused before any feature is computed.
+  from jspec.train.eagle3 import Eagle3Recipe, train_eagle3
+  features = sorted((tmp_path / "run/features").iterdir())
+  with pytest.raises(ValueError, match="command: 'train-eagle --network eagle' then, "
+                                       "'train-eagle --network eagle3' now"):
+    train_eagle3(target, tmp_path / "run", Eagle3Recipe(data_dirs=(str(path),), vocab_trim=60,
+                                                        train=tc), progress=False)
+  with pytest.raises(ValueError, match="vocab_trim: 60 then, 30 now"):
+    train_eagle(target, tmp_path / "run", dataclasses.replace(recipe, vocab_trim=30),
+                progress=False)
+  assert sorted((tmp_path / "run/features").iterdir()) == features
   assert 0 <= log[-1]["alpha_greedy_draft2"] <= 1 and log[-1]["positions"] > 0
   # Training lowered the objective on the training rows.
   rows = trainer.make_rows(list(distill.iter_examples(path)), 48)

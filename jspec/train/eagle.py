@@ -226,6 +226,10 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
+  # Before the features are computed: a rerun into another run's directory fails at once.
+  trainer.check_resume(out / "work", {"command": "train-eagle --network eagle",
+                                      "vocab_trim": recipe.vocab_trim,
+                                      "data_dirs": recipe.data_dirs, "seq_len": tc.seq_len})
   data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
                       progress=progress)
   params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))

@@ -56,29 +56,14 @@ def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
   return texts[prompt_offset:]
 
 
-def check_resume(workdir: Path, settings: dict) -> None:
-  """A work directory resumes only the run that made it: the settings that shape the drafter and
-  its data (the training loop checks its own) are recorded there and compared on every rerun."""
-  settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
-  file = workdir / "recipe.json"
-  if file.is_file():
-    old = json.loads(file.read_text())
-    changed = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items()
-               if old.get(k) != v]
-    if changed:
-      raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(changed)}). "
-                       f"Fix: rerun with the first run's settings to resume it, or another --out")
-  workdir.mkdir(parents=True, exist_ok=True)
-  file.write_text(json.dumps(settings, indent=2))
-
-
 def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
                   progress: bool = True, command: str = "") -> Path:
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  check_resume(out / "work", {"num_layers": recipe.num_layers,
-                              "hidden_size": recipe.hidden_size, "init": recipe.init,
-                              "vocab_trim": recipe.vocab_trim, "data_dirs": recipe.data_dirs})
+  trainer.check_resume(out / "work", {"command": "train-drafter", "num_layers": recipe.num_layers,
+                                      "hidden_size": recipe.hidden_size, "init": recipe.init,
+                                      "vocab_trim": recipe.vocab_trim,
+                                      "data_dirs": recipe.data_dirs})
   t0 = time.perf_counter()
   if recipe.data_dirs:
     sources = [parse_data_dir(d) for d in recipe.data_dirs]
@@ -96,7 +81,8 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
     keep = most_frequent_ids(counts, recipe.vocab_trim, always=target.tokenizer.stop_token_ids)
     vocab_map = full_to_trimmed(keep, target.cfg.vocab_size)
   train_rows = trainer.make_rows(train_examples, recipe.train.seq_len, vocab_map)
-  eval_rows = trainer.make_rows(examples[-n_eval:], recipe.train.seq_len, vocab_map)
+  eval_rows = trainer.make_rows(examples[-n_eval:], recipe.train.seq_len, vocab_map,
+                                allow_empty=True)
   dcfg = drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size)
   params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(recipe.train.seed),
                         recipe.init)

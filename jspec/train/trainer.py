@@ -86,10 +86,27 @@ class Rows:
             "top_logprobs": self.top_logprobs[idx].astype(np.float32)}
 
 
-def make_rows(examples: Sequence[Example], seq_len: int, vocab_map: np.ndarray | None = None
-              ) -> Rows:
+def check_resume(workdir: Path, settings: dict) -> None:
+  """A work directory resumes only the run that made it: the settings that shape the drafter and
+  its data (the training loop checks its own) are recorded there and compared on every rerun."""
+  settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
+  file = workdir / "recipe.json"
+  if file.is_file():
+    old = json.loads(file.read_text())
+    changed = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items()
+               if old.get(k) != v]
+    if changed:
+      raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(changed)}). "
+                       f"Fix: rerun with the first run's settings to resume it, or another --out")
+  workdir.mkdir(parents=True, exist_ok=True)
+  file.write_text(json.dumps(settings, indent=2))
+
+
+def make_rows(examples: Sequence[Example], seq_len: int, vocab_map: np.ndarray | None = None,
+              allow_empty: bool = False) -> Rows:
   """Rows from examples. `vocab_map` [V] maps full ids to a trimmed vocabulary (-1 = dropped):
-  teacher entries outside it become padding."""
+  teacher entries outside it become padding. Rows with no response token in seq_len are refused
+  unless `allow_empty` (a held-out check beside training, which reports its positions)."""
   n = len(examples)
   K = examples[0].top_ids.shape[1]
   tokens = np.zeros((n, seq_len), np.int32)
@@ -107,7 +124,7 @@ def make_rows(examples: Sequence[Example], seq_len: int, vocab_map: np.ndarray |
     ids = ex.top_ids[:n_resp]
     top_ids[i, pos] = ids if vocab_map is None else vocab_map[ids]
     top_lps[i, pos] = ex.top_logprobs[:n_resp]
-  if n and not mask.any():
+  if n and not mask.any() and not allow_empty:
     shortest = min(len(ex.prompt) for ex in examples)
     raise ValueError(f"no response token fits seq_len={seq_len}: the prompts are {shortest} "
                      f"tokens or longer, so every position would be prompt. Fix: seq_len (--seq-"
