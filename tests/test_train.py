@@ -406,13 +406,8 @@ def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_d
   out = train_eagle(target, tmp_path / "run", recipe, progress=False)
   log = [json.loads(l) for l in (tmp_path / "run/work/log.jsonl").read_text().splitlines()]
   assert [e["step"] for e in log] == [12, 24]
-  # Another network or data into this run's directory: refused before any feature is computed.
-  from jspec.train.eagle3 import Eagle3Recipe, train_eagle3
+  # Other data settings into this run's directory: refused before any feature is computed.
   features = sorted((tmp_path / "run/features").iterdir())
-  with pytest.raises(ValueError, match="command: 'train-eagle --network eagle' then, "
-                                       "'train-eagle --network eagle3' now"):
-    train_eagle3(target, tmp_path / "run", Eagle3Recipe(data_dirs=(str(path),), vocab_trim=60,
-                                                        train=tc), progress=False)
   with pytest.raises(ValueError, match="vocab_trim: 60 then, 30 now"):
     train_eagle(target, tmp_path / "run", dataclasses.replace(recipe, vocab_trim=30),
                 progress=False)
@@ -631,3 +626,15 @@ def test_rows_refuse_a_seq_len_that_leaves_no_response_token():
 def test_train_config_refuses_bad_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     trainer.TrainConfig(**kwargs)
+
+
+def test_resume_settings_bind_once_a_checkpoint_exists(tmp_path):
+  """A run that failed before its first checkpoint may be rerun with a setting fixed; once it
+  has saved one, other settings are refused, naming what changed."""
+  work = tmp_path / "work"
+  trainer.check_resume(work, {"layers": 2, "data": ("a",)})
+  trainer.check_resume(work, {"layers": 3, "data": ("a",)})  # nothing saved yet
+  (work / "checkpoints" / "4").mkdir(parents=True)
+  trainer.check_resume(work, {"layers": 3, "data": ("a",)})  # the same: resumes
+  with pytest.raises(ValueError, match="layers: 3 then, 2 now"):
+    trainer.check_resume(work, {"layers": 2, "data": ("a",)})

@@ -208,13 +208,9 @@ def train_confu(target, out, recipe: ConFuRecipe, *, progress: bool = True,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
-  # Before the features are computed: a rerun into another run's directory fails at once.
-  trainer.check_resume(out / "work", {"command": "train-eagle --network confu",
-                                      "vocab_trim": recipe.vocab_trim,
-                                      "data_dirs": recipe.data_dirs, "seq_len": tc.seq_len})
   taps = eagle3.fusion_taps(target.cfg.num_layers)
-  data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len, taps=taps,
-                      progress=progress)
+  data = feature_data(target, out, "confu", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
+                      taps=taps, progress=progress)
   params, cfg = init_confu(target, recipe, jax.random.key(tc.seed), data.keep)
   tcfg = target.cfg
   eval_fn = confu_eval(cfg, tcfg, recipe.loss)

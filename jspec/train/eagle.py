@@ -184,11 +184,15 @@ class FeatureData:
         **extra, **trainer.run_summary(workdir)}
 
 
-def feature_data(target, out: Path, data_dirs: tuple[str, ...], vocab_trim: int, seq_len: int,
-                 taps: tuple[int, ...] = (), progress: bool = True) -> FeatureData:
+def feature_data(target, out: Path, network: str, data_dirs: tuple[str, ...], vocab_trim: int,
+                 seq_len: int, taps: tuple[int, ...] = (), progress: bool = True) -> FeatureData:
   """The distillation rows (`data_dirs`; the last HELD_OUT share held out), VocabTrim's draft
   vocabulary from the training rows, and the target's features of every row cached under
-  out/features (final-normed states, or `taps`)."""
+  out/features (final-normed states, or `taps`). A rerun of another `network`'s run, or with
+  other data settings, into `out` is refused before any feature is computed."""
+  trainer.check_resume(out / "work", {"command": f"train-eagle --network {network}",
+                                      "vocab_trim": vocab_trim, "data_dirs": data_dirs,
+                                      "seq_len": seq_len})
   if not data_dirs:
     raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
                      "(make it with `jspec distill-data`)")
@@ -226,11 +230,7 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
-  # Before the features are computed: a rerun into another run's directory fails at once.
-  trainer.check_resume(out / "work", {"command": "train-eagle --network eagle",
-                                      "vocab_trim": recipe.vocab_trim,
-                                      "data_dirs": recipe.data_dirs, "seq_len": tc.seq_len})
-  data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
+  data = feature_data(target, out, "eagle", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
                       progress=progress)
   params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))
   eval_fn = eagle_eval(cfg, recipe.loss)  # compiled once for every periodic evaluation

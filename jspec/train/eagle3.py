@@ -190,13 +190,9 @@ def train_eagle3(target, out, recipe: Eagle3Recipe, *, progress: bool = True,
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
-  # Before the features are computed: a rerun into another run's directory fails at once.
-  trainer.check_resume(out / "work", {"command": "train-eagle --network eagle3",
-                                      "vocab_trim": recipe.vocab_trim,
-                                      "data_dirs": recipe.data_dirs, "seq_len": tc.seq_len})
   taps = eagle3.fusion_taps(target.cfg.num_layers)
-  data = feature_data(target, out, recipe.data_dirs, recipe.vocab_trim, tc.seq_len, taps=taps,
-                      progress=progress)
+  data = feature_data(target, out, "eagle3", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
+                      taps=taps, progress=progress)
   params, cfg = eagle3.init_eagle3(target.params, target.cfg, jax.random.key(tc.seed), data.keep)
   eval_fn = eagle3_eval(cfg, recipe.loss)
   t1 = time.perf_counter()

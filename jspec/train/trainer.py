@@ -91,7 +91,9 @@ def check_resume(workdir: Path, settings: dict) -> None:
   its data (the training loop checks its own) are recorded there and compared on every rerun."""
   settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
   file = workdir / "recipe.json"
-  if file.is_file():
+  # Compared once the run has saved a checkpoint: a run that failed before (a bad setting caught
+  # after the load) may be rerun with the setting fixed.
+  if file.is_file() and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
     old = json.loads(file.read_text())
     changed = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items()
                if old.get(k) != v]
