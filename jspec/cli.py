@@ -666,19 +666,17 @@ def _check_command_args(args) -> None:
     raise ValueError(f"--expert-top-k {args.expert_top_k} picks more experts than --experts "
                      f"{args.experts} holds")
   lists = {"bench": ("drafter",), "bench-kv": ("methods", "budgets"), "eval-drafter": ("drafters",)}
-  for name in lists.get(args.command, ()):
-    items = [item.strip() for item in str(getattr(args, name) or "").split(",")]
-    twice = sorted({item for item in items if items.count(item) > 1})
-    if twice:
-      flag = "--drafters" if name == "drafter" else _flag(name)
-      raise ValueError(f"{flag} names {', '.join(twice)} more than once: each would run again. "
-                       f"Fix: name each once")
+  named = {("--drafters" if name == "drafter" else _flag(name)):
+           [item.strip() for item in str(getattr(args, name) or "").split(",")]
+           for name in lists.get(args.command, ())}
   if args.command == "bench-tau":
     from jspec.tree.shapes import parse_trees
-    shapes = [str(t) for text in args.tree for t in parse_trees(text)]
-    twice = sorted({t for t in shapes if shapes.count(t) > 1})
+    named["--tree"] = [str(t) for text in args.tree for t in parse_trees(text)]
+  for flag, items in named.items():
+    twice = sorted({item for item in items if items.count(item) > 1})
     if twice:
-      raise ValueError(f"--tree names {', '.join(twice)} more than once. Fix: name each once")
+      raise ValueError(f"{flag} names {', '.join(twice)} more than once: each would run again. "
+                       f"Fix: name each once")
   if args.command == "train-eagle":
     eagle1 = {"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
               "--noise": args.noise != 0.0}
@@ -796,11 +794,14 @@ _DATA_DEFAULTS = {"num_prompts": 1024, "max_new_tokens": 256, "gen_batch_size": 
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--num-prompts", type=int, default=None, help="default: 1024")
-  p.add_argument("--max-new-tokens", type=int, default=None, help="default: 256")
-  p.add_argument("--gen-batch-size", type=int, default=None, help="default: 16")
+  d = _DATA_DEFAULTS
+  p.add_argument("--num-prompts", type=int, default=None, help=f"default: {d['num_prompts']}")
+  p.add_argument("--max-new-tokens", type=int, default=None,
+                 help=f"default: {d['max_new_tokens']}")
+  p.add_argument("--gen-batch-size", type=int, default=None,
+                 help=f"default: {d['gen_batch_size']}")
   p.add_argument("--top-k", type=int, default=None,
-                 help="teacher log-probs stored per position (default: 32)")
+                 help=f"teacher log-probs stored per position (default: {d['top_k']})")
 
 
 def _data_config(args):

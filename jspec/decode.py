@@ -179,10 +179,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "
                     f"GREEDY.")
-  sampling.validate()
-  if float(np.asarray(sampling.top_k)) > cfg.vocab_size:
-    raise ValueError(f"top_k={sampling.top_k!r} is more than the vocabulary's {cfg.vocab_size} "
-                     f"tokens. Fix: top_k <= {cfg.vocab_size}, or 0 (off).")
+  sampling.validate(cfg.vocab_size)
   if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
     raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
                     f"stop_ids=({stop_ids!r},) for one id.")

@@ -87,13 +87,17 @@ class SamplingParams:
     object.__setattr__(self, "mode", _mode_of(
         [_concrete(v) for v in (self.temperature, self.top_k, self.top_p)]))
 
-  def validate(self) -> "SamplingParams":
-    """Check concrete values on the host; returns self for chaining."""
+  def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    """Check concrete values on the host (top_k against `vocab_size` when given); returns self
+    for chaining."""
     t, k, p = (_setting(name, getattr(self, name)) for name in _FIELDS)
     if not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
     if int(k) != k or int(k) < 0:
       raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+    if vocab_size is not None and k > vocab_size:
+      raise ValueError(f"top_k={self.top_k!r} is more than the vocabulary's {vocab_size} "
+                       f"tokens. Fix: top_k <= {vocab_size}, or 0 (off).")
     if not (0.0 < p <= 1.0):
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
     return self

@@ -26,6 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jspec.generate import generate
+from jspec.io.files import read_json
 from jspec.model import Model
 from jspec.sampling.processing import SamplingParams
 
@@ -78,7 +79,7 @@ def build_dataset(model: Model, texts: Sequence[str], out_dir: str | Path, cfg: 
       "tokenizer_sha256": model.tokenizer.fingerprint}))
   path = out / MANIFEST
   if path.exists():
-    old = json.loads(path.read_text())
+    old = read_json(path)
     if "tokenizer_sha256" not in old:  # data made before the manifest recorded it
       old["tokenizer_sha256"] = manifest["tokenizer_sha256"]
     if {k: old.get(k) for k in manifest} != manifest:
@@ -140,7 +141,7 @@ def read_manifest(data_dir: str | Path) -> dict:
   if not path.is_file():
     raise FileNotFoundError(f"{data_dir} has no {MANIFEST}: not a distillation data directory "
                             f"(make one with `jspec distill-data` or `jspec train-drafter`)")
-  return json.loads(path.read_text())
+  return read_json(path)
 
 
 def iter_examples(data_dir: str | Path, num_shards: int | None = None, start_shard: int = 0
