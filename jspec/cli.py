@@ -84,7 +84,7 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
                  help="prefill tokens per block, at most the budget (default: 128, or the budget "
                       "if smaller)")
   p.add_argument("--kv-sinks", type=int, default=None,
-                 help="first positions never evicted (default 4)")
+                 help="first positions never evicted (default: 4)")
   p.add_argument("--kv-window", type=int, default=None,
                  help="newest entries never evicted (default: the method's own: h2o 32 recent "
                       "entries, snapkv its 32-query observation window, the others none)")
@@ -227,7 +227,7 @@ def cmd_generate(args) -> int:
               if args.tree or drafter.own_tree is not None else f"gamma {gamma})")
            if drafter is not None else ")")
         + ("" if kv is None else f"; KV budget {kv.budget} a row ({kv.method}: sinks {kv.sinks}, "
-           f"window {kv.window}, chunk {kv.chunk}, evict every {kv.evict_every})"),
+           f"window {kv.recent}, chunk {kv.chunk}, evict every {kv.evict_every})"),
         file=sys.stderr)
   return 0
 
@@ -332,6 +332,15 @@ def cmd_bench(args) -> int:
   return 0
 
 
+def _warmup_steps(args) -> int:
+  """--warmup-steps as given; unset, TrainConfig's default, at most --steps (a short run warms up
+  over all of it)."""
+  from jspec.train.trainer import TrainConfig
+  if args.warmup_steps is not None:
+    return args.warmup_steps
+  return min(TrainConfig.warmup_steps, args.steps)
+
+
 def cmd_train_drafter(args) -> int:
   from jspec.model import load
   from jspec.train import trainer
@@ -344,8 +353,8 @@ def cmd_train_drafter(args) -> int:
       data=_data_config(args),
       train=trainer.TrainConfig(loss=args.loss, seq_len=args.seq_len, batch_size=args.batch_size,
                                 grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
-                                warmup_steps=min(args.warmup_steps, args.steps),
-                                seed=args.seed, eval_every=args.eval_every,
+                                warmup_steps=_warmup_steps(args), seed=args.seed,
+                                eval_every=args.eval_every,
                                 checkpoint_every=args.checkpoint_every,
                                 freeze_embeddings=args.freeze_embeddings))
   out = train_drafter(target, args.out, recipe, command=_command())
@@ -363,27 +372,22 @@ def cmd_train_eagle(args) -> int:
   target = load(args.model, "float32-xla")  # batched training work: XLA's dot
   tc = trainer.TrainConfig(loss=args.network, seq_len=args.seq_len, batch_size=args.batch_size,
                            grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
-                           warmup_steps=min(args.warmup_steps, args.steps), seed=args.seed,
+                           warmup_steps=_warmup_steps(args), seed=args.seed,
                            eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+  given = lambda *names: {_NETWORK_FLAGS[n][1]: getattr(args, n) for n in names
+                          if getattr(args, n) is not None}  # unset: the dataclasses' defaults
+  common = dict(data_dirs=tuple(args.data), vocab_trim=args.vocab_trim,
+                save_dtype=args.save_dtype, train=tc)
+  ttt = Eagle3Loss(**given("ttt_steps", "ttt_decay"))
   if args.network == "confu":
     from jspec.train.confu import ConFuLoss, ConFuRecipe, train_confu
-    recipe = ConFuRecipe(
-        data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
-        train=tc, experts=args.experts, expert_top_k=args.expert_top_k,
-        soft_tokens=args.soft_tokens,
-        loss=ConFuLoss(ttt=Eagle3Loss(steps=args.ttt_steps, decay=args.ttt_decay),
-                       anchors=args.anchors))
+    recipe = ConFuRecipe(**common, **given("experts", "expert_top_k", "soft_tokens"),
+                         loss=ConFuLoss(ttt=ttt, **given("anchors")))
     out = train_confu(target, args.out, recipe, command=_command())
   elif args.network == "eagle3":
-    recipe = Eagle3Recipe(data_dirs=tuple(args.data), vocab_trim=args.vocab_trim,
-                          save_dtype=args.save_dtype, train=tc,
-                          loss=Eagle3Loss(steps=args.ttt_steps, decay=args.ttt_decay))
-    out = train_eagle3(target, args.out, recipe, command=_command())
+    out = train_eagle3(target, args.out, Eagle3Recipe(**common, loss=ttt), command=_command())
   else:
-    recipe = EagleRecipe(
-        data_dirs=tuple(args.data), vocab_trim=args.vocab_trim, save_dtype=args.save_dtype,
-        loss=EagleLoss(cls_weight=args.cls_weight, unroll=args.unroll, noise=args.noise),
-        train=tc)
+    recipe = EagleRecipe(**common, loss=EagleLoss(**given("cls_weight", "unroll", "noise")))
     out = train_eagle(target, args.out, recipe, command=_command())
   print(f"wrote {out} (load it with --drafter model:{out})")
   return 0
@@ -662,9 +666,19 @@ def _check_command_args(args) -> None:
   decay = getattr(args, "ttt_decay", None)
   if decay is not None and not 0 < decay <= 1:
     raise ValueError(f"--ttt-decay must be in (0, 1], got {decay}")
-  if getattr(args, "expert_top_k", 0) > getattr(args, "experts", math.inf):
-    raise ValueError(f"--expert-top-k {args.expert_top_k} picks more experts than --experts "
-                     f"{args.experts} holds")
+  if getattr(args, "command", None) == "train-eagle":
+    steps, warmup = args.steps, args.warmup_steps
+    if args.network == "confu":
+      top_k, experts = _confu_setting(args, "expert_top_k"), _confu_setting(args, "experts")
+      if top_k > experts:
+        raise ValueError(f"--expert-top-k {top_k} picks more experts than --experts {experts} "
+                         f"holds")
+  else:
+    steps, warmup = getattr(args, "steps", None), getattr(args, "warmup_steps", None)
+  if warmup is not None and steps is not None and warmup > steps:
+    raise ValueError(f"--warmup-steps {warmup} is more than --steps {steps}: the learning rate "
+                     f"would never reach --lr. Fix: --warmup-steps <= --steps (unset: "
+                     f"min(50, --steps))")
   lists = {"bench": ("drafter",), "bench-kv": ("methods", "budgets"), "eval-drafter": ("drafters",)}
   named = {("--drafters" if name == "drafter" else _flag(name)):
            [item.strip() for item in str(getattr(args, name) or "").split(",")]
@@ -678,14 +692,8 @@ def _check_command_args(args) -> None:
       raise ValueError(f"{flag} names {', '.join(twice)} more than once: each would run again. "
                        f"Fix: name each once")
   if args.command == "train-eagle":
-    eagle1 = {"--cls-weight": args.cls_weight != 0.1, "--unroll": args.unroll != 2,
-              "--noise": args.noise != 0.0}
-    ttt = {"--ttt-steps": args.ttt_steps != 7, "--ttt-decay": args.ttt_decay != 0.8}
-    confu = {"--anchors": args.anchors != 32, "--experts": args.experts != 4,
-             "--expert-top-k": args.expert_top_k != 2, "--soft-tokens": args.soft_tokens != 2}
-    other = {"eagle": {**ttt, **confu}, "eagle3": {**eagle1, **confu},
-             "confu": eagle1}[args.network]
-    ignored = [flag for flag, given in other.items() if given]
+    ignored = [_flag(name) for name, (networks, _) in _NETWORK_FLAGS.items()
+               if getattr(args, name) is not None and args.network not in networks]
     if ignored:
       raise ValueError(f"{', '.join(ignored)} do(es) not apply to --network {args.network}: drop "
                        f"them, or pick the network they belong to")
@@ -786,6 +794,25 @@ def check_args(args) -> None:
     if source != "sharegpt" and not Path(source).exists():
       raise FileNotFoundError(f"--from {source}: no such file or directory. Fix: 'sharegpt', a "
                               f"directory of `jspec distill-data` or a text file")
+
+
+# train-eagle's network settings: the networks each applies to and the field it sets (unset: that
+# dataclass's default, which the help text names: tests/test_cli.py checks they agree).
+_NETWORK_FLAGS = {"cls_weight": (("eagle",), "cls_weight"), "unroll": (("eagle",), "unroll"),
+                  "noise": (("eagle",), "noise"),
+                  "ttt_steps": (("eagle3", "confu"), "steps"),
+                  "ttt_decay": (("eagle3", "confu"), "decay"),
+                  "anchors": (("confu",), "anchors"), "experts": (("confu",), "experts"),
+                  "expert_top_k": (("confu",), "expert_top_k"),
+                  "soft_tokens": (("confu",), "soft_tokens")}
+_WARMUP_HELP = "learning-rate warmup steps (default: 50, at most --steps)"
+
+
+def _confu_setting(args, name: str) -> int:
+  """--experts / --expert-top-k as given, else ConFuRecipe's default."""
+  from jspec.train.confu import ConFuRecipe
+  value = getattr(args, name)
+  return getattr(ConFuRecipe, name) if value is None else value
 
 
 # Distillation data settings and their defaults (the flags default to None, so a run that reads
@@ -981,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--grad-accum", type=int, default=1)
   t.add_argument("--steps", type=int, default=1000, help="optimizer steps (0: save the init)")
   t.add_argument("--lr", type=float, default=1e-3)
-  t.add_argument("--warmup-steps", type=int, default=50)
+  t.add_argument("--warmup-steps", type=int, default=None, help=_WARMUP_HELP)
   t.add_argument("--eval-every", type=int, default=100)
   t.add_argument("--checkpoint-every", type=int, default=100)
   t.add_argument("--freeze-embeddings", action="store_true",
@@ -998,18 +1025,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head); "
                       "confu: EAGLE-3 + ConFu's contemplate tokens, soft prompt and MoE, "
                       "trained through the frozen target")
-  g.add_argument("--ttt-steps", type=int, default=7,
-                 help="eagle3, confu: training-time-test passes (drafts 1..N of a chain)")
-  g.add_argument("--ttt-decay", type=float, default=0.8,
-                 help="eagle3, confu: pass s weighs decay**s")
-  g.add_argument("--anchors", type=int, default=32,
-                 help="confu: contemplate tokens (anchors) per training row")
-  g.add_argument("--experts", type=int, default=4,
-                 help="confu: contemplate-token experts the router mixes")
-  g.add_argument("--expert-top-k", type=int, default=2,
-                 help="confu: experts mixed per contemplate token")
-  g.add_argument("--soft-tokens", type=int, default=2,
-                 help="confu: soft prompt tokens the contemplate tokens see")
+  g.add_argument("--ttt-steps", type=int, default=None,
+                 help="eagle3, confu: training-time-test passes, drafts 1..N of a chain "
+                      "(default: 7)")
+  g.add_argument("--ttt-decay", type=float, default=None,
+                 help="eagle3, confu: pass s weighs decay**s (default: 0.8)")
+  g.add_argument("--anchors", type=int, default=None,
+                 help="confu: contemplate tokens (anchors) per training row (default: 32)")
+  g.add_argument("--experts", type=int, default=None,
+                 help="confu: contemplate-token experts the router mixes (default: 4)")
+  g.add_argument("--expert-top-k", type=int, default=None,
+                 help="confu: experts mixed per contemplate token (default: 2)")
+  g.add_argument("--soft-tokens", type=int, default=None,
+                 help="confu: soft prompt tokens the contemplate tokens see (default: 2)")
   g.add_argument("--out", type=Path, required=True,
                  help="output directory: features/ (the target's hidden states), work/ "
                       "(checkpoints) and drafter/; rerunning the same command resumes")
@@ -1017,18 +1045,21 @@ def build_parser() -> argparse.ArgumentParser:
                  help="distillation data from `jspec distill-data` (repeatable)")
   g.add_argument("--vocab-trim", type=int, default=8192, metavar="M",
                  help="head over the M ids the target generates most (0: the full table)")
-  g.add_argument("--cls-weight", type=float, default=0.1,
-                 help="eagle: weight of the KL term next to the feature regression")
-  g.add_argument("--unroll", type=int, choices=[1, 2], default=2,
-                 help="eagle: 2 also trains on the drafter's own predicted features")
-  g.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
+  g.add_argument("--cls-weight", type=float, default=None,
+                 help="eagle: weight of the KL term next to the feature regression "
+                      "(default: 0.1)")
+  g.add_argument("--unroll", type=int, choices=[1, 2], default=None,
+                 help="eagle: 2 also trains on the drafter's own predicted features "
+                      "(default: 2)")
+  g.add_argument("--noise", type=float, default=None,
+                 help="eagle: uniform noise on input features (default: 0.0)")
   g.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16")
   g.add_argument("--seq-len", type=int, default=384)
   g.add_argument("--batch-size", type=int, default=8)
   g.add_argument("--grad-accum", type=int, default=1)
   g.add_argument("--steps", type=int, default=1000)
   g.add_argument("--lr", type=float, default=1e-3)
-  g.add_argument("--warmup-steps", type=int, default=50)
+  g.add_argument("--warmup-steps", type=int, default=None, help=_WARMUP_HELP)
   g.add_argument("--eval-every", type=int, default=100)
   g.add_argument("--checkpoint-every", type=int, default=100)
   g.add_argument("--seed", type=int, default=0)

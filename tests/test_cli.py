@@ -507,6 +507,31 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
   assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
                "--network", "confu", "--noise", "0.1"]) == 2
   assert "--noise" in capsys.readouterr().err
+  # a network's own default, given explicitly to another network, is refused too
+  assert main(["train-eagle", "--out", "/nonexistent", "--data", str(tmp_path),
+               "--network", "eagle", "--ttt-steps", "7"]) == 2
+  assert "--ttt-steps" in capsys.readouterr().err
+
+
+def test_train_eagle_help_names_the_networks_defaults(capsys):
+  """The network flags are unset unless given (so another network's flags are told apart from
+  defaults); their help names the dataclass default that then applies."""
+  from jspec.cli import _NETWORK_FLAGS
+  from jspec.train.confu import ConFuLoss, ConFuRecipe
+  from jspec.train.eagle import EagleLoss
+  from jspec.train.eagle3 import Eagle3Loss
+  owner = {"cls_weight": EagleLoss, "unroll": EagleLoss, "noise": EagleLoss,
+           "ttt_steps": Eagle3Loss, "ttt_decay": Eagle3Loss, "anchors": ConFuLoss,
+           "experts": ConFuRecipe, "expert_top_k": ConFuRecipe, "soft_tokens": ConFuRecipe}
+  assert set(owner) == set(_NETWORK_FLAGS)
+  with pytest.raises(SystemExit):
+    main(["train-eagle", "--help"])
+  text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]  # past the usage
+  for name, cls in owner.items():
+    flag = "--" + name.replace("_", "-")
+    shown = text.split(flag + " ", 1)[1].split(" --", 1)[0]
+    default = getattr(cls, _NETWORK_FLAGS[name][1])
+    assert f"(default: {default})" in shown, (flag, shown, default)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -552,6 +577,8 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
     (["train-drafter", "--out", "o", "--lr", "nan"], "--lr must be a finite number > 0"),
     (["train-drafter", "--out", "o", "--lr", "-0.1"], "--lr must be a finite number > 0"),
     (["train-drafter", "--out", "o", "--warmup-steps", "-5"], "--warmup-steps must be at least 0"),
+    (["train-drafter", "--out", "o", "--steps", "20", "--warmup-steps", "30"],
+     "--warmup-steps 30 is more than --steps 20"),
     (["train-drafter", "--out", "o", "--hidden-size", "-64"], "--hidden-size must be at least 1"),
     (["distill-data", "--out", "o", "--prompt-offset", "-3"], "--prompt-offset must be at least 0"),
     (["train-eagle", "--out", "o", "--data", ".", "--network", "confu", "--experts", "2",

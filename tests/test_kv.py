@@ -97,17 +97,17 @@ def test_h2o_and_snapkv_keep_recent_entries_by_default_as_their_papers():
   observation window for SnapKV, none for the others, at most half of what the sinks leave; an
   explicit window wins; and eviction protects it: the newest entries survive with no attention
   mass at all."""
-  assert KVPolicy("h2o", budget=512).window == 32
-  assert KVPolicy("h2o+caote", budget=40, sinks=0, chunk=40).window == 20  # at most the half
+  assert KVPolicy("h2o", budget=512).recent == 32
+  assert KVPolicy("h2o+caote", budget=40, sinks=0, chunk=40).recent == 20  # at most the half
   for method in ("keydiff", "streaming", "tova", "tova+caote"):
-    assert KVPolicy(method, budget=512).window == 0, method
+    assert KVPolicy(method, budget=512).recent == 0, method
   for method in ("snapkv", "snapkv+caote"):  # SnapKV keeps its observation window
-    assert KVPolicy(method, budget=512).window == 32, method
-    assert KVPolicy(method, budget=512, snap_window=8).window == 8, method
-    assert KVPolicy(method, budget=24, chunk=8).window == 10, method
-  assert KVPolicy("h2o", budget=512, window=0).window == 0
-  assert KVPolicy("h2o", budget=512, window=254).window == 254  # the paper's even split
-  assert KVPolicy("h2o", budget=5, chunk=4).window == 0  # no room beside the sinks' 4
+    assert KVPolicy(method, budget=512).recent == 32, method
+    assert KVPolicy(method, budget=512, snap_window=8).recent == 8, method
+    assert KVPolicy(method, budget=24, chunk=8).recent == 10, method
+  assert KVPolicy("h2o", budget=512, window=0).recent == 0
+  assert KVPolicy("h2o", budget=512, window=254).recent == 254  # the paper's even split
+  assert KVPolicy("h2o", budget=5, chunk=4).recent == 0  # no room beside the sinks' 4
   L, B, S, K, D = 1, 1, 16, 1, 4
   rng = np.random.default_rng(3)
   k, v = rng.standard_normal((2, L, B, S, K, D)).astype(np.float32)
@@ -832,3 +832,14 @@ def test_bad_drafter_budgets_are_refused(params, drafters):
   model = Model(cfg=CFG, params=params, tokenizer=None, source="test")
   with pytest.raises(ValueError, match="draft_kv budgets a drafter"):
     model.generate_ids([[1, 2, 3]], stop=False, draft_kv=KVPolicy("keydiff", budget=16, chunk=8))
+
+
+def test_replace_resolves_the_default_window_for_the_new_budget():
+  """`window` stays as given: a policy copied with another budget keeps the method's own window
+  for that budget (32 for H2O), not the one the first budget allowed."""
+  small = KVPolicy("h2o", budget=40, chunk=8)
+  assert small.window is None and small.recent == 18  # half of what the 4 sinks leave
+  assert dataclasses.replace(small, budget=512).recent == 32
+  assert dataclasses.replace(KVPolicy("h2o", budget=40, chunk=8, window=6), budget=512).recent == 6
+  with pytest.raises(ValueError, match="window must be a non-negative integer"):
+    KVPolicy("h2o", budget=40, window=-1)

@@ -175,7 +175,7 @@ def test_kill_and_resume_matches_an_uninterrupted_run(target, data_dir, tmp_path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(params))]
   assert any(moved)
-  with pytest.raises(ValueError, match="other training settings"):
+  with pytest.raises(ValueError, match=r"other settings \(lr: .* then, 1.0 now\)"):
     trainer.train(params, dcfg, rows, dataclasses.replace(tc, lr=1.0), tmp_path / "cut",
                   progress=False)
 

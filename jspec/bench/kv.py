@@ -206,7 +206,7 @@ class BenchKV:
   num_samples: int = 8
   chunk: int = 128
   sinks: int = 4
-  window: int | None = None  # None: each method's own (KVPolicy.window)
+  window: int | None = None  # None: each method's own (KVPolicy.recent)
   evict_every: int = 1  # decoding (answers, the kl continuation): tokens between evictions
   continuation: int = 32
   seed: int = 0
@@ -289,7 +289,7 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
                 else None, "budget_fraction": budget / setup.context if method != "full" else 1.0,
                 "context": setup.context, "num_samples": setup.num_samples, **result,
                 "peak_kv_bytes": cache_bytes(cfg, policy, itemsize), "seconds": seconds,
-                "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.window,
+                "chunk": policy.chunk, "sinks": policy.sinks, "window": policy.recent,
                 "evict_every": policy.evict_every}
       records.append(record)
       progress(record)

@@ -49,7 +49,7 @@ def keep_scores(policy: KVPolicy, cache: KVCache, evicted: Array) -> Array:
   cache whose positions are recorded (`record_positions` with the same evicted [B])."""
   scores = slot_scores(cache, policy)
   newest = (cache.lengths + evicted - 1)[None, :, None, None]  # [1, B, 1, 1]
-  protected = (cache.positions < policy.sinks) | (cache.positions > newest - policy.window)
+  protected = (cache.positions < policy.sinks) | (cache.positions > newest - policy.recent)
   valid = cache.committed()[None, :, :, None]  # [1, B, S, 1]
   scores = jnp.where(protected, jnp.inf, scores)
   return jnp.where(valid, scores, -jnp.inf)

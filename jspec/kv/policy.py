@@ -47,7 +47,9 @@ class KVPolicy:
   sinks: the first positions, never evicted (attention sinks).
   window: the most recent committed positions, never evicted. None (the default): the method's
     own, `default_window`: H2O keeps 32 recent entries beside its heavy hitters and SnapKV its
-    observation window, as their papers keep recent tokens; the others keep none.
+    observation window, as their papers keep recent tokens; the others keep none. The number in
+    force is `recent` (window stays as given, so `dataclasses.replace(policy, budget=...)`
+    resolves the default again for the new budget).
   chunk: prompt tokens per prefill block; eviction follows each block.
   evict_every: a row is evicted down to the budget once it holds budget + evict_every entries
     (1: every decoded token once the budget is full). The default, 16, lets speculative rounds of
@@ -69,6 +71,7 @@ class KVPolicy:
   snap_window: int = 32
   snap_kernel: int = 5
   score_impl: str = "xla"
+  recent: int = dataclasses.field(init=False, compare=False)  # the window in force
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -77,22 +80,21 @@ class KVPolicy:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"KVPolicy {name} must be a positive integer, got {value!r}")
-    if isinstance(self.sinks, int) and self.sinks >= 0 and self.window is None:
-      object.__setattr__(self, "window", default_window(self.method, self.budget, self.sinks,
-                                                        self.snap_window))
     for name in ("sinks", "window"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 0:
+      if (value is not None or name == "sinks") and (not isinstance(value, int) or value < 0):
         raise ValueError(f"KVPolicy {name} must be a non-negative integer, got {value!r}")
+    object.__setattr__(self, "recent", self.window if self.window is not None else
+                       default_window(self.method, self.budget, self.sinks, self.snap_window))
     if self.score_impl not in SCORE_IMPLS:
       raise ValueError(f"score_impl must be one of {SCORE_IMPLS}, got {self.score_impl!r}")
     if self.score_impl != "xla" and self.base != "keydiff":
       raise ValueError(f"score_impl={self.score_impl!r} is the key-similarity kernel, which "
                        f"scores KeyDiff only; method {self.method!r} runs with score_impl='xla'")
-    if self.budget <= self.sinks + self.window:
+    if self.budget <= self.sinks + self.recent:
       raise ValueError(
           f"kv budget {self.budget} leaves no slot to choose: it must exceed sinks + window = "
-          f"{self.sinks} + {self.window}. Fix: raise the budget or lower sinks/window.")
+          f"{self.sinks} + {self.recent}. Fix: raise the budget or lower sinks/window.")
     if self.chunk > self.budget:
       raise ValueError(f"prefill chunk {self.chunk} is larger than the kv budget {self.budget}: "
                        f"a chunk must fit the budget. Fix: chunk <= budget.")

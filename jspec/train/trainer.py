@@ -86,11 +86,12 @@ class Rows:
             "top_logprobs": self.top_logprobs[idx].astype(np.float32)}
 
 
-def check_resume(workdir: Path, settings: dict) -> None:
+def check_resume(workdir: Path, settings: dict, record: str = "recipe.json") -> None:
   """A work directory resumes only the run that made it: the settings that shape the drafter and
-  its data (the training loop checks its own) are recorded there and compared on every rerun."""
+  its data ("recipe.json") and the training loop's ("train_config.json", `train`) are recorded
+  there and compared on every rerun."""
   settings = json.loads(json.dumps(settings))  # as JSON reads them back (tuples become lists)
-  file = workdir / "recipe.json"
+  file = workdir / record
   # Compared once the run has saved a checkpoint: a run that failed before (a bad setting caught
   # after the load) may be rerun with the setting fixed.
   if file.is_file() and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
@@ -247,12 +248,7 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   import orbax.checkpoint as ocp
 
   workdir = Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  config_file = workdir / "train_config.json"
-  if config_file.exists() and json.loads(config_file.read_text()) != dataclasses.asdict(tc):
-    raise ValueError(f"{workdir} holds a run with other training settings; resume with the same "
-                     f"settings or use a new directory")
-  config_file.write_text(json.dumps(dataclasses.asdict(tc), indent=2))
+  check_resume(workdir, dataclasses.asdict(tc), "train_config.json")
   opt = optimizer(tc)
   step_fn = make_step(cfg, tc, opt, objective)
   if evaluator is None and eval_rows is not None:
