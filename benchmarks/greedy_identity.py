@@ -54,7 +54,8 @@ def main() -> None:
                                                precision=precision, **kw).sequences()[0]
       ar = [run(p) for p in prompts]
       for name, drafter in drafters.items():
-        parted = [first_difference(a, run(p, drafter=drafter, gamma=args.gamma))
+        chain = {} if drafter.own_tree is not None else {"gamma": args.gamma}
+        parted = [first_difference(a, run(p, drafter=drafter, **chain))
                   for p, a in zip(prompts, ar)]
         rows.append({"weights": weights, "precision": precision, "drafter": name,
                      "gamma": args.gamma, "prompts": len(prompts),

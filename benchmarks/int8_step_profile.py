@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench.profiling import save_script_record
-from jspec.bench.round_split import best_seconds
+from jspec.bench.profiling import best_seconds
 from jspec.model import load
 from jspec.models import llama, quant
 from jspec.models.cache import KVCache

@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 from jspec.drafting.registry import drafter_help
+from jspec.io.datastore import MAX_ORDER as _MAX_ORDER
 from jspec.io.load import DTYPES
 from jspec.tree.shapes import TREE_HELP
 
@@ -208,7 +209,7 @@ def cmd_generate(args) -> int:
   with CompileCounter() as compiled:
     out = jax.block_until_ready(model.generate_ids(
         ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=gamma, tree=args.tree,
+        drafter=drafter, gamma=None if args.tree else gamma, tree=args.tree,
         **({"kv": kv, "draft_kv": draft_kv if drafter else None} if kv else {})))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   for prompt, seq in zip(prompts, out.sequences()):
@@ -788,8 +789,8 @@ def check_args(args) -> None:
     if args.temperature == 0 and (args.top_k or args.top_p < 1):
       print("[jspec] note: --top-k and --top-p filter sampled tokens; at --temperature 0 (greedy, "
             "the default) they change nothing", file=sys.stderr)
-  if getattr(args, "n_max", None) is not None and args.n_max > 8:
-    raise ValueError(f"--n-max must be at most 8, got {args.n_max}")
+  if getattr(args, "n_max", None) is not None and args.n_max > _MAX_ORDER:
+    raise ValueError(f"--n-max must be at most {_MAX_ORDER}, got {args.n_max}")
   for source in getattr(args, "sources", None) or ():
     if source != "sharegpt" and not Path(source).exists():
       raise FileNotFoundError(f"--from {source}: no such file or directory. Fix: 'sharegpt', a "
@@ -1107,7 +1108,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", type=Path, default=None,
                  help="the file to write (default: where --drafter rest looks for the ShareGPT "
                       "datastore, in the cache)")
-  s.add_argument("--n-max", type=int, default=3, help="longest context, in tokens (1-8)")
+  s.add_argument("--n-max", type=int, default=3, help=f"longest context, in tokens (1-{_MAX_ORDER})")
   s.add_argument("--min-count", type=int, default=8,
                  help="keep contexts seen at least this often")
   s.set_defaults(fn=cmd_build_datastore)

@@ -48,13 +48,15 @@ class Model:
 
   def generate_ids(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    sampling: SamplingParams = GREEDY, key: jax.Array | int = 0,
-                   stop: bool = True, drafter: Drafter | None = None, gamma: int = 4,
+                   stop: bool = True, drafter: Drafter | None = None, gamma: int | None = None,
                    tree: TreeShape | str | None = None,
                    precision: str = "fast", kv: KVPolicy | None = None,
                    draft_kv: KVPolicy | None = None) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
-    chains of `gamma` drafts, or token trees of shape `tree` (e.g. "dynamic:32"; a drafter
-    with a tree of its own, lookahead's n-gram pool, grows that one). precision:
+    chains of `gamma` drafts (default 4; a probing drafter's mask count), or token trees of shape
+    `tree` (e.g. "dynamic:32"; gamma beside it is refused; a drafter with a tree of its own,
+    lookahead's n-gram pool, grows that one). gamma applies to chains only: without a drafter,
+    or with a drafter that grows its own tree, it is not used. precision:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
     greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
     (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory; draft_kv: a
@@ -63,6 +65,9 @@ class Model:
     if isinstance(drafter, str):
       raise TypeError(f"drafter= takes a drafter, got the name {drafter!r}. Fix: "
                       f"drafter=jspec.drafting.registry.load_drafter({drafter!r}, model)")
+    if tree is not None and gamma is not None:
+      raise ValueError(f"gamma={gamma} sets a chain's length, but tree={tree!r} drafts a tree: "
+                       f"drop gamma")
     if drafter is None:
       if tree is not None:
         raise ValueError(f"tree {tree} needs a drafter to draft it: pass drafter=")
@@ -77,6 +82,7 @@ class Model:
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
           spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
           precision=precision, kv=kv, draft_kv=draft_kv, mesh=self.mesh)
+    gamma = (drafter.probe_masks or 4) if gamma is None else gamma
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key, precision=precision, kv=kv,

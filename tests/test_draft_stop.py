@@ -91,7 +91,8 @@ def test_a_stopping_model_drafter_keeps_the_sampled_law():
 
 
 def test_drafters_that_cannot_stop_and_bad_thresholds_are_refused(target):
-  with pytest.raises(ValueError, match="no adaptive draft length"):
+  with pytest.raises(ValueError, match=r"no adaptive draft length: drop the stop threshold "
+                                       r"\(the @P of a drafter name NAME@P\)"):
     noisy_eagle(target, TARGET, amount=0.1).with_stop(0.5)
   with pytest.raises(ValueError, match=r"probability in \(0, 1\]"):
     noised_drafter(target, 0.5).with_stop(0.0)

@@ -58,6 +58,18 @@ def drafter(target):
   return noised_drafter(target, 0.5)
 
 
+def test_model_api_refuses_gamma_beside_a_tree(target, drafter):
+  """Model.generate_ids: a chain length beside an explicit tree contradicts it: refused. Unset,
+  a chain drafts 4 tokens a round."""
+  from jspec.model import Model
+  model = Model(cfg=TARGET, params=target, tokenizer=None, source="test")
+  with pytest.raises(ValueError, match="gamma=3 sets a chain's length.*drop gamma"):
+    model.generate_ids([[1, 2, 3]], stop=False, max_new_tokens=4, drafter=drafter, gamma=3,
+                       tree="fixed:2-1")
+  out = model.generate_ids([[1, 2, 3]], stop=False, max_new_tokens=4, drafter=drafter)
+  assert out.accepted_at.shape == (4,)
+
+
 @pytest.mark.parametrize("gamma", [1, 5])  # 3 and 4: the independent-drafter and stop tests
 def test_greedy_identical_to_autoregressive(target, drafter, gamma):
   spec = SpecConfig(gamma=gamma, max_new_tokens=20)

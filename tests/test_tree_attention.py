@@ -250,3 +250,22 @@ def test_gpu_tiles_fit_shared_memory():
   assert _gpu_tiles(64, 128, jnp.bfloat16, 101376) == (64, 2)  # a smaller ask is kept
   with pytest.raises(ValueError, match="shared memory"):
     _gpu_tiles(128, 1024, jnp.float32, 48 * 1024)
+
+
+def test_gpu_tiles_need_a_compute_capability_unless_interpreted(monkeypatch):
+  """The Triton kernel sizes its K/V tiles by the GPU's shared memory: a device that reports no
+  NVIDIA compute capability is refused (not given an H100's budget); interpreted, the H100's."""
+  from jspec.pallas import tree_attention as ta
+
+  class Device:
+    def __init__(self, **attrs):
+      self.__dict__.update(attrs)
+
+  assert ta._gpu_smem_budget(True) == ta._GPU_SMEM_BYTES[(9, 0)]
+  monkeypatch.setattr(jax, "devices", lambda: [Device()])
+  with pytest.raises(ValueError, match="compute capability.*attention_impl='xla'"):
+    ta._gpu_smem_budget(False)
+  monkeypatch.setattr(jax, "devices", lambda: [Device(compute_capability="8.6")])
+  assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_DEFAULT
+  monkeypatch.setattr(jax, "devices", lambda: [Device(compute_capability="9.0")])
+  assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_BYTES[(9, 0)]

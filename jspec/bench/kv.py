@@ -14,7 +14,8 @@ already fetches):
   their top-1 tokens agree.
 
 "full" runs the same chunked prefill with a budget that never binds (exact attention over every
-token), so every method sees the same chunking and only eviction differs. Each record: method,
+token), so every method sees the same chunking and only eviction differs (a budget below `chunk`
+prefills in blocks of the budget: each record names its chunk). Each record: method,
 budget, context, task, the score, peak KV-cache bytes, the run's seconds (compiles excluded) and,
 for retrieval tasks, prefill seconds and decode tokens/s (`time_prefill_decode` on the first
 sample).

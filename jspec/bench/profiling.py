@@ -91,14 +91,16 @@ def save_script_record(record: dict, path: str | Path) -> None:
   print(json.dumps({k: v for k, v in record.items() if k != "machine"}, indent=1))
 
 
-def _best_seconds(fn, args, repeats: int) -> float:
+def best_seconds(fn, *args, repeats: int = 1, tries: int = 3) -> float:
+  """Best of `tries` timed calls (after one that compiles) of a program running `repeats` times,
+  per repeat."""
   jax.block_until_ready(fn(*args))
   best = float("inf")
-  for _ in range(repeats):
+  for _ in range(tries):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     best = min(best, time.perf_counter() - start)
-  return best
+  return best / repeats
 
 
 def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 7) -> dict:
@@ -119,14 +121,14 @@ def memory_bandwidth(nbytes: int = 1 << 29, repeats: int = 7) -> dict:
     best = min(best, time.perf_counter() - start)
   results = {"copy_gbps": 2 * nbytes / best / 1e9}
   total = jax.jit(jnp.sum)
-  results["read_sum_gbps"] = nbytes / _best_seconds(total, (x,), repeats) / 1e9
+  results["read_sum_gbps"] = nbytes / best_seconds(total, x, tries=repeats) / 1e9
   tall = x.reshape(-1, 1024)  # [n / 1024, 1024] @ [1024]
   matvec = jax.jit(lambda w, v: w @ v)
-  results["read_matvec_tall_gbps"] = nbytes / _best_seconds(
-      matvec, (tall, jnp.ones((1024,))), repeats) / 1e9
+  results["read_matvec_tall_gbps"] = nbytes / best_seconds(
+      matvec, tall, jnp.ones((1024,)), tries=repeats) / 1e9
   wide = x.reshape(1024, -1)  # [1024] @ [1024, n / 1024], the LM-head shape
   vecmat = jax.jit(lambda v, w: v @ w)
-  results["read_matvec_wide_gbps"] = nbytes / _best_seconds(
-      vecmat, (jnp.ones((1024,)), wide), repeats) / 1e9
+  results["read_matvec_wide_gbps"] = nbytes / best_seconds(
+      vecmat, jnp.ones((1024,)), wide, tries=repeats) / 1e9
   results["bandwidth_gbps"] = max(results.values())
   return results

@@ -9,28 +9,16 @@ the engine's own work (acceptance, cache moves, the loop). Only shapes matter, n
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 
+from jspec.bench.profiling import best_seconds
 from jspec.drafting.base import HeadDrafter
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward, lm_head
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, argmax
-
-
-def best_seconds(fn, *args, repeats: int, tries: int = 3) -> float:
-  """Best of `tries` timed calls (after one that compiles) of a program running `repeats` times."""
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(tries):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best / repeats
 
 
 def _layers_s(params: Params, cfg: Config, tokens: int, cache_size: int, context: int,

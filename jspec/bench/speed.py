@@ -96,7 +96,8 @@ class Method:
     budget = {} if self.kv is None else {
         "kv": self.kv, "draft_kv": self.draft_kv if self.drafter is not None else None}
     return self.model.generate_ids([prompt], max_new_tokens=n, sampling=self.sampling,
-                                   key=self.seed, drafter=self.drafter, gamma=self.gamma,
+                                   key=self.seed, drafter=self.drafter,
+                                   gamma=None if self.tree is not None else self.gamma,
                                    tree=self.tree, **budget)
 
   def warm(self, prompts: Sequence[list[int]]) -> dict:
@@ -149,15 +150,6 @@ def bench_interleaved(methods: Sequence[Method], prompts: Sequence[list[int]]
     for method, run in zip(methods, runs):
       method.time_prompt(run, p)
   return list(zip(runs, extras))
-
-
-def bench_jspec(model: Model, prompts: Sequence[list[int]], max_new_tokens: int,
-                sampling: SamplingParams, seed: int, drafter: Drafter | None = None,
-                gamma: int = 4, tree: TreeShape | None = None,
-                measure_ttft: bool = True) -> tuple[Run, dict]:
-  """One method alone (see `Method`, and `bench_interleaved` for ratios)."""
-  method = Method(model, max_new_tokens, sampling, seed, drafter, gamma, tree, measure_ttft)
-  return bench_interleaved([method], prompts)[0]
 
 
 def round_components_s(model: Model, drafter: Drafter, gamma: int, prompt_len: int = 64,

@@ -170,8 +170,8 @@ class Drafter(abc.ABC):
     confidence (the drafter's largest next-token probability, before temperature and top-k/p) is
     below `threshold` (an n-gram lookup: before its first miss). Drafters that cannot say how sure
     they are refuse."""
-    raise ValueError(f"{type(self).__name__} has no adaptive draft length; drop the draft stop "
-                     f"threshold (--draft-stop) for it")
+    raise ValueError(f"{type(self).__name__} has no adaptive draft length: drop the stop "
+                     f"threshold (the @P of a drafter name NAME@P) for it")
 
   def probe_embedding(self, state: DraftState) -> Array:
     """[B, E]: the input embedding of the mask positions (probing drafters only)."""

@@ -353,7 +353,7 @@ def default_drafter_path(target: Target) -> Path:
 
 
 def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
-  cfg, params, keep = load_compact(stored, target.cfg, target.params, dtype_by_name(dtype))
+  cfg, params, keep = load_compact(stored, target.params, dtype_by_name(dtype))
   params = in_format(params, dtype)
   return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)
 

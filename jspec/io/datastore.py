@@ -37,6 +37,7 @@ FORMAT = "jspec-ngram-datastore-1"
 # above 3 and singleton contexts add nothing to the acceptance and multiply the table's size.
 N_MAX = 3
 MIN_COUNT = 8
+MAX_ORDER = 8  # the longest context a table keys on (tokens)
 
 _SEED, _PRIME, _MIX1, _MIX2 = 0x9E3779B1, 0x01000193, 0x2C1B3C6D, 0x297A2D39
 
@@ -75,8 +76,9 @@ def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int =
   """(keys [K] uint32 sorted, tokens [K] int32, corpus tokens) from token sequences: each context
   of n_min..n_max tokens inside one sequence that occurs >= min_count times, with the token that
   followed it most often (ties: the smallest id)."""
-  if not (1 <= n_min <= n_max <= 8):
-    raise ValueError(f"datastore orders need 1 <= n_min <= n_max <= 8, got {n_min}-{n_max}")
+  if not (1 <= n_min <= n_max <= MAX_ORDER):
+    raise ValueError(f"datastore orders need 1 <= n_min <= n_max <= {MAX_ORDER}, got "
+                     f"{n_min}-{n_max}")
   if min_count < 1:
     raise ValueError(f"min_count must be >= 1, got {min_count}")
   parts = []

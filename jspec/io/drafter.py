@@ -133,7 +133,7 @@ def drafter_format(path: str | Path) -> dict[str, Any] | None:
   return read_drafter_dir(path).format
 
 
-def load_compact(stored: DrafterDir | str | Path, target_cfg: Config, target_params: Params,
+def load_compact(stored: DrafterDir | str | Path, target_params: Params,
                  dtype=jnp.float32) -> tuple[Config, Params, np.ndarray | None]:
   """(cfg, params, keep_ids or None) of a compact drafter directory (a path, or what
   read_drafter_dir read of it), completed from the target."""

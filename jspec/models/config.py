@@ -70,17 +70,6 @@ class Config:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
 
-  @property
-  def q_per_kv(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
-  def num_params(self) -> int:
-    e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-    attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-    layer = attn + 3 * e * f + 2 * e + (2 * d if self.qk_norm else 0)
-    head = 0 if self.tie_embeddings else self.vocab_size * e
-    return self.vocab_size * e + self.num_layers * layer + e + head
-
 
 def _hf_arch(hf: dict[str, Any]) -> str:
   model_type = hf.get("model_type")

@@ -1,10 +1,11 @@
 """Native CPU kernels of decoding (float32, int8 and q4 weights), compiled on first use and called from XLA through its FFI.
 
-- `int8_matmul` (`int8_matmul.cc`): the int8 x int8 -> int32 matmul. XLA's own int8 dot streams
+- `int8_linear` (`int8_matmul.cc`), what decoding runs: int8 x int8 -> int32 sums for float32
+  activations quantized per row inside the call (`quantize.h`, the bits of `quant.quantize_rows`)
+  and scaled on the way out: a whole projection, no XLA work around it. XLA's own int8 dot streams
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
-  (`benchmarks/issue17_int8_step_profile_cpu.json`). `int8_linear`: the same sums for float32
-  activations quantized per row inside the call (`quantize.h`, the bits of
-  `quant.quantize_rows`) and scaled on the way out: a whole projection, no XLA work around it.
+  (`benchmarks/issue17_int8_step_profile_cpu.json`). `int8_matmul` is its integer core alone
+  (int8 operands in, int32 out), where tests check the sums are exact.
 - `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each) times
   float32 activations quantized the same way: 0.56 of the bytes of int8 weights to stream.
 - `f32_linear` (`f32_matmul.cc`): the float32 matmul over output-major weights, each output

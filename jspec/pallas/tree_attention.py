@@ -365,11 +365,18 @@ _GPU_SMEM_BYTES = {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}
 _GPU_SMEM_DEFAULT = 101376  # sm_86 / sm_89 and later consumer parts
 
 
-def _gpu_smem_budget() -> int:
-  try:
-    major, minor = (int(x) for x in str(jax.devices()[0].compute_capability).split("."))
-  except (AttributeError, ValueError):  # not a CUDA device (interpret mode): any budget is fine
+def _gpu_smem_budget(interpret: bool) -> int:
+  """Shared memory a block may use on this GPU; interpreted, an H100's (the tiles are chosen as
+  there)."""
+  if interpret:
     return _GPU_SMEM_BYTES[(9, 0)]
+  device = jax.devices()[0]
+  try:
+    major, minor = (int(x) for x in str(device.compute_capability).split("."))
+  except (AttributeError, ValueError):
+    raise ValueError(f"tree attention's GPU kernel sizes its tiles by an NVIDIA compute "
+                     f"capability, which {device} does not report. Fix: attention_impl='xla' "
+                     f"on this device") from None
   return _GPU_SMEM_BYTES.get((major, minor), _GPU_SMEM_DEFAULT)
 
 
@@ -403,7 +410,7 @@ def _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, in
   hb = 1 if backend == "gpu" else _tpu_heads_per_block(K, D)
   N, W = K // hb, hb * D  # kv-head groups, lanes per group
   if backend == "gpu":
-    bk, num_stages = _gpu_tiles(bk, W, k.dtype, _gpu_smem_budget())
+    bk, num_stages = _gpu_tiles(bk, W, k.dtype, _gpu_smem_budget(interpret))
   n_window = (bk + T - 2) // bk + 1  # key blocks the T new slots can straddle
   scale = D ** -0.5
 

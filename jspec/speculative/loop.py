@@ -43,11 +43,6 @@ class SpecOutput:
     return self.rounds + 1
 
   @property
-  def draft_calls(self) -> Array:
-    """Drafter forwards: the prefill and gamma per round."""
-    return 1 + self.accepted_at.shape[0] * self.rounds
-
-  @property
   def block_efficiency(self) -> float:
     """τ: tokens emitted per target verification call (γ + 1 at most)."""
     return float(self.round_tokens) / max(int(self.row_rounds), 1)

@@ -93,7 +93,7 @@ class TreeSpecConfig:
 @dataclasses.dataclass
 class TreeSpecOutput(SpecOutput):
   """SpecOutput of a tree run: accept_hist [D + 1] counts rounds by accepted depth, accepted_at
-  [D] how often depth d + 1 was reached; `draft_calls` holds (one drafter forward per depth)."""
+  [D] how often depth d + 1 was reached."""
 
   tree_nodes: int = dataclasses.field(metadata=dict(static=True))  # N + 1, static
 

@@ -186,7 +186,7 @@ class ConFuRecipe:
   experts: int = 4
   expert_top_k: int = 2
   soft_tokens: int = 2
-  train: "object" = None  # jspec.train.trainer.TrainConfig
+  train: trainer.TrainConfig = trainer.TrainConfig(loss="confu")
   save_dtype: str = "float16"
 
 

@@ -29,7 +29,7 @@ from jspec.models.eagle import EagleParams, eagle_forward, head_logits, init_eag
 from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, output_table
 from jspec.train import distill, trainer
 from jspec.train.features import cached_features
-from jspec.train.losses import forward_kl
+from jspec.train.losses import acceptance_sums, forward_kl
 from jspec.train.trainer import Rows
 
 Array = jax.Array
@@ -111,15 +111,10 @@ def eagle_eval(cfg: Config, loss: EagleLoss) -> Callable:
   pass u estimates the acceptance of the (u + 1)-th draft of a chain."""
   @jax.jit
   def evaluate(params, batch):
-    ids, w = batch["top_ids"][:, 1:], batch["mask"][:, 1:]
-    valid = ids >= 0
-    p = jnp.where(valid, jnp.exp(batch["top_logprobs"][:, 1:]), 0.0)
+    ids, lps, w = batch["top_ids"][:, 1:], batch["top_logprobs"][:, 1:], batch["mask"][:, 1:]
     sums = []
     for _, logits in _passes(params, cfg, batch, loss, None):
-      q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
-      overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
-      greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
-      sums += [jnp.sum(overlap * w), jnp.sum(greedy * w)]
+      sums += acceptance_sums(logits, ids, lps, w)[:2]
     return jnp.stack(sums + [jnp.sum(w)])
   return evaluate
 
@@ -154,7 +149,7 @@ class EagleRecipe:
   data_dirs: tuple[str, ...]  # distillation sets ("DIR", "DIR:N", "DIR:A-B"), as train-drafter's
   vocab_trim: int = 8192
   loss: EagleLoss = EagleLoss()
-  train: "trainer.TrainConfig" = None
+  train: trainer.TrainConfig = trainer.TrainConfig(loss="eagle")
   save_dtype: str = "float16"
 
 

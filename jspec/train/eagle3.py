@@ -35,7 +35,7 @@ from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import decoder_layer, rope_tables
 from jspec.train import trainer
 from jspec.train.eagle import feature_data, summed_over_rows
-from jspec.train.losses import forward_kl
+from jspec.train.losses import acceptance_sums, forward_kl
 
 Array = jax.Array
 
@@ -131,13 +131,9 @@ def ttt_sums(passes: list[Array], batch: dict) -> Array:
   positions."""
   sums = []
   for s, logits in enumerate(passes):
-    ids = _shifted(batch["top_ids"], s, -1)
-    w = _shifted(batch["mask"], s, 0.0)
-    p = jnp.where(ids >= 0, jnp.exp(_shifted(batch["top_logprobs"], s, 0.0)), 0.0)
-    q_at = jnp.take_along_axis(jax.nn.softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
-    overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
-    greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
-    sums += [jnp.sum(overlap * w), jnp.sum(greedy * w), jnp.sum(w)]
+    sums += acceptance_sums(logits, _shifted(batch["top_ids"], s, -1),
+                            _shifted(batch["top_logprobs"], s, 0.0),
+                            _shifted(batch["mask"], s, 0.0))
   return jnp.stack(sums)
 
 
@@ -177,7 +173,7 @@ class Eagle3Recipe:
   data_dirs: tuple[str, ...]  # distillation sets ("DIR", "DIR:N", "DIR:A-B"), as train-drafter's
   vocab_trim: int = 8192  # the draft vocabulary (0: the target's whole vocabulary)
   loss: Eagle3Loss = Eagle3Loss()
-  train: "object" = None  # jspec.train.trainer.TrainConfig
+  train: trainer.TrainConfig = trainer.TrainConfig(loss="eagle3")
   save_dtype: str = "float16"
 
 

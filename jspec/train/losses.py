@@ -218,3 +218,16 @@ def loss_fn(name: str) -> Callable[..., Array]:
     return LOSSES[name]
   except (KeyError, TypeError):
     raise ValueError(f"unknown distillation loss {name!r}; choose one of {sorted(LOSSES)}") from None
+
+
+def acceptance_sums(student_logits: Array, teacher_ids: Array, teacher_logprobs: Array,
+                    mask: Array) -> tuple[Array, Array, Array]:
+  """Held-out acceptance estimates, summed over the scored positions: (sampled, sum_x min(p, q)
+  over the teacher's top-k; greedy, the student's argmax is the teacher's; positions scored).
+  student_logits [..., V]; teacher_ids, teacher_logprobs [..., K] (ids -1: padding); mask [...]."""
+  p = jnp.where(teacher_ids >= 0, jnp.exp(teacher_logprobs), 0.0)
+  q_at = jnp.take_along_axis(jax.nn.softmax(student_logits, axis=-1),
+                             jnp.maximum(teacher_ids, 0), axis=-1)
+  overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)
+  greedy = (jnp.argmax(student_logits, axis=-1) == teacher_ids[..., 0]).astype(jnp.float32)
+  return jnp.sum(overlap * mask), jnp.sum(greedy * mask), jnp.sum(mask)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward_rows
 from jspec.train.distill import Example
-from jspec.train.losses import loss_fn
+from jspec.train.losses import acceptance_sums, loss_fn
 
 Array = jax.Array
 
@@ -180,19 +180,11 @@ def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation,
   return step
 
 
-def make_eval(cfg: Config, gamma: int) -> Callable:
+def make_eval(cfg: Config) -> Callable:
   @jax.jit
   def evaluate(params, batch):
-    logits = student_logits(params, cfg, batch["tokens"])
-    q = jax.nn.softmax(logits, axis=-1)  # [B, S, V]
-    ids = batch["top_ids"]
-    valid = ids >= 0
-    p = jnp.where(valid, jnp.exp(batch["top_logprobs"]), 0.0)
-    q_at = jnp.take_along_axis(q, jnp.maximum(ids, 0), axis=-1)
-    overlap = jnp.sum(jnp.minimum(p, q_at), axis=-1)  # [B, S]
-    greedy = (jnp.argmax(logits, axis=-1) == ids[..., 0]).astype(jnp.float32)
-    w = batch["mask"]
-    return jnp.sum(overlap * w), jnp.sum(greedy * w), jnp.sum(w)
+    logits = student_logits(params, cfg, batch["tokens"])  # [B, S, V]
+    return acceptance_sums(logits, batch["top_ids"], batch["top_logprobs"], batch["mask"])
 
   return evaluate
 
@@ -252,7 +244,7 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   opt = optimizer(tc)
   step_fn = make_step(cfg, tc, opt, objective)
   if evaluator is None and eval_rows is not None:
-    eval_fn = make_eval(cfg, tc.gamma)
+    eval_fn = make_eval(cfg)
     evaluator = lambda p: evaluate(p, cfg, eval_rows, tc, eval_fn)
   state = {"params": params, "opt_state": opt.init(params), "step": jnp.int32(0)}
   mngr = _manager(workdir / "checkpoints")
@@ -311,7 +303,7 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
 def evaluate(params: Params, cfg: Config, rows: Rows, tc: TrainConfig,
              eval_fn: Callable | None = None, batch_size: int = 8) -> dict:
   """Acceptance estimates on held-out rows (see the module docstring)."""
-  eval_fn = eval_fn or make_eval(cfg, tc.gamma)
+  eval_fn = eval_fn or make_eval(cfg)
   sums = jnp.zeros(3)  # overlap, greedy hits, positions: summed on device, read back once
   for i in range(0, len(rows), batch_size):
     # The last batch is padded (to keep one compiled shape) with copies of row i whose loss mask
