@@ -187,6 +187,7 @@ def cmd_generate(args) -> int:
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
   from jspec.sharding import Placement
+  from jspec.streaming import TextStream
   from jspec.tree.shapes import parse_tree
 
   sampling = _sampling(args)
@@ -206,13 +207,20 @@ def cmd_generate(args) -> int:
     _note_eviction_cadence(kv, gamma if tree is None else tree.max_depth)
   # One call; its compile time is counted apart so the speed shown is the run's own.
   start = time.perf_counter()
+  run = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
+             drafter=drafter, gamma=None if args.tree else gamma, tree=args.tree,
+             **({"kv": kv, "draft_kv": draft_kv if drafter else None} if kv else {}))
   with CompileCounter() as compiled:
-    out = jax.block_until_ready(model.generate_ids(
-        ids, max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
-        drafter=drafter, gamma=None if args.tree else gamma, tree=args.tree,
-        **({"kv": kv, "draft_kv": draft_kv if drafter else None} if kv else {})))
+    if args.stream:  # one prompt (check_args): its text as each segment comes back
+      stream = TextStream(model.stream_ids(ids, **run), model.tokenizer.decode, single=True)
+      for piece in stream:
+        print(piece, end="", flush=True)
+      print()
+      out = stream.output
+    else:
+      out = jax.block_until_ready(model.generate_ids(ids, **run))
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
-  for prompt, seq in zip(prompts, out.sequences()):
+  for prompt, seq in zip(prompts, out.sequences()) if not args.stream else ():
     if len(prompts) > 1:
       print(f"### {prompt}")
     print(model.tokenizer.decode(seq))
@@ -758,6 +766,9 @@ def check_args(args) -> None:
                        f"kept per row), or drop them")
   if args.command in ("generate", "bench"):
     _check_drafter_args(args)
+  if getattr(args, "stream", False) and len(args.prompt) > 1:
+    raise ValueError(f"--stream prints one prompt's text as it comes; {len(args.prompt)} "
+                     f"--prompt were given. Fix: one --prompt, or drop --stream")
   if args.command == "bench-tau" and args.drafter == "none":
     raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
                      "self|early-exit:K")
@@ -880,6 +891,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prompt text; repeat for a batch")
   g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                  help="wrap prompts in the model's chat template (default on)")
+  g.add_argument("--stream", action="store_true",
+                 help="print the text as it is generated (one --prompt; the same text)")
   _add_tree_arg(g)
   _add_kv_args(g)
   g.set_defaults(fn=cmd_generate)

@@ -22,6 +22,7 @@ from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
+from jspec.streaming import Segmented, TokenStream
 
 Array = jax.Array
 
@@ -68,23 +69,12 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
 
 
 @traced_under_placement
-def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
-                    sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
-                    stop_ids: tuple[int, ...] = (), cache_dtype=None,
-                    record_top_k: int = 0, kv: KVPolicy | None = None,
-                    placement: Placement | None = None) -> GenerateOutput:
-  """Generate up to `max_new_tokens` per row; pure and jit-friendly.
-
-  Args:
-    prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
-    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
-    record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
-    kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
-      (rounded up to the attention kernel's blocks under Pallas attention: `attention_slots`;
-      cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
-    placement: a mesh and its rules (jspec.sharding; static): the cache is pinned to it and the
-      outputs are replicated; params and prompts should already be placed (`generate` does it).
-  """
+def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
+                 sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
+                 stop_ids: tuple[int, ...] = (), cache_dtype=None, record_top_k: int = 0,
+                 kv: KVPolicy | None = None, placement: Placement | None = None) -> DecodeState:
+  """Prefill and sample the first token: the decode loop's state before its first step (see
+  `generate_tokens` for the arguments)."""
   B, P = prompt.shape
   evicted = None
   if kv is None:
@@ -104,13 +94,23 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     shape = (B, max_new_tokens, record_top_k)
     top_ids = jnp.zeros(shape, jnp.int32).at[:, 0].set(ids)
     top_logprobs = jnp.full(shape, -jnp.inf, jnp.float32).at[:, 0].set(lps)
-  state = DecodeState(
+  return DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
       target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted)
 
+
+@traced_under_placement
+def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | None = None,
+                sampling: SamplingParams = GREEDY, *, max_new_tokens: int,
+                stop_ids: tuple[int, ...] = (), record_top_k: int = 0,
+                kv: KVPolicy | None = None, placement: Placement | None = None) -> DecodeState:
+  """Decode from `state` until every row is done, or (streaming) until `until` ([] int32)
+  tokens have been generated in lockstep."""
+
   def cond(s: DecodeState):
-    return (s.step < max_new_tokens) & ~jnp.all(s.done)
+    going = (s.step < max_new_tokens) & ~jnp.all(s.done)
+    return going if until is None else going & (s.step < until)
 
   def body(s: DecodeState) -> DecodeState:
     evicted = s.evicted
@@ -135,24 +135,56 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
                        target_calls=s.target_calls + 1, top_ids=top_ids,
                        top_logprobs=top_logprobs, evicted=evicted)
 
-  state = jax.lax.while_loop(cond, body, state)
-  out = GenerateOutput(tokens=state.tokens, lengths=state.lengths,
-                       target_calls=state.target_calls, steps=state.step - 1,
-                       top_ids=state.top_ids, top_logprobs=state.top_logprobs)
+  return jax.lax.while_loop(cond, body, state)
+
+
+def decode_output(state: DecodeState) -> GenerateOutput:
+  return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
+                        target_calls=state.target_calls, steps=state.step - 1,
+                        top_ids=state.top_ids, top_logprobs=state.top_logprobs)
+
+
+@traced_under_placement
+def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
+                    sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
+                    stop_ids: tuple[int, ...] = (), cache_dtype=None,
+                    record_top_k: int = 0, kv: KVPolicy | None = None,
+                    placement: Placement | None = None) -> GenerateOutput:
+  """Generate up to `max_new_tokens` per row; pure and jit-friendly.
+
+  Args:
+    prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
+    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
+    record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
+    kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
+      (rounded up to the attention kernel's blocks under Pallas attention: `attention_slots`;
+      cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
+    placement: a mesh and its rules (jspec.sharding; static): the cache is pinned to it and the
+      outputs are replicated; params and prompts should already be placed (`generate` does it).
+  """
+  loop = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, record_top_k=record_top_k, kv=kv,
+              placement=placement)
+  state = decode_start(params, cfg, prompt, prompt_lengths, key, sampling, cache_size=cache_size,
+                       cache_dtype=cache_dtype, **loop)
+  out = decode_output(decode_loop(params, cfg, state, None, sampling, **loop))
   return out if placement is None else placement.replicated(out)
 
 
-_generate_jit = engine_jit(
-    generate_tokens, static_argnums=(1,),
-    static_argnames=("max_new_tokens", "cache_size", "stop_ids", "cache_dtype", "record_top_k",
-                     "kv", "placement"))
+_LOOP_STATICS = ("max_new_tokens", "stop_ids", "record_top_k", "kv", "placement")
+_generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
+                           static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
+_start_jit = engine_jit(decode_start, static_argnums=(1,),
+                        static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
+_resume_jit = engine_jit(decode_loop, static_argnums=(1,), static_argnames=_LOOP_STATICS,
+                         donate_argnums=(2,))
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None,
              record_top_k: int = 0, precision: str = "fast",
-             kv: KVPolicy | None = None, mesh: Mesh | None = None) -> GenerateOutput:
+             kv: KVPolicy | None = None, mesh: Mesh | None = None,
+             _stream: bool = False) -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
 
   Example:
@@ -177,8 +209,24 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                     stop_ids=stop_ids, cache_size=cache_size)
   params, b, placement = on_mesh(params, cfg, b, mesh)
-  return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
-                       max_new_tokens=int(max_new_tokens),
-                       cache_size=b.cache_size if kv is None else kv.slots,
-                       stop_ids=b.stop_ids, record_top_k=int(record_top_k), precision=precision,
-                       kv=kv, placement=placement)
+  loop = dict(max_new_tokens=int(max_new_tokens), stop_ids=b.stop_ids,
+              record_top_k=int(record_top_k), precision=precision, kv=kv, placement=placement)
+  cache_size = b.cache_size if kv is None else kv.slots
+  if not _stream:
+    return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
+                         cache_size=cache_size, **loop)
+  return Segmented(
+      start=lambda: _start_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
+                               cache_size=cache_size, **loop),
+      resume=lambda state, until: _resume_jit(params, cfg, state, until, b.sampling, **loop),
+      finish=decode_output, counter=lambda state: state.step,
+      max_new_tokens=int(max_new_tokens)), params
+
+
+def generate_stream(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
+                    every: int = 1, **kwargs) -> TokenStream:
+  """`generate`, streamed: iterate for each row's new token ids every `every` tokens; the stream's
+  `output` is then what `generate` returns, the same tokens (jspec.streaming). Takes `generate`'s
+  arguments; the checks run here, the programs when iterated."""
+  run, placed = generate(params, cfg, prompts, _stream=True, **kwargs)
+  return TokenStream(run, every, owners=placed)

@@ -22,6 +22,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sharding import Mesh, kv_repeats, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.streaming import TextStream, TokenStream
 from jspec.tree.shapes import TreeShape
 
 
@@ -51,7 +52,8 @@ class Model:
                    stop: bool = True, drafter: Drafter | None = None, gamma: int | None = None,
                    tree: TreeShape | str | None = None,
                    precision: str = "fast", kv: KVPolicy | None = None,
-                   draft_kv: KVPolicy | None = None) -> GenerateOutput | SpecOutput:
+                   draft_kv: KVPolicy | None = None,
+                   _stream: bool = False) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
     chains of `gamma` drafts (default 4; a probing drafter's mask count), or token trees of shape
     `tree` (e.g. "dynamic:32"; gamma beside it is refused; a drafter with a tree of its own,
@@ -75,18 +77,34 @@ class Model:
         raise ValueError("draft_kv budgets a drafter's cache; pass a drafter= too, or drop it")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv,
-                      mesh=self.mesh)
+                      mesh=self.mesh, _stream=_stream)
     tree = drafter.own_tree if tree is None else tree  # a lookahead pool's n-gram tree
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
           spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
-          precision=precision, kv=kv, draft_kv=draft_kv, mesh=self.mesh)
+          precision=precision, kv=kv, draft_kv=draft_kv, mesh=self.mesh, _stream=_stream)
     gamma = (drafter.probe_masks or 4) if gamma is None else gamma
     spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key, precision=precision, kv=kv,
-                                draft_kv=draft_kv, mesh=self.mesh)
+                                draft_kv=draft_kv, mesh=self.mesh, _stream=_stream)
+
+  def stream_ids(self, prompts: Sequence[Sequence[int]], *, every: int = 1,
+                 **kwargs) -> TokenStream:
+    """`generate_ids`, streamed: iterate for each row's new ids (a list per row) every `every`
+    loop iterations (tokens, or speculative rounds); then `.output` is what `generate_ids`
+    returns, the same tokens. Takes `generate_ids`'s arguments, checked here."""
+    run, owners = self.generate_ids(prompts, _stream=True, **kwargs)
+    return TokenStream(run, every, owners=owners)
+
+  def stream_text(self, prompts: Sequence[str] | str, *, chat: bool = True, every: int = 1,
+                  **kwargs) -> TextStream:
+    """`generate_text`, streamed: iterate for the new text (one prompt given as a str: a str;
+    else a list, one per prompt); the pieces join to `generate_text`'s text."""
+    single = isinstance(prompts, str)
+    ids = [self.encode(p, chat) for p in ([prompts] if single else prompts)]
+    return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single)
 
   def off_mesh_for(self, batch: int) -> "Model":
     """This model, or (when `batch` rows cannot split over its mesh's dp) the same weights run

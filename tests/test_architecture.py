@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent / "jspec"
 LAYERS = [
     ("jspec.sharding", "jspec.paths", "jspec.native", "jspec.pallas", "jspec.models",
      "jspec.sampling", "jspec.tree", "jspec.kv"),
-    ("jspec.io", "jspec.decode", "jspec.data"),
+    ("jspec.io", "jspec.decode", "jspec.data", "jspec.streaming"),
     ("jspec.drafting",),
     ("jspec.generate", "jspec.speculative"),
     ("jspec.model",),
@@ -23,7 +23,8 @@ LAYERS = [
 ]
 # What the issue that set up the layers names: no inference module imports the tools above it.
 INFERENCE = ("jspec.native", "jspec.models", "jspec.sampling", "jspec.tree", "jspec.pallas", "jspec.kv", "jspec.io",
-             "jspec.decode", "jspec.drafting", "jspec.generate", "jspec.speculative")
+             "jspec.decode", "jspec.streaming", "jspec.drafting", "jspec.generate",
+             "jspec.speculative")
 TOOLS = ("jspec.train", "jspec.bench", "jspec.cli")
 
 

@@ -32,6 +32,18 @@ def test_generate(tiny_model, capsys):
   assert "tokens/s" in captured.err
 
 
+def test_generate_streams_the_same_text(tiny_model, capsys):
+  argv = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+          "--max-new-tokens", "12", "--temperature", "0.8", "--drafter", "self", "--gamma", "2"]
+  assert main(argv) == 0
+  whole = capsys.readouterr().out
+  assert main(argv + ["--stream"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == whole and "tokens/s" in captured.err
+  assert main(argv + ["--stream", "--prompt", "Hi"]) == 2
+  assert "--stream prints one prompt's text" in capsys.readouterr().err
+
+
 def test_generate_under_a_kv_budget(tiny_model, capsys):
   long_prompt = " ".join(["the sky is blue because of Rayleigh scattering"] * 12)
   assert main(["generate", "--model", str(tiny_model), "--prompt", long_prompt,

@@ -92,9 +92,8 @@ def test_every_engine_traces_at_the_precision_asked(tiny, engine, monkeypatch):
     return real(*args, **kwargs)
 
   monkeypatch.setattr(module, "forward", spy)
-  kwargs = {} if engine == "generate" else {"drafter": self_drafter(tiny.params, CFG), "gamma": 2}
-  if engine == "tree":
-    kwargs["tree"] = "fixed:2-1"
+  kwargs = {} if engine == "generate" else {"drafter": self_drafter(tiny.params, CFG)}
+  kwargs.update({"chain": {"gamma": 2}, "tree": {"tree": "fixed:2-1"}}.get(engine, {}))
   outputs = {}
   for precision in ("exact", "fast"):
     jax.clear_caches()  # trace again: the spy sees what the program is traced under

@@ -253,8 +253,9 @@ def test_gpu_tiles_fit_shared_memory():
 
 
 def test_gpu_tiles_need_a_compute_capability_unless_interpreted(monkeypatch):
-  """The Triton kernel sizes its K/V tiles by the GPU's shared memory: a device that reports no
-  NVIDIA compute capability is refused (not given an H100's budget); interpreted, the H100's."""
+  """The Triton kernel sizes its K/V tiles by the GPU's shared memory: a GPU that reports no NVIDIA
+  compute capability is refused (not given an H100's budget); interpreted or exported from a host
+  without a GPU, the H100's."""
   from jspec.pallas import tree_attention as ta
 
   class Device:
@@ -262,10 +263,12 @@ def test_gpu_tiles_need_a_compute_capability_unless_interpreted(monkeypatch):
       self.__dict__.update(attrs)
 
   assert ta._gpu_smem_budget(True) == ta._GPU_SMEM_BYTES[(9, 0)]
-  monkeypatch.setattr(jax, "devices", lambda: [Device()])
+  monkeypatch.setattr(jax, "devices", lambda: [Device(platform="cpu")])  # exporting for a GPU
+  assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_BYTES[(9, 0)]
+  monkeypatch.setattr(jax, "devices", lambda: [Device(platform="gpu")])
   with pytest.raises(ValueError, match="compute capability.*attention_impl='xla'"):
     ta._gpu_smem_budget(False)
-  monkeypatch.setattr(jax, "devices", lambda: [Device(compute_capability="8.6")])
+  monkeypatch.setattr(jax, "devices", lambda: [Device(platform="gpu", compute_capability="8.6")])
   assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_DEFAULT
-  monkeypatch.setattr(jax, "devices", lambda: [Device(compute_capability="9.0")])
+  monkeypatch.setattr(jax, "devices", lambda: [Device(platform="gpu", compute_capability="9.0")])
   assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_BYTES[(9, 0)]

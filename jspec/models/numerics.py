@@ -131,6 +131,8 @@ def engine_jit(fn, keyed_by_class: tuple[int, ...] = (), **kwargs):
       return fn(*args, **kw)
     traced.__name__ = traced.__qualname__ = fn.__name__  # the program's name in HLO and profiles
     kwargs["static_argnums"] = (0, *(i + 1 for i in kwargs.get("static_argnums", ())))
+    if "donate_argnums" in kwargs:
+      kwargs["donate_argnums"] = tuple(i + 1 for i in kwargs["donate_argnums"])
   with_options = jax.jit(traced, compiler_options=COMPILER_OPTIONS, **kwargs)
   plain = jax.jit(traced, **kwargs)
 

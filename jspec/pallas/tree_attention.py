@@ -366,11 +366,11 @@ _GPU_SMEM_DEFAULT = 101376  # sm_86 / sm_89 and later consumer parts
 
 
 def _gpu_smem_budget(interpret: bool) -> int:
-  """Shared memory a block may use on this GPU; interpreted, an H100's (the tiles are chosen as
-  there)."""
-  if interpret:
-    return _GPU_SMEM_BYTES[(9, 0)]
+  """Shared memory a block may use on this GPU; interpreted, or lowered on a host without a GPU
+  (exported for one), an H100's: the tiles are chosen as there."""
   device = jax.devices()[0]
+  if interpret or device.platform not in ("gpu", "cuda", "rocm"):
+    return _GPU_SMEM_BYTES[(9, 0)]
   try:
     major, minor = (int(x) for x in str(device.compute_capability).split("."))
   except (AttributeError, ValueError):

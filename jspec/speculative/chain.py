@@ -27,8 +27,9 @@ from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_extra_positions_target,
-                                    check_shared_cache, eviction_cut, initial_state)
+                                    check_shared_cache, eviction_cut, going, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
+from jspec.streaming import Segmented, TokenStream
 
 Array = jax.Array
 
@@ -49,19 +50,33 @@ class SpecConfig:
       raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
 
 
+@traced_under_placement
+def speculative_start(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+                      prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY, *,
+                      spec: SpecConfig, cache_size: int, kv: KVPolicy | None = None,
+                      placement: Placement | None = None) -> SpecState:
+  """Prefill target and drafter and sample the first token: the loop state before round one."""
+  return initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                       cache_size, max_accepted=spec.gamma, kv=kv,
+                       target_slots=budgeted_slots(kv, drafter, spec.gamma + 1),
+                       placement=placement)
+
+
 def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                      prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY, *,
                      spec: SpecConfig, cache_size: int, kv: KVPolicy | None = None,
-                     placement: Placement | None = None) -> SpecState:
+                     placement: Placement | None = None, state: SpecState | None = None,
+                     until: Array | None = None) -> SpecState:
   """The whole run, returning the final loop state (caches and drafter state included); see
-  `speculative_generate_tokens`."""
+  `speculative_generate_tokens`. Streaming: from `state` (the prompt arguments unused) and only
+  until `until` ([] int32) rounds have run."""
   G = spec.gamma
   k = drafter.probe_masks  # mask positions after every block token (probing drafters)
   check_probe_round(drafter, gamma=G)
   check_shared_cache(drafter, tree=False)
-  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=G, kv=kv,
-                        target_slots=budgeted_slots(kv, drafter, G + 1), placement=placement)
+  if state is None:
+    state = speculative_start(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
+                              spec=spec, cache_size=cache_size, kv=kv, placement=placement)
 
   def body(s: SpecState) -> SpecState:
     if kv is None and not drafter.stops_early:
@@ -136,7 +151,25 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
                                      probe_hidden=probes,
                                      window_hidden=hidden[:, G + 1:] if X else None)))
 
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  return jax.lax.while_loop(lambda s: going(s, until), body, state)
+
+
+@traced_under_placement
+def speculative_resume(params: Params, cfg: Config, drafter: Drafter, state: SpecState,
+                       until: Array, sampling: SamplingParams = GREEDY, *, spec: SpecConfig,
+                       cache_size: int, kv: KVPolicy | None = None,
+                       placement: Placement | None = None) -> SpecState:
+  """Run rounds from `state` until `until` rounds have run or every row is done (streaming)."""
+  return speculative_loop(params, cfg, drafter, None, None, None, sampling, spec=spec,
+                          cache_size=cache_size, kv=kv, placement=placement, state=state,
+                          until=until)
+
+
+def spec_output(s: SpecState, spec: SpecConfig) -> SpecOutput:
+  return SpecOutput(
+      tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
+      round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
+      accepted_at=s.accepted_at)
 
 
 @traced_under_placement
@@ -155,17 +188,17 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
 
   placement: a mesh (jspec.sharding; static): the target cache pinned to it, outputs replicated;
   params, drafter and prompts placed beforehand (`speculative_generate` does it)."""
-  N = spec.max_new_tokens
   s = speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec=spec,
                        cache_size=cache_size, kv=kv, placement=placement)
-  out = SpecOutput(
-      tokens=s.tokens[:, :N], lengths=s.lengths, rounds=s.rounds, round_tokens=s.round_tokens,
-      row_rounds=s.row_rounds, accept_hist=s.accept_hist, accepted_at=s.accepted_at)
+  out = spec_output(s, spec)
   return out if placement is None else placement.replicated(out)
 
 
-_spec_jit = engine_jit(speculative_generate_tokens, static_argnums=(1,), keyed_by_class=(2,),
-                       static_argnames=("spec", "cache_size", "kv", "placement"))
+_STATICS = dict(static_argnums=(1,), keyed_by_class=(2,),
+                static_argnames=("spec", "cache_size", "kv", "placement"))
+_spec_jit = engine_jit(speculative_generate_tokens, **_STATICS)
+_start_jit = engine_jit(speculative_start, **_STATICS)
+_resume_jit = engine_jit(speculative_resume, donate_argnums=(3,), **_STATICS)
 
 
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
@@ -173,7 +206,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                          sampling: SamplingParams = GREEDY, key: Array | int = 0,
                          cache_size: int | None = None, precision: str = "fast",
                          kv: KVPolicy | None = None,
-                         draft_kv: KVPolicy | None = None, mesh: Mesh | None = None) -> SpecOutput:
+                         draft_kv: KVPolicy | None = None, mesh: Mesh | None = None,
+                         _stream: bool = False) -> SpecOutput:
   """Validated, bucketed, jitted speculative generation from token-id prompts.
 
   Example:
@@ -213,5 +247,24 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                                    if drafter.window_size else "") + ")")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
   drafter = place_drafter(drafter, placement, params, placed)
-  return _spec_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision, kv=kv, placement=placement)
+  static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
+                placement=placement)
+  if not _stream:
+    return _spec_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
+  return Segmented(
+      start=lambda: _start_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
+                               **static),
+      resume=lambda state, until: _resume_jit(placed, cfg, drafter, state, until, b.sampling,
+                                              **static),
+      finish=lambda state: spec_output(state, spec), counter=lambda state: state.rounds,
+      max_new_tokens=spec.max_new_tokens), (placed, drafter)
+
+
+def speculative_generate_stream(params: Params, cfg: Config, drafter: Drafter,
+                                prompts: Sequence[Sequence[int]], *, every: int = 1,
+                                **kwargs) -> TokenStream:
+  """`speculative_generate`, streamed: iterate for each row's new token ids every `every`
+  rounds; the stream's `output` is then what `speculative_generate` returns, the same tokens
+  (jspec.streaming). Takes `speculative_generate`'s arguments, checked here."""
+  run, owners = speculative_generate(params, cfg, drafter, prompts, _stream=True, **kwargs)
+  return TokenStream(run, every, owners=owners)

@@ -137,6 +137,12 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
       accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted)
 
 
+def going(s: SpecState, until: Array | None) -> Array:
+  """The speculative loops' condition: a row still generating (and, streaming, rounds to go)."""
+  rows = ~jnp.all(s.done)
+  return rows if until is None else rows & (s.rounds < until)
+
+
 def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | None:
   """Target cache slots under a budget (None without one): a full cache (budget + evict_every - 1
   entries) plus a verification block of `block` tokens and what the drafter runs beside it (k

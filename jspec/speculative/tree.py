@@ -40,8 +40,9 @@ from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_shared_cache, check_tree_target,
-                                    eviction_cut, initial_state)
+                                    eviction_cut, going, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
+from jspec.streaming import Segmented, TokenStream
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -153,12 +154,26 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
                    target_logits=target_logits)
 
 
+@traced_under_placement
+def tree_start(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
+               prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY, *,
+               spec: TreeSpecConfig, cache_size: int, kv: KVPolicy | None = None,
+               placement: Placement | None = None) -> SpecState:
+  """Prefill target and drafter and sample the first token: the loop state before round one."""
+  return initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
+                       cache_size, max_accepted=spec.tree.max_depth, kv=kv,
+                       target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1),
+                       placement=placement)
+
+
 def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                           prompt_lengths: Array, key: Array, sampling: SamplingParams = GREEDY,
                           *, spec: TreeSpecConfig, cache_size: int,
-                          kv: KVPolicy | None = None,
-                          placement: Placement | None = None) -> SpecState:
+                          kv: KVPolicy | None = None, placement: Placement | None = None,
+                          state: SpecState | None = None,
+                          until: Array | None = None) -> SpecState:
   """The whole run, returning the final loop state (caches included); see the module docstring.
+  Streaming: from `state` (the prompt arguments unused) and only until `until` rounds have run.
 
   kv: a KV budget for the target, exact as in the chain engine: an accepted path is used only to
   the depth after which autoregressive decoding would have evicted. Attention-score policies keep
@@ -167,10 +182,9 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
   shape = spec.tree
   check_probe_round(drafter, depth=shape.max_depth)
   check_shared_cache(drafter, tree=True)
-  state = initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                        cache_size, max_accepted=shape.max_depth, kv=kv,
-                        target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1),
-                        placement=placement)
+  if state is None:
+    state = tree_start(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec=spec,
+                       cache_size=cache_size, kv=kv, placement=placement)
 
   def body(s: SpecState) -> SpecState:
     if kv is None:
@@ -217,7 +231,24 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     return dataclasses.replace(new, draft=drafter.accept_tree(r.drafted, r.path, n_acc,
                                                               s.seq_len, features))
 
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+  return jax.lax.while_loop(lambda s: going(s, until), body, state)
+
+
+@traced_under_placement
+def tree_resume(params: Params, cfg: Config, drafter: Drafter, state: SpecState, until: Array,
+                sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig, cache_size: int,
+                kv: KVPolicy | None = None, placement: Placement | None = None) -> SpecState:
+  """Run rounds from `state` until `until` rounds have run or every row is done (streaming)."""
+  return tree_speculative_loop(params, cfg, drafter, None, None, None, sampling, spec=spec,
+                               cache_size=cache_size, kv=kv, placement=placement, state=state,
+                               until=until)
+
+
+def tree_output(s: SpecState, spec: TreeSpecConfig) -> TreeSpecOutput:
+  return TreeSpecOutput(
+      tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
+      round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
+      accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
 
 
 @traced_under_placement
@@ -233,15 +264,15 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
   """
   s = tree_speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
                             spec=spec, cache_size=cache_size, kv=kv, placement=placement)
-  out = TreeSpecOutput(
-      tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
-      round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
-      accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
+  out = tree_output(s, spec)
   return out if placement is None else placement.replicated(out)
 
 
-_tree_jit = engine_jit(tree_speculative_generate_tokens, static_argnums=(1,), keyed_by_class=(2,),
-                       static_argnames=("spec", "cache_size", "kv", "placement"))
+_STATICS = dict(static_argnums=(1,), keyed_by_class=(2,),
+                static_argnames=("spec", "cache_size", "kv", "placement"))
+_tree_jit = engine_jit(tree_speculative_generate_tokens, **_STATICS)
+_start_jit = engine_jit(tree_start, **_STATICS)
+_resume_jit = engine_jit(tree_resume, donate_argnums=(3,), **_STATICS)
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
@@ -264,7 +295,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                               cache_size: int | None = None,
                               precision: str = "fast", kv: KVPolicy | None = None,
                               draft_kv: KVPolicy | None = None,
-                              mesh: Mesh | None = None) -> TreeSpecOutput:
+                              mesh: Mesh | None = None, _stream: bool = False) -> TreeSpecOutput:
   """Validated, bucketed, jitted tree speculative generation from token-id prompts.
 
   Example (any drafter grows trees):
@@ -299,5 +330,24 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                                    if drafter.window_size else "") + ")")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
   drafter = place_drafter(drafter, placement, params, placed)
-  return _tree_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, spec=spec,
-                   cache_size=b.cache_size, precision=precision, kv=kv, placement=placement)
+  static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
+                placement=placement)
+  if not _stream:
+    return _tree_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
+  return Segmented(
+      start=lambda: _start_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
+                               **static),
+      resume=lambda state, until: _resume_jit(placed, cfg, drafter, state, until, b.sampling,
+                                              **static),
+      finish=lambda state: tree_output(state, spec), counter=lambda state: state.rounds,
+      max_new_tokens=spec.max_new_tokens), (placed, drafter)
+
+
+def tree_speculative_generate_stream(params: Params, cfg: Config, drafter: Drafter,
+                                     prompts: Sequence[Sequence[int]], *, every: int = 1,
+                                     **kwargs) -> TokenStream:
+  """`tree_speculative_generate`, streamed: iterate for each row's new token ids every `every`
+  rounds; the stream's `output` is then what `tree_speculative_generate` returns, the same
+  tokens (jspec.streaming). Takes `tree_speculative_generate`'s arguments, checked here."""
+  run, owners = tree_speculative_generate(params, cfg, drafter, prompts, _stream=True, **kwargs)
+  return TokenStream(run, every, owners=owners)

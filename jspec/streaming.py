@@ -1,0 +1,117 @@
+"""Streaming: a run's tokens as they are made, the same tokens as the one-program run.
+
+Each engine's program is split at its `lax.while_loop`: one program prefills and samples the first
+token (`Segmented.start`), another runs the same loop body from a given state until all rows are
+done or `every` more iterations have run (`Segmented.resume`, the state donated so the KV caches
+update in place). Between calls the host reads the new tokens. The state carries the PRNG key, so
+a streamed run draws exactly what the whole run draws: greedy or sampled, the tokens are equal
+(tests/test_streaming.py). A segment costs one dispatch and a read of the [B, N] token buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.decode import is_int
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Segmented:
+  """A validated, placed run, split at its loop (what the engines' `*_stream` functions build).
+
+  start() -> state; resume(state, until) -> state, run on until the loop counter reaches `until`
+  (int32 []) or every row is done; finish(state) -> the run's output (as the whole run returns);
+  counter(state) -> [] the loop iterations so far; max_new_tokens: the row buffer's useful width.
+  """
+
+  start: Callable[[], Any]
+  resume: Callable[[Any, Array], Any]
+  finish: Callable[[Any], Any]
+  counter: Callable[[Any], Array]
+  max_new_tokens: int
+
+
+class TokenStream:
+  """Iterate for each segment's new token ids, a list per row (empty for a row with none new);
+  `output` is the run's output (GenerateOutput, SpecOutput, ...) once the iteration has ended."""
+
+  def __init__(self, run: Segmented, every: int, owners: Any = ()):
+    if not is_int(every) or every < 1:
+      raise ValueError(f"every (loop iterations between reads) must be an integer >= 1, got "
+                       f"{every!r}")
+    if jax.process_count() > 1:
+      raise ValueError("streaming reads every row on this host; with several processes run the "
+                       "whole program (generate, speculative_generate) instead")
+    self._run, self._every, self._owners = run, int(every), owners
+    self.output = None
+
+  def __iter__(self) -> Iterator[list[list[int]]]:
+    run = self._run
+    state = _unshared(run.start(), self._owners)
+    sent = None
+    while True:
+      tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
+      lengths = np.minimum(lengths, run.max_new_tokens)
+      if sent is None:
+        sent = np.zeros_like(lengths)
+      new = [tokens[row, sent[row]:lengths[row]].tolist() for row in range(len(lengths))]
+      sent = lengths
+      if any(new):
+        yield new
+      if done.all():
+        self.output = run.finish(state)
+        return
+      state = run.resume(state, run.counter(state) + jnp.int32(self._every))
+
+
+def _unshared(state, owners):
+  """The state with any leaf that is also one of `owners`' arrays (the params, a drafter's
+  weights) copied: `resume` donates the state, which must not free the caller's arrays."""
+  theirs = {id(leaf) for leaf in jax.tree.leaves(owners)}
+  return jax.tree.map(lambda leaf: jnp.copy(leaf) if id(leaf) in theirs else leaf, state)
+
+
+class TextStream:
+  """Iterate for each segment's new text: a str (one prompt given as a str) or a list of str, a
+  row each ("" for a row with nothing new); `output` once the iteration has ended. A row's text is
+  its ids decoded whole each time, so the pieces join to the text of the whole run; a piece that
+  would end inside a character (a multi-byte character split over tokens) waits for the next."""
+
+  def __init__(self, tokens: TokenStream, decode: Callable[[list[int]], str], single: bool):
+    self._tokens, self._decode, self._single = tokens, decode, single
+
+  @property
+  def output(self):
+    return self._tokens.output
+
+  def __iter__(self) -> Iterator[str | list[str]]:
+    ids: list[list[int]] = []
+    sent: list[str] = []
+    for new in self._tokens:
+      if not ids:
+        ids, sent = [[] for _ in new], ["" for _ in new]
+      for row, more in enumerate(new):
+        ids[row] += more
+      pieces = self._pieces(ids, sent, final=False)
+      if any(pieces):
+        yield pieces[0] if self._single else pieces
+    pieces = self._pieces(ids, sent, final=True)
+    if any(pieces):
+      yield pieces[0] if self._single else pieces
+
+  def _pieces(self, ids: list[list[int]], sent: list[str], final: bool) -> list[str]:
+    pieces = []
+    for row, row_ids in enumerate(ids):
+      text = self._decode(row_ids)
+      ready = final or (text.startswith(sent[row]) and not text.endswith("\ufffd"))
+      pieces.append(text[len(sent[row]):] if ready else "")
+      if ready:
+        sent[row] = text
+    return pieces

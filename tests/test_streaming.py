@@ -1,0 +1,140 @@
+"""Streaming (jspec.streaming): a streamed run yields the tokens the one-program run makes, as it
+makes them, for every engine, greedy and sampled, under a KV budget; its programs compile once;
+the caller's arrays survive the donated state; text pieces join to the whole text."""
+
+import jax
+import numpy as np
+import pytest
+
+from jspec.bench.profiling import CompileCounter
+from jspec.drafting.model import ModelDrafter
+from jspec.generate import generate, generate_stream
+from jspec.kv.policy import KVPolicy
+from jspec.model import Model
+from jspec.models.config import Config
+from jspec.models.llama import init_params
+from jspec.sampling.processing import SamplingParams
+from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_stream
+from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
+                                    tree_speculative_generate_stream)
+
+CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30]]
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(params):
+  noise = init_params(CFG, jax.random.key(1), scale=0.3)
+  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.5 * b if a.ndim > 1 else a, params, noise),
+                      CFG)
+
+
+def joined(stream) -> tuple[list[list[int]], list[list[list[int]]]]:
+  """(each row's ids joined over the stream, the segments as yielded)."""
+  segments = list(stream)
+  rows = [sum((segment[row] for segment in segments), []) for row in range(len(PROMPTS))]
+  return rows, segments
+
+
+def assert_same_output(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_autoregressive_stream_is_the_whole_run(params, sampling, every):
+  kw = dict(max_new_tokens=12, sampling=sampling, key=7, stop_ids=(3,))
+  want = generate(params, CFG, PROMPTS, **kw)
+  stream = generate_stream(params, CFG, PROMPTS, every=every, **kw)
+  assert stream.output is None
+  rows, segments = joined(stream)
+  assert rows == want.sequences()
+  assert_same_output(stream.output, want)
+  # The first segment is the prefill's token alone; then `every` tokens a row at most.
+  assert segments[0] == [[t[0]] for t in want.sequences()]
+  assert max(len(row) for segment in segments[1:] for row in segment) <= every
+  assert len(segments) > 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_chain_stream_is_the_whole_run(params, drafter, sampling):
+  kw = dict(spec=SpecConfig(gamma=3, max_new_tokens=14), sampling=sampling, key=3)
+  want = speculative_generate(params, CFG, drafter, PROMPTS, **kw)
+  stream = speculative_generate_stream(params, CFG, drafter, PROMPTS, **kw)
+  rows, segments = joined(stream)
+  assert rows == want.sequences()
+  assert_same_output(stream.output, want)
+  assert len(segments) == int(want.rounds) + 1  # the first token, then one segment a round
+  assert int(want.round_tokens) > int(want.row_rounds)  # some rounds accepted drafts
+
+
+def test_tree_stream_under_a_kv_budget_is_the_whole_run(params, drafter):
+  kv = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=4)
+  kw = dict(spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=12), sampling=SAMPLED, key=5,
+            kv=kv)
+  want = tree_speculative_generate(params, CFG, drafter, [[1] * 30, [2, 3, 4]], **kw)
+  stream = tree_speculative_generate_stream(params, CFG, drafter, [[1] * 30, [2, 3, 4]],
+                                            every=2, **kw)
+  rows, _ = joined(stream)
+  assert rows == want.sequences()
+  assert_same_output(stream.output, want)
+
+
+def test_streams_compile_once_and_leave_the_callers_arrays(params, drafter):
+  kw = dict(spec=SpecConfig(gamma=2, max_new_tokens=8))
+  list(speculative_generate_stream(params, CFG, drafter, PROMPTS, **kw))
+  list(generate_stream(params, CFG, PROMPTS, max_new_tokens=6))
+  with CompileCounter() as compiled:  # other prompts of the same bucket, another key
+    stream = speculative_generate_stream(params, CFG, drafter, [[9, 9, 9], [4]], key=1, **kw)
+    list(stream)
+    list(generate_stream(params, CFG, [[7, 7], [1, 2, 3, 4]], max_new_tokens=6, key=2))
+  assert compiled.compiles == 0, compiled.compiles
+  # The resumed states were donated; the params and the drafter's weights were not.
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((params, drafter)))
+  assert stream.output.sequences() == speculative_generate(
+      params, CFG, drafter, [[9, 9, 9], [4]], key=1, **kw).sequences()
+
+
+def test_bad_settings_are_refused_before_anything_runs(params):
+  with pytest.raises(ValueError, match="every .* integer >= 1"):
+    generate_stream(params, CFG, PROMPTS, max_new_tokens=4, every=0)
+  with pytest.raises(ValueError, match="token id"):  # generate's own checks, at the call
+    generate_stream(params, CFG, [[1, 500]], max_new_tokens=4)
+
+
+class ByteTokenizer:
+  """Token ids are UTF-8 bytes: a character of several bytes spans several tokens."""
+  stop_token_ids = ()
+
+  def encode(self, text, add_special_tokens=True):
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_pieces_join_to_the_whole_text_and_never_split_a_character():
+  cfg = Config(arch="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+  model = Model(cfg=cfg, params=init_params(cfg, jax.random.key(4), scale=0.5),
+                tokenizer=ByteTokenizer(), source="test")
+  # Sampling draws the bytes of multi-byte characters (and invalid ones) along the way.
+  kw = dict(chat=False, max_new_tokens=40, sampling=SamplingParams(temperature=1.0), key=11)
+  want = model.generate_text(["héllo", "→"], **kw)
+  stream = model.stream_text(["héllo", "→"], **kw)
+  pieces = list(stream)
+  assert ["".join(p[row] for p in pieces) for row in range(2)] == want
+  held = [p[row] for p in pieces[:-1] for row in range(2)]
+  assert not any(piece.endswith("\ufffd") for piece in held)
+  ids = stream.output.sequences()
+  assert any(b >= 0x80 for row in ids for b in row)  # the bytes did include non-ASCII ones
+  one = list(model.stream_text("héllo", **kw))
+  assert all(isinstance(piece, str) for piece in one) and "".join(one) == want[0]
