@@ -22,7 +22,7 @@ from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
-from jspec.streaming import Segmented, TokenStream
+from jspec.streaming import Segmented, TokenStream, view
 
 Array = jax.Array
 
@@ -138,6 +138,15 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
   return jax.lax.while_loop(cond, body, state)
 
 
+@traced_under_placement
+def decode_segment(params: Params, cfg: Config, state: DecodeState, every: Array,
+                   sampling: SamplingParams = GREEDY, **loop) -> tuple[DecodeState, tuple]:
+  """Streaming: `every` more tokens from `state` (or until every row is done), and the view the
+  host reads of the result (jspec.streaming)."""
+  state = decode_loop(params, cfg, state, state.step + every, sampling, **loop)
+  return state, view(state)
+
+
 def decode_output(state: DecodeState) -> GenerateOutput:
   return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
                         target_calls=state.target_calls, steps=state.step - 1,
@@ -175,7 +184,7 @@ _generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
                            static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
 _start_jit = engine_jit(decode_start, static_argnums=(1,),
                         static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
-_resume_jit = engine_jit(decode_loop, static_argnums=(1,), static_argnames=_LOOP_STATICS,
+_resume_jit = engine_jit(decode_segment, static_argnums=(1,), static_argnames=_LOOP_STATICS,
                          donate_argnums=(2,))
 
 
@@ -218,9 +227,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   return Segmented(
       start=lambda: _start_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,
                                cache_size=cache_size, **loop),
-      resume=lambda state, until: _resume_jit(params, cfg, state, until, b.sampling, **loop),
-      finish=decode_output, counter=lambda state: state.step,
-      max_new_tokens=int(max_new_tokens)), params
+      resume=lambda state, every: _resume_jit(params, cfg, state, every, b.sampling, **loop),
+      finish=decode_output, max_new_tokens=int(max_new_tokens)), params
 
 
 def generate_stream(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,

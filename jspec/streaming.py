@@ -26,21 +26,29 @@ Array = jax.Array
 class Segmented:
   """A validated, placed run, split at its loop (what the engines' `*_stream` functions build).
 
-  start() -> state; resume(state, until) -> state, run on until the loop counter reaches `until`
-  (int32 []) or every row is done; finish(state) -> the run's output (as the whole run returns);
-  counter(state) -> [] the loop iterations so far; max_new_tokens: the row buffer's useful width.
+  start() -> state; resume(state, every) -> (state, view): the loop run on for `every` ([] int32)
+  more iterations or until every row is done, and `view` of the result in buffers of its own;
+  finish(state) -> the run's output (as the whole run returns); max_new_tokens: the token
+  buffer's useful width.
   """
 
   start: Callable[[], Any]
-  resume: Callable[[Any, Array], Any]
+  resume: Callable[[Any, Array], tuple[Any, tuple[Array, Array, Array]]]
   finish: Callable[[Any], Any]
-  counter: Callable[[Any], Array]
   max_new_tokens: int
+
+
+def view(state) -> tuple[Array, Array, Array]:
+  """What the host reads between segments: tokens [B, N'], lengths [B], done [B]."""
+  return state.tokens, state.lengths, state.done
 
 
 class TokenStream:
   """Iterate for each segment's new token ids, a list per row (empty for a row with none new);
-  `output` is the run's output (GenerateOutput, SpecOutput, ...) once the iteration has ended."""
+  `output` is the run's output (GenerateOutput, SpecOutput, ...) once the iteration has ended.
+
+  The next segment is dispatched before the last one's tokens are read, so the device works while
+  the host reads and decodes (each segment's view is its own buffers: the state is donated)."""
 
   def __init__(self, run: Segmented, every: int, owners: Any = ()):
     if not is_int(every) or every < 1:
@@ -53,22 +61,24 @@ class TokenStream:
     self.output = None
 
   def __iter__(self) -> Iterator[list[list[int]]]:
-    run = self._run
+    run, every = self._run, jnp.int32(self._every)
     state = _unshared(run.start(), self._owners)
-    sent = None
+    sent = np.zeros(state.lengths.shape, np.int32)
+    current = jax.device_get(view(state))  # the first token (before the state is donated)
+    pending = None if current[2].all() else run.resume(state, every)
     while True:
-      tokens, lengths, done = jax.device_get((state.tokens, state.lengths, state.done))
+      tokens, lengths, done = current
       lengths = np.minimum(lengths, run.max_new_tokens)
-      if sent is None:
-        sent = np.zeros_like(lengths)
       new = [tokens[row, sent[row]:lengths[row]].tolist() for row in range(len(lengths))]
       sent = lengths
       if any(new):
         yield new
       if done.all():
-        self.output = run.finish(state)
+        self.output = run.finish(state if pending is None else pending[0])
         return
-      state = run.resume(state, run.counter(state) + jnp.int32(self._every))
+      state, segment = pending
+      pending = run.resume(state, every)  # queued behind this segment, read meanwhile
+      current = jax.device_get(segment)
 
 
 def _unshared(state, owners):

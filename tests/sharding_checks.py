@@ -22,15 +22,17 @@ from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.probe import probe_drafter
 from jspec.drafting.skip import skip_drafter
-from jspec.generate import generate, generate_tokens
+from jspec.generate import generate, generate_stream, generate_tokens
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import init_params, repeat_kv_heads, stack_layers
 from jspec.sampling import processing
 from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
 from jspec.sharding import Placement, kv_repeats, make_mesh, traced_under_placement
-from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
+from jspec.speculative.chain import (SpecConfig, speculative_generate, speculative_generate_stream,
+                                     speculative_generate_tokens)
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
+                                    tree_speculative_generate_stream,
                                     tree_speculative_generate_tokens)
 
 # 8 query heads, 2 KV heads: tp=2 shards the KV cache, tp=4 and tp=8 replicate it.
@@ -398,7 +400,32 @@ def check_stacked_layers():
     same(got, want, f"stacked chain {name} dp=2 tp=4")
 
 
-GROUPS = {"generate": check_generate, "chains": check_chains, "trees": check_trees,
+def check_streams():
+  """Streamed runs on a mesh (state sharded as the whole run's, read between segments) make the
+  tokens the whole run makes on one device."""
+  target, draft = models()
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=SAMPLED, key=5)
+  stream = generate_stream(target, TARGET, PROMPTS, max_new_tokens=10, sampling=SAMPLED, key=5,
+                           mesh=make_mesh(2, 4), every=3)
+  rows = [sum(parts, []) for parts in zip(*stream)]
+  assert rows == want.sequences(), (rows, want.sequences())
+  same(stream.output, want, "generate streamed dp=2 tp=4")
+  drafter = ModelDrafter(draft, DRAFT)
+  spec = SpecConfig(gamma=3, max_new_tokens=12)
+  want = speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec, sampling=SAMPLED, key=3)
+  stream = speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
+                                       sampling=SAMPLED, key=3, mesh=make_mesh(4, 2))
+  assert [sum(parts, []) for parts in zip(*stream)] == want.sequences()
+  same(stream.output, want, "chain streamed dp=4 tp=2")
+  spec = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
+  want = tree_speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec)
+  stream = tree_speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
+                                            mesh=make_mesh(1, 8))
+  list(stream)
+  same(stream.output, want, "tree streamed dp=1 tp=8")
+
+
+GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains, "trees": check_trees,
           "compiles": check_compiles_once, "communication": check_communication,
           "rounds": check_round_communication,
           "budget": check_budget_communication,

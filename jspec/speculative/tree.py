@@ -42,7 +42,7 @@ from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slo
                                     check_drafter, check_shared_cache, check_tree_target,
                                     eviction_cut, going, initial_state)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
-from jspec.streaming import Segmented, TokenStream
+from jspec.streaming import Segmented, TokenStream, view
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -235,13 +235,16 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
 
 
 @traced_under_placement
-def tree_resume(params: Params, cfg: Config, drafter: Drafter, state: SpecState, until: Array,
-                sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig, cache_size: int,
-                kv: KVPolicy | None = None, placement: Placement | None = None) -> SpecState:
-  """Run rounds from `state` until `until` rounds have run or every row is done (streaming)."""
-  return tree_speculative_loop(params, cfg, drafter, None, None, None, sampling, spec=spec,
-                               cache_size=cache_size, kv=kv, placement=placement, state=state,
-                               until=until)
+def tree_segment(params: Params, cfg: Config, drafter: Drafter, state: SpecState, every: Array,
+                 sampling: SamplingParams = GREEDY, *, spec: TreeSpecConfig, cache_size: int,
+                 kv: KVPolicy | None = None,
+                 placement: Placement | None = None) -> tuple[SpecState, tuple]:
+  """Streaming: `every` more rounds from `state` (or until every row is done), and the view the
+  host reads of the result (jspec.streaming)."""
+  state = tree_speculative_loop(params, cfg, drafter, None, None, None, sampling, spec=spec,
+                                cache_size=cache_size, kv=kv, placement=placement, state=state,
+                                until=state.rounds + every)
+  return state, view(state)
 
 
 def tree_output(s: SpecState, spec: TreeSpecConfig) -> TreeSpecOutput:
@@ -272,7 +275,7 @@ _STATICS = dict(static_argnums=(1,), keyed_by_class=(2,),
                 static_argnames=("spec", "cache_size", "kv", "placement"))
 _tree_jit = engine_jit(tree_speculative_generate_tokens, **_STATICS)
 _start_jit = engine_jit(tree_start, **_STATICS)
-_resume_jit = engine_jit(tree_resume, donate_argnums=(3,), **_STATICS)
+_resume_jit = engine_jit(tree_segment, donate_argnums=(3,), **_STATICS)
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
@@ -337,10 +340,10 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   return Segmented(
       start=lambda: _start_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
                                **static),
-      resume=lambda state, until: _resume_jit(placed, cfg, drafter, state, until, b.sampling,
+      resume=lambda state, every: _resume_jit(placed, cfg, drafter, state, every, b.sampling,
                                               **static),
-      finish=lambda state: tree_output(state, spec), counter=lambda state: state.rounds,
-      max_new_tokens=spec.max_new_tokens), (placed, drafter)
+      finish=lambda state: tree_output(state, spec), max_new_tokens=spec.max_new_tokens), (
+          placed, drafter)
 
 
 def tree_speculative_generate_stream(params: Params, cfg: Config, drafter: Drafter,
