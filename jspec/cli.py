@@ -1121,7 +1121,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", type=Path, default=None,
                  help="the file to write (default: where --drafter rest looks for the ShareGPT "
                       "datastore, in the cache)")
-  s.add_argument("--n-max", type=int, default=3, help=f"longest context, in tokens (1-{_MAX_ORDER})")
+  s.add_argument("--n-max", type=int, default=3,
+                 help=f"longest context, in tokens (1-{_MAX_ORDER})")
   s.add_argument("--min-count", type=int, default=8,
                  help="keep contexts seen at least this often")
   s.set_defaults(fn=cmd_build_datastore)

@@ -3,9 +3,10 @@
 Each engine's program is split at its `lax.while_loop`: one program prefills and samples the first
 token (`Segmented.start`), another runs the same loop body from a given state until all rows are
 done or `every` more iterations have run (`Segmented.resume`, the state donated so the KV caches
-update in place). Between calls the host reads the new tokens. The state carries the PRNG key, so
-a streamed run draws exactly what the whole run draws: greedy or sampled, the tokens are equal
-(tests/test_streaming.py). A segment costs one dispatch and a read of the [B, N] token buffer.
+update in place). The host reads each segment's new tokens while the next one runs. The state
+carries the PRNG key, so a streamed run draws exactly what the whole run draws: greedy or sampled,
+the tokens are equal (tests/test_streaming.py). A segment costs one dispatch and a copy of the
+[B, N] token buffer; measured against the whole run in benchmarks/streaming.py.
 """
 
 from __future__ import annotations
@@ -82,10 +83,17 @@ class TokenStream:
 
 
 def _unshared(state, owners):
-  """The state with any leaf that is also one of `owners`' arrays (the params, a drafter's
-  weights) copied: `resume` donates the state, which must not free the caller's arrays."""
-  theirs = {id(leaf) for leaf in jax.tree.leaves(owners)}
-  return jax.tree.map(lambda leaf: jnp.copy(leaf) if id(leaf) in theirs else leaf, state)
+  """The state with any leaf that shares a buffer with `owners`' arrays (the params, a drafter's
+  weights: a program may hand an input back as an output) copied: `resume` donates the state,
+  which must not free the caller's arrays."""
+  theirs = set().union(*map(_buffers, jax.tree.leaves(owners)))
+  return jax.tree.map(lambda leaf: jnp.copy(leaf) if _buffers(leaf) & theirs else leaf, state)
+
+
+def _buffers(leaf) -> set[int]:
+  if not isinstance(leaf, jax.Array):
+    return set()
+  return {shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards}
 
 
 class TextStream:

@@ -138,3 +138,12 @@ def test_text_pieces_join_to_the_whole_text_and_never_split_a_character():
   assert any(b >= 0x80 for row in ids for b in row)  # the bytes did include non-ASCII ones
   one = list(model.stream_text("héllo", **kw))
   assert all(isinstance(piece, str) for piece in one) and "".join(one) == want[0]
+
+
+def test_a_state_sharing_the_callers_buffers_is_copied_before_donation(params):
+  from jspec.streaming import _buffers, _unshared
+  own = jax.numpy.ones(3)
+  state = _unshared({"shared": params.embed, "own": own}, params)
+  assert state["own"] is own
+  assert not _buffers(state["shared"]) & _buffers(params.embed)
+  np.testing.assert_array_equal(state["shared"], params.embed)
