@@ -27,9 +27,10 @@ from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_extra_positions_target,
-                                    check_shared_cache, eviction_cut, going, initial_state)
+                                    check_shared_cache, eviction_cut, going, initial_state,
+                                    run_or_segment)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
-from jspec.streaming import Segmented, TokenStream, view
+from jspec.streaming import TokenStream, view
 
 Array = jax.Array
 
@@ -251,15 +252,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   drafter = place_drafter(drafter, placement, params, placed)
   static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
                 placement=placement)
-  if not _stream:
-    return _spec_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
-  return Segmented(
-      start=lambda: _start_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
-                               **static),
-      resume=lambda state, every: _resume_jit(placed, cfg, drafter, state, every, b.sampling,
-                                              **static),
-      finish=lambda state: spec_output(state, spec), max_new_tokens=spec.max_new_tokens), (
-          placed, drafter)
+  return run_or_segment((_spec_jit, _start_jit, _resume_jit), placed, cfg, drafter, b, static,
+                        lambda state: spec_output(state, spec), _stream)
 
 
 def speculative_generate_stream(params: Params, cfg: Config, drafter: Drafter,

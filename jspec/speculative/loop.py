@@ -22,6 +22,7 @@ from jspec.models.llama import Params, attention_slots, forward
 from jspec.sampling.processing import SamplingParams, sample
 from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout, verification_width
+from jspec.streaming import Segmented
 
 Array = jax.Array
 
@@ -141,6 +142,21 @@ def going(s: SpecState, until: Array | None) -> Array:
   """The speculative loops' condition: a row still generating (and, streaming, rounds to go)."""
   rows = ~jnp.all(s.done)
   return rows if until is None else rows & (s.rounds < until)
+
+
+def run_or_segment(programs: tuple, placed: Params, cfg: Config, drafter: Drafter, b, static: dict,
+                   finish, stream: bool):
+  """The validated wrappers' last step: the whole program (programs[0]) on the batch `b`, or, to
+  stream, the run split at its loop (jspec.streaming: start programs[1], segments programs[2])
+  and the arrays its donated state must not share."""
+  whole, start, segment = programs
+  if not stream:
+    return whole(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
+  return Segmented(
+      start=lambda: start(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static),
+      resume=lambda state, every: segment(placed, cfg, drafter, state, every, b.sampling,
+                                          **static),
+      finish=finish, max_new_tokens=static["spec"].max_new_tokens), (placed, drafter)
 
 
 def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | None:

@@ -40,9 +40,9 @@ from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
                                     check_drafter, check_shared_cache, check_tree_target,
-                                    eviction_cut, going, initial_state)
+                                    eviction_cut, going, initial_state, run_or_segment)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
-from jspec.streaming import Segmented, TokenStream, view
+from jspec.streaming import TokenStream, view
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -335,15 +335,8 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   drafter = place_drafter(drafter, placement, params, placed)
   static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
                 placement=placement)
-  if not _stream:
-    return _tree_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
-  return Segmented(
-      start=lambda: _start_jit(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
-                               **static),
-      resume=lambda state, every: _resume_jit(placed, cfg, drafter, state, every, b.sampling,
-                                              **static),
-      finish=lambda state: tree_output(state, spec), max_new_tokens=spec.max_new_tokens), (
-          placed, drafter)
+  return run_or_segment((_tree_jit, _start_jit, _resume_jit), placed, cfg, drafter, b, static,
+                        lambda state: tree_output(state, spec), _stream)
 
 
 def tree_speculative_generate_stream(params: Params, cfg: Config, drafter: Drafter,
