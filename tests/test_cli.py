@@ -544,6 +544,8 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     shown = text.split(flag + " ", 1)[1].split(" --", 1)[0]
     default = getattr(cls, _NETWORK_FLAGS[name][1])
     assert f"(default: {default})" in shown, (flag, shown, default)
+  from jspec.train.trainer import TrainConfig
+  assert f"(default: {TrainConfig.warmup_steps}, at most --steps)" in text  # --warmup-steps
 
 
 @pytest.mark.parametrize("argv,message", [
