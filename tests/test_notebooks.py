@@ -55,6 +55,7 @@ def test_01_quickstart():
   text = run("01_quickstart.ipynb")
   assert "Paris" in text
   assert re.search(r"second call [\d.]+ s \(same program\)", text)
+  assert re.search(r"\d+ pieces; the same text as generate_text: True", text)
   assert "jspec-autoregressive" in text and "committed lengths" in text
 
 
