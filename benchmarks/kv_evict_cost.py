@@ -68,7 +68,7 @@ def main() -> int:
   rows = []
   for name, policy in policies.items():
     prefill_s, decode = time_prefill_decode(model, prompt, policy, args.new_tokens, args.repeats)
-    rows.append({"policy": name, "window": policy.window, "prefill_s": prefill_s,
+    rows.append({"policy": name, "window": policy.recent, "prefill_s": prefill_s,
                  "decode_tokens_per_s": decode})
     print(rows[-1], flush=True)
   save_script_record({"model": args.model, "weights": args.weights, "context": args.context,
