@@ -615,6 +615,47 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   assert ok, (stat, dof)
 
 
+@pytest.mark.parametrize("method", ["keydiff", "h2o"])
+def test_sampled_chain_under_a_budget_is_exact_four_tokens_deep(method):
+  """Rounds that span an eviction: a drafter close to the target (accepting most of 3 drafts) and
+  4 tokens (the budget binds within the rounds, not only at the first token) on an 8-token
+  vocabulary, against the law of autoregressive decoding under the same policy, enumerated. A
+  chain that verified past the point where autoregressive decoding evicts (no eviction cut) passes
+  the 3-token test above; it fails this one (chi2 ~11,000 on ~530 dof: session 48, by mutation)."""
+  import itertools
+  from test_speculative import chi_square
+  from jspec.bench.kv import continuation_logprobs
+  from jspec.drafting.model import ModelDrafter
+  from jspec.sampling.processing import processed_logprobs
+  from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+
+  cfg = Config(arch="llama", vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+  params = init_params(cfg, jax.random.key(10), scale=0.3)
+  noise = init_params(cfg, jax.random.key(11), scale=0.3)
+  drafter = ModelDrafter(jax.tree.map(lambda a, b: a + 0.3 * b if a.ndim > 1 else a, params,
+                                      noise), cfg)
+  policy = KVPolicy(method, budget=6, sinks=1, chunk=4, evict_every=2)
+  sp = SamplingParams(temperature=1.0)
+  prompt, steps, V = [3, 7, 1, 4, 5, 2, 0, 6, 1, 2], 4, cfg.vocab_size
+  P = len(prompt)
+  seqs = jnp.asarray([prompt + list(rest) + [0]
+                      for rest in itertools.product(range(V), repeat=steps - 1)])
+  logprobs = jax.jit(jax.vmap(lambda s: continuation_logprobs(params, cfg, s[None], P, policy)))(
+      seqs)  # [V^3, steps, V]: the law of each token given the ones before (teacher-forced)
+  probs = np.exp(np.asarray(processed_logprobs(logprobs, sp), np.float64))
+  joint = np.ones([1])
+  for t in range(steps):  # rows whose tokens after t are 0 hold the law of token t given t before
+    joint = (joint[:, None] * probs[::V ** (steps - 1 - t), t]).reshape(-1)
+  run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
+      params, cfg, drafter, jnp.asarray([prompt + [0] * 6]), jnp.asarray([P]), key, sp,
+      spec=SpecConfig(gamma=3, max_new_tokens=steps), cache_size=32, kv=policy).tokens[0]))
+  tokens = np.asarray(run(jax.random.split(jax.random.key(78), 40000)))
+  codes = ((tokens[:, 0] * V + tokens[:, 1]) * V + tokens[:, 2]) * V + tokens[:, 3]
+  stat, dof, ok = chi_square(codes, joint / joint.sum())
+  assert ok, (stat, dof)
+
+
 @pytest.mark.parametrize("method,evict_every,drafter,tree", [
     ("keydiff", 4, "self", "fixed:2-2-1"), ("streaming", 1, "random", "fixed:3-2"),
     ("h2o", 4, "self", "fixed:2-2-1"), ("h2o+caote", 2, "random", "dynamic:6"),
