@@ -615,19 +615,22 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   assert ok, (stat, dof)
 
 
-@pytest.mark.parametrize("method", ["keydiff", "h2o"])
-def test_sampled_chain_under_a_budget_is_exact_four_tokens_deep(method):
+@pytest.mark.parametrize("method,tree", [("keydiff", None), ("h2o", None), ("h2o", "rsd-c:2-2"),
+                                         ("keydiff", "specinfer:3-1")])
+def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tree):
   """Rounds that span an eviction: a drafter close to the target (accepting most of 3 drafts) and
   4 tokens (the budget binds within the rounds, not only at the first token) on an 8-token
-  vocabulary, against the law of autoregressive decoding under the same policy, enumerated. A
-  chain that verified past the point where autoregressive decoding evicts (no eviction cut) passes
-  the 3-token test above; it fails this one (chi2 ~11,000 on ~530 dof: session 48, by mutation)."""
+  vocabulary, against the law of autoregressive decoding under the same policy, enumerated; chains
+  and trees. A chain that verified past the point where autoregressive decoding evicts (no
+  eviction cut) passes the 3-token test above; it fails this one (chi2 ~11,000 on ~530 dof), and
+  so does a tree engine without its cut (session 48, by mutation)."""
   import itertools
   from test_speculative import chi_square
   from jspec.bench.kv import continuation_logprobs
   from jspec.drafting.model import ModelDrafter
   from jspec.sampling.processing import processed_logprobs
   from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate_tokens
 
   cfg = Config(arch="llama", vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=1,
                num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
@@ -647,9 +650,12 @@ def test_sampled_chain_under_a_budget_is_exact_four_tokens_deep(method):
   joint = np.ones([1])
   for t in range(steps):  # rows whose tokens after t are 0 hold the law of token t given t before
     joint = (joint[:, None] * probs[::V ** (steps - 1 - t), t]).reshape(-1)
-  run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
+  engine, spec = ((speculative_generate_tokens, SpecConfig(gamma=3, max_new_tokens=steps))
+                  if tree is None else
+                  (tree_speculative_generate_tokens, TreeSpecConfig(tree, max_new_tokens=steps)))
+  run = jax.jit(jax.vmap(lambda key: engine(
       params, cfg, drafter, jnp.asarray([prompt + [0] * 6]), jnp.asarray([P]), key, sp,
-      spec=SpecConfig(gamma=3, max_new_tokens=steps), cache_size=32, kv=policy).tokens[0]))
+      spec=spec, cache_size=32, kv=policy).tokens[0]))
   tokens = np.asarray(run(jax.random.split(jax.random.key(78), 40000)))
   codes = ((tokens[:, 0] * V + tokens[:, 1]) * V + tokens[:, 2]) * V + tokens[:, 3]
   stat, dof, ok = chi_square(codes, joint / joint.sum())
