@@ -98,9 +98,8 @@ def _buffers(leaf) -> set[int]:
 
 class TextStream:
   """Iterate for each segment's new text: a str (one prompt given as a str) or a list of str, a
-  row each ("" for a row with nothing new); `output` once the iteration has ended. A row's text is
-  its ids decoded whole each time, so the pieces join to the text of the whole run; a piece that
-  would end inside a character (a multi-byte character split over tokens) waits for the next."""
+  row each ("" for a row with nothing new); `output` once the iteration has ended. The pieces join
+  to the text of the whole run (`RowText`)."""
 
   def __init__(self, tokens: TokenStream, decode: Callable[[list[int]], str], single: bool):
     self._tokens, self._decode, self._single = tokens, decode, single
@@ -110,26 +109,37 @@ class TextStream:
     return self._tokens.output
 
   def __iter__(self) -> Iterator[str | list[str]]:
-    ids: list[list[int]] = []
-    sent: list[str] = []
+    rows: list[RowText] = []
     for new in self._tokens:
-      if not ids:
-        ids, sent = [[] for _ in new], ["" for _ in new]
-      for row, more in enumerate(new):
-        ids[row] += more
-      pieces = self._pieces(ids, sent, final=False)
+      rows = rows or [RowText(self._decode) for _ in new]
+      pieces = [row.add(more) for row, more in zip(rows, new)]
       if any(pieces):
         yield pieces[0] if self._single else pieces
-    pieces = self._pieces(ids, sent, final=True)
+    pieces = [row.finish() for row in rows]
     if any(pieces):
       yield pieces[0] if self._single else pieces
 
-  def _pieces(self, ids: list[list[int]], sent: list[str], final: bool) -> list[str]:
-    pieces = []
-    for row, row_ids in enumerate(ids):
-      text = self._decode(row_ids)
-      ready = final or (text.startswith(sent[row]) and not text.endswith("\ufffd"))
-      pieces.append(text[len(sent[row]):] if ready else "")
-      if ready:
-        sent[row] = text
-    return pieces
+
+class RowText:
+  """One row's text as its tokens come, decoding only the newest ones: a piece is what they add to
+  the decoded text of the window that starts at the previous piece's tokens (so a tokenizer that
+  treats a sequence's first token apart does so on both sides), held back while it ends inside a
+  character (a multi-byte character split over tokens). Decoding the whole row each time would
+  cost time quadratic in its length. `finish` checks against the whole row decoded once."""
+
+  def __init__(self, decode: Callable[[list[int]], str]):
+    self.decode, self.ids, self.sent = decode, [], ""
+    self.start = self.read = 0  # the window ids[start:], of which ids[start:read] are sent
+
+  def add(self, more: list[int]) -> str:
+    self.ids += more
+    before = self.decode(self.ids[self.start:self.read])
+    after = self.decode(self.ids[self.start:])
+    if not after.startswith(before) or after.endswith("\ufffd"):
+      return ""
+    piece = after[len(before):]
+    self.start, self.read, self.sent = self.read, len(self.ids), self.sent + piece
+    return piece
+
+  def finish(self) -> str:
+    return self.decode(self.ids)[len(self.sent):]
