@@ -206,6 +206,11 @@ class _Tok:
   def __init__(self, tokens):
     self.tokens, self.vocab_size = tokens, len(tokens)
 
+  @property
+  def fingerprint(self):  # the real tokenizer's, from these token strings
+    from jspec.io.tokenizer import Tokenizer
+    return Tokenizer.fingerprint.func(self)
+
 
 def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
   keys, tokens, n = D.build_table([np.asarray([1, 2, 3, 1, 2, 4, 1, 2, 3])], n_max=2, min_count=1)

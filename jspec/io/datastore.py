@@ -18,7 +18,6 @@ and the SHA-256 of the tokenizer's token strings in the metadata; loading checks
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -117,11 +116,6 @@ def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int =
   return keys[unique], tokens[unique], n_tokens
 
 
-def tokenizer_sha256(tokenizer: Tokenizer) -> str:
-  """The SHA-256 of the tokenizer's token strings: a datastore is only valid for its tokenizer."""
-  return hashlib.sha256("\n".join(tokenizer.tokens).encode("utf-8")).hexdigest()
-
-
 def save_table(path: str | Path, keys: np.ndarray, tokens: np.ndarray, *, n_min: int, n_max: int,
                min_count: int, corpus_tokens: int, tokenizer: Tokenizer, source: str) -> Path:
   import safetensors.numpy
@@ -129,7 +123,7 @@ def save_table(path: str | Path, keys: np.ndarray, tokens: np.ndarray, *, n_min:
   path.parent.mkdir(parents=True, exist_ok=True)
   meta = dict(format=FORMAT, n_min=n_min, n_max=n_max, min_count=min_count,
               corpus_tokens=corpus_tokens, vocab_size=tokenizer.vocab_size,
-              tokenizer_sha256=tokenizer_sha256(tokenizer), source=source)
+              tokenizer_sha256=tokenizer.fingerprint, source=source)
   # A name of this process's own: two processes building the same table (the default one, on
   # first use) each write their file whole, and the last rename wins with the same content.
   tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
@@ -165,7 +159,7 @@ def load_table(path: str | Path, tokenizer: Tokenizer, vocab_size: int) -> Ngram
   the fix when it was built for another tokenizer."""
   import safetensors.numpy
   meta = read_metadata(path)
-  if meta["tokenizer_sha256"] != tokenizer_sha256(tokenizer):
+  if meta["tokenizer_sha256"] != tokenizer.fingerprint:
     raise ValueError(f"datastore {path} was built with another tokenizer ({meta['vocab_size']} "
                      f"tokens, from {meta['source']}): its drafts would mean other strings. Fix: "
                      f"build one for this target with `jspec build-datastore --model ...`")
@@ -205,7 +199,7 @@ def sharegpt_sequences(tokenizer: Tokenizer, path: str | Path | None = None,
 def default_table_path(tokenizer: Tokenizer, n_max: int = N_MAX, min_count: int = MIN_COUNT
                        ) -> Path:
   return (cache_dir() / "datastores"
-          / f"sharegpt-{FORMAT}-{tokenizer_sha256(tokenizer)[:16]}-n1-{n_max}-c{min_count}"
+          / f"sharegpt-{FORMAT}-{tokenizer.fingerprint[:16]}-n1-{n_max}-c{min_count}"
           f".safetensors")  # a new format builds a new file
 
 

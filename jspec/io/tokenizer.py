@@ -103,8 +103,9 @@ class Tokenizer:
   @functools.cached_property
   def fingerprint(self) -> str:
     """SHA-256 of the vocabulary (every id's token string, in order): the same for the same
-    tokenizer whether it came from tokenizer.json or a GGUF file; data made with another differs."""
-    return hashlib.sha256("\x00".join(self.tokens).encode()).hexdigest()
+    tokenizer whether it came from tokenizer.json or a GGUF file; data (distillation sets, n-gram
+    datastores) made with another differs."""
+    return hashlib.sha256("\n".join(self.tokens).encode("utf-8")).hexdigest()
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; special tokens written in it stay whole; BOS first if `add_bos`."""
