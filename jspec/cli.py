@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
+import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -183,6 +185,7 @@ def _mesh(args, batch: int):
 
 def cmd_generate(args) -> int:
   import jax
+  import numpy as np
   from jspec.bench.profiling import CompileCounter
   from jspec.drafting.registry import load_drafter
   from jspec.model import load
@@ -190,7 +193,10 @@ def cmd_generate(args) -> int:
   from jspec.streaming import TextStream
   from jspec.tree.shapes import parse_tree
 
+  from jspec.model import STOP_EVERY
+
   sampling = _sampling(args)
+  stop = _unescaped(args.stop or [])
   kv, draft_kv = _kv_policies(args)  # bad settings fail here, before loading anything
   mesh = _mesh(args, len(args.prompt))
   if mesh is not None:  # before loading anything
@@ -209,21 +215,28 @@ def cmd_generate(args) -> int:
   start = time.perf_counter()
   run = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, key=args.seed,
              drafter=drafter, gamma=None if args.tree else gamma, tree=args.tree,
+             logprobs=args.logprobs,
              **({"kv": kv, "draft_kv": draft_kv if drafter else None} if kv else {}))
   with CompileCounter() as compiled:
-    if args.stream:  # one prompt (check_args): its text as each segment comes back
-      stream = TextStream(model.stream_ids(ids, **run), model.tokenizer.decode, single=True)
-      for piece in stream:
-        print(piece, end="", flush=True)
-      print()
+    if args.stream or stop:  # --stream: one prompt (check_args), its text as segments come back
+      stream = TextStream(model.stream_ids(ids, every=1 if args.stream else STOP_EVERY, **run),
+                          model.tokenizer.decode, single=False, stop=tuple(stop))
+      texts = [""] * len(ids)
+      for pieces in stream:
+        texts = [text + piece for text, piece in zip(texts, pieces)]
+        if args.stream:
+          print(pieces[0], end="", flush=True)
       out = stream.output
     else:
       out = jax.block_until_ready(model.generate_ids(ids, **run))
+      texts = [model.tokenizer.decode(seq) for seq in out.sequences()]
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
-  for prompt, seq in zip(prompts, out.sequences()) if not args.stream else ():
+  if args.stream:
+    print()
+  for prompt, text in zip(prompts, texts) if not args.stream else ():
     if len(prompts) > 1:
       print(f"### {prompt}")
-    print(model.tokenizer.decode(seq))
+    print(text)
   n = int(out.lengths.sum())
   where = (f" on {dict(model.mesh.shape)} {model.mesh.devices.flat[0].platform} devices"
            if model.mesh is not None else "")
@@ -238,7 +251,33 @@ def cmd_generate(args) -> int:
         + ("" if kv is None else f"; KV budget {kv.budget} a row ({kv.method}: sinks {kv.sinks}, "
            f"window {kv.recent}, chunk {kv.chunk}, evict every {kv.evict_every})"),
         file=sys.stderr)
+  if args.logprobs:
+    for i, (seq, lps, text) in enumerate(zip(out.sequences(), np.asarray(out.logprobs), texts), 1):
+      if stop:  # the tokens that make the answer, not those after its stop string
+        seq = seq[:_tokens_covering(model.tokenizer.decode, seq, text)]
+      total = float(lps[:len(seq)].sum())
+      print(f"[jspec] logprobs ({args.logprobs}) of answer {i}: {len(seq)} tokens, sum "
+            f"{total:.3f}, mean {total / len(seq):.3f} (perplexity "
+            f"{math.exp(-total / len(seq)):.3f})", file=sys.stderr)
   return 0
+
+
+def _unescaped(texts: list[str]) -> list[str]:
+  """--stop texts with the escapes \\n, \\t and \\\\ read as a newline, a tab, a backslash."""
+  table = {"n": "\n", "t": "\t", "\\": "\\"}
+  return [re.sub(r"\\([nt\\])", lambda m: table[m.group(1)], text) for text in texts]
+
+
+def _tokens_covering(decode, seq: list[int], text: str) -> int:
+  """The fewest of seq's first tokens whose text holds `text` (a prefix of seq's text)."""
+  lo, hi = 0, len(seq)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if len(decode(seq[:mid])) >= len(text):
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
 
 
 _ARGV: list[str] | None = None  # what main() was given (None: the process's own arguments)
@@ -766,6 +805,12 @@ def check_args(args) -> None:
                        f"kept per row), or drop them")
   if args.command in ("generate", "bench"):
     _check_drafter_args(args)
+  if getattr(args, "stop", None):
+    from jspec.streaming import check_stop
+    try:
+      check_stop(_unescaped(args.stop))
+    except ValueError:
+      raise ValueError("--stop is empty: give the text that ends an answer") from None
   if getattr(args, "stream", False) and len(args.prompt) > 1:
     raise ValueError(f"--stream prints one prompt's text as it comes; {len(args.prompt)} "
                      f"--prompt were given. Fix: one --prompt, or drop --stream")
@@ -893,6 +938,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="wrap prompts in the model's chat template (default on)")
   g.add_argument("--stream", action="store_true",
                  help="print the text as it is generated (one --prompt; the same text)")
+  g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                 help="text that ends an answer (cut before it; the row stops generating); "
+                      "repeat for several; the escapes \\n, \\t and \\\\ are read as such")
+  g.add_argument("--logprobs", default=None, choices=("model", "sampled"),
+                 help="also report each answer's log-probability and perplexity: the model's "
+                      "own (temperature 1, no filters) or under the sampling settings")
   _add_tree_arg(g)
   _add_kv_args(g)
   g.set_defaults(fn=cmd_generate)

@@ -20,6 +20,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
+from jspec.sampling.logprobs import check_logprobs, token_logprobs
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.streaming import Segmented, TokenStream, view
@@ -38,6 +39,9 @@ class GenerateOutput:
   # 1, before any filter) at every generated position: distillation targets for drafters.
   top_ids: Array | None = None  # [B, N, K] int32
   top_logprobs: Array | None = None  # [B, N, K] float32
+  # With logprobs="model" or "sampled": each generated token's log-probability (jspec.sampling.
+  # logprobs), 0 after each row's length, so a row's sum is its continuation's log-probability.
+  logprobs: Array | None = None  # [B, N] float32
 
   def sequences(self) -> list[list[int]]:
     """Generated ids per row, trimmed to each row's length (host-side)."""
@@ -59,6 +63,7 @@ class DecodeState:
   top_logprobs: Array | None = None
   evicted: Array | None = None  # [B] int32 under a KV budget: entries dropped, so the next
   # token's RoPE position is cache.lengths + evicted
+  logprobs: Array | None = None  # [B, N] float32 when reporting them
 
 
 def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
@@ -72,7 +77,8 @@ def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
 def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                  sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
                  stop_ids: tuple[int, ...] = (), cache_dtype=None, record_top_k: int = 0,
-                 kv: KVPolicy | None = None, placement: Placement | None = None) -> DecodeState:
+                 logprobs: str | None = None, kv: KVPolicy | None = None,
+                 placement: Placement | None = None) -> DecodeState:
   """Prefill and sample the first token: the decode loop's state before its first step (see
   `generate_tokens` for the arguments)."""
   B, P = prompt.shape
@@ -94,17 +100,23 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
     shape = (B, max_new_tokens, record_top_k)
     top_ids = jnp.zeros(shape, jnp.int32).at[:, 0].set(ids)
     top_logprobs = jnp.full(shape, -jnp.inf, jnp.float32).at[:, 0].set(lps)
+  token_lps = None
+  if logprobs:
+    token_lps = jnp.zeros((B, max_new_tokens), jnp.float32).at[:, 0].set(
+        token_logprobs(logits, first, logprobs, sampling))
   return DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
-      target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted)
+      target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted,
+      logprobs=token_lps)
 
 
 @traced_under_placement
 def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | None = None,
                 sampling: SamplingParams = GREEDY, *, max_new_tokens: int,
                 stop_ids: tuple[int, ...] = (), record_top_k: int = 0,
-                kv: KVPolicy | None = None, placement: Placement | None = None) -> DecodeState:
+                logprobs: str | None = None, kv: KVPolicy | None = None,
+                placement: Placement | None = None) -> DecodeState:
   """Decode from `state` until every row is done, or (streaming) until `until` ([] int32)
   tokens have been generated in lockstep."""
 
@@ -130,10 +142,14 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
       ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)
       top_ids = jax.lax.dynamic_update_slice(top_ids, ids[:, None], (0, s.step, 0))
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
+    token_lps = s.logprobs
+    if logprobs:
+      lp = jnp.where(s.done, 0.0, token_logprobs(logits[:, 0], nxt, logprobs, sampling))
+      token_lps = jax.lax.dynamic_update_slice(token_lps, lp[:, None], (0, s.step))
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,
                        target_calls=s.target_calls + 1, top_ids=top_ids,
-                       top_logprobs=top_logprobs, evicted=evicted)
+                       top_logprobs=top_logprobs, evicted=evicted, logprobs=token_lps)
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -150,14 +166,16 @@ def decode_segment(params: Params, cfg: Config, state: DecodeState, every: Array
 def decode_output(state: DecodeState) -> GenerateOutput:
   return GenerateOutput(tokens=state.tokens, lengths=state.lengths,
                         target_calls=state.target_calls, steps=state.step - 1,
-                        top_ids=state.top_ids, top_logprobs=state.top_logprobs)
+                        top_ids=state.top_ids, top_logprobs=state.top_logprobs,
+                        logprobs=state.logprobs)
 
 
 @traced_under_placement
 def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array, key: Array,
                     sampling: SamplingParams = GREEDY, *, max_new_tokens: int, cache_size: int,
                     stop_ids: tuple[int, ...] = (), cache_dtype=None,
-                    record_top_k: int = 0, kv: KVPolicy | None = None,
+                    record_top_k: int = 0, logprobs: str | None = None,
+                    kv: KVPolicy | None = None,
                     placement: Placement | None = None) -> GenerateOutput:
   """Generate up to `max_new_tokens` per row; pure and jit-friendly.
 
@@ -165,21 +183,23 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
     prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
     cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
     record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
+    logprobs: "model" or "sampled": also return each generated token's log-probability
+      (jspec.sampling.logprobs); None: not computed.
     kv: a KV budget (jspec.kv): the cache holds kv.slots slots whatever the prompt length
       (rounded up to the attention kernel's blocks under Pallas attention: `attention_slots`;
       cache_size is ignored); the prompt is prefilled in chunks and decoding evicts as it goes.
     placement: a mesh and its rules (jspec.sharding; static): the cache is pinned to it and the
       outputs are replicated; params and prompts should already be placed (`generate` does it).
   """
-  loop = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, record_top_k=record_top_k, kv=kv,
-              placement=placement)
+  loop = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, record_top_k=record_top_k,
+              logprobs=logprobs, kv=kv, placement=placement)
   state = decode_start(params, cfg, prompt, prompt_lengths, key, sampling, cache_size=cache_size,
                        cache_dtype=cache_dtype, **loop)
   out = decode_output(decode_loop(params, cfg, state, None, sampling, **loop))
   return out if placement is None else placement.replicated(out)
 
 
-_LOOP_STATICS = ("max_new_tokens", "stop_ids", "record_top_k", "kv", "placement")
+_LOOP_STATICS = ("max_new_tokens", "stop_ids", "record_top_k", "logprobs", "kv", "placement")
 _generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
                            static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
 _start_jit = engine_jit(decode_start, static_argnums=(1,),
@@ -191,7 +211,7 @@ _resume_jit = engine_jit(decode_segment, static_argnums=(1,), static_argnames=_L
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = GREEDY, key: Array | int = 0,
              stop_ids: Sequence[int] = (), cache_size: int | None = None,
-             record_top_k: int = 0, precision: str = "fast",
+             record_top_k: int = 0, logprobs: str | None = None, precision: str = "fast",
              kv: KVPolicy | None = None, mesh: Mesh | None = None,
              _stream: bool = False) -> GenerateOutput:
   """Generate from a batch of token-id prompts of any lengths (validated, bucketed, jitted).
@@ -207,7 +227,10 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   per row (chunked prefill, eviction by kv.method); exclusive with cache_size.
   mesh: a ("dp", "tp") `jax.sharding.Mesh` (jspec.sharding.make_mesh): the batch split over dp,
   heads, MLP and vocabulary over tp, one program for all devices; the same tokens as one device.
+  logprobs: "model" or "sampled" (jspec.sampling.logprobs): out.logprobs [B, N], each generated
+  token's log-probability, the model's own or under the sampling settings.
   """
+  check_logprobs(logprobs)
   if int(record_top_k) != record_top_k or not 0 <= record_top_k <= cfg.vocab_size:
     raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
                      f"{record_top_k}")
@@ -219,7 +242,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
                     stop_ids=stop_ids, cache_size=cache_size)
   params, b, placement = on_mesh(params, cfg, b, mesh)
   loop = dict(max_new_tokens=int(max_new_tokens), stop_ids=b.stop_ids,
-              record_top_k=int(record_top_k), precision=precision, kv=kv, placement=placement)
+              record_top_k=int(record_top_k), logprobs=logprobs, precision=precision, kv=kv,
+              placement=placement)
   cache_size = b.cache_size if kv is None else kv.slots
   if not _stream:
     return _generate_jit(params, cfg, b.tokens, b.lengths, b.key, b.sampling,

@@ -22,8 +22,14 @@ from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.sharding import Mesh, kv_repeats, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
-from jspec.streaming import TextStream, TokenStream
+from jspec.streaming import TextStream, TokenStream, check_stop
 from jspec.tree.shapes import TreeShape
+
+
+# Loop iterations (tokens, or speculative rounds) between the checks for stop strings of
+# `generate_text`: a stopped row may generate up to twice this many more tokens (or rounds) before
+# it halts; each check costs a dispatch and a read of the token buffer.
+STOP_EVERY = 4
 
 
 @dataclasses.dataclass
@@ -52,7 +58,7 @@ class Model:
                    stop: bool = True, drafter: Drafter | None = None, gamma: int | None = None,
                    tree: TreeShape | str | None = None,
                    precision: str = "fast", kv: KVPolicy | None = None,
-                   draft_kv: KVPolicy | None = None,
+                   draft_kv: KVPolicy | None = None, logprobs: str | None = None,
                    _stream: bool = False) -> GenerateOutput | SpecOutput:
     """Autoregressive generation, or speculative when a drafter is given (same output law):
     chains of `gamma` drafts (default 4; a probing drafter's mask count), or token trees of shape
@@ -62,7 +68,9 @@ class Model:
     "fast" or "exact" (full float32 matmuls: greedy speculative output token-identical to
     greedy autoregressive output on GPUs/TPUs too; jspec.models.numerics). kv: a KV budget
     (`jspec.kv.policy.KVPolicy`): any prompt length in a fixed target memory; draft_kv: a
-    key-scored budget for a model drafter's own cache (None: full)."""
+    key-scored budget for a model drafter's own cache (None: full). logprobs: "model" or
+    "sampled": out.logprobs [B, N], each generated token's log-probability (the model's own, or
+    under the sampling settings; jspec.sampling.logprobs)."""
     stop_ids = tuple(self.tokenizer.stop_token_ids) if stop else ()
     if isinstance(drafter, str):
       raise TypeError(f"drafter= takes a drafter, got the name {drafter!r}. Fix: "
@@ -77,15 +85,17 @@ class Model:
         raise ValueError("draft_kv budgets a drafter's cache; pass a drafter= too, or drop it")
       return generate(self.params, self.cfg, prompts, max_new_tokens=max_new_tokens,
                       sampling=sampling, key=key, stop_ids=stop_ids, precision=precision, kv=kv,
-                      mesh=self.mesh, _stream=_stream)
+                      logprobs=logprobs, mesh=self.mesh, _stream=_stream)
     tree = drafter.own_tree if tree is None else tree  # a lookahead pool's n-gram tree
     if tree is not None:
       return tree_speculative_generate(
           self.params, self.cfg, drafter, prompts, sampling=sampling, key=key,
-          spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids),
+          spec=TreeSpecConfig(tree, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                              logprobs=logprobs),
           precision=precision, kv=kv, draft_kv=draft_kv, mesh=self.mesh, _stream=_stream)
     gamma = (drafter.probe_masks or 4) if gamma is None else gamma
-    spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    spec = SpecConfig(gamma=gamma, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                      logprobs=logprobs)
     return speculative_generate(self.params, self.cfg, drafter, prompts, spec=spec,
                                 sampling=sampling, key=key, precision=precision, kv=kv,
                                 draft_kv=draft_kv, mesh=self.mesh, _stream=_stream)
@@ -99,12 +109,15 @@ class Model:
     return TokenStream(run, every, owners=owners)
 
   def stream_text(self, prompts: Sequence[str] | str, *, chat: bool = True, every: int = 1,
-                  **kwargs) -> TextStream:
+                  stop: Sequence[str] | str | None = None, **kwargs) -> TextStream:
     """`generate_text`, streamed: iterate for the new text (one prompt given as a str: a str;
-    else a list, one per prompt); the pieces join to `generate_text`'s text."""
+    else a list, one per prompt); the pieces join to `generate_text`'s text. stop: text that
+    ends an answer (cut before it; the row stops generating), as for `generate_text`."""
+    stop = check_stop(stop)
     single = isinstance(prompts, str)
     ids = [self.encode(p, chat) for p in ([prompts] if single else prompts)]
-    return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single)
+    return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,
+                      stop)
 
   def off_mesh_for(self, batch: int) -> "Model":
     """This model, or (when `batch` rows cannot split over its mesh's dp) the same weights run
@@ -114,11 +127,21 @@ class Model:
     return dataclasses.replace(self, mesh=None)
 
   def generate_text(self, prompts: Sequence[str] | str, *, chat: bool = True,
-                    **kwargs) -> list[str]:
+                    stop: Sequence[str] | str | None = None, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt (one
-    str given is one prompt: a list of one text back)."""
+    str given is one prompt: a list of one text back). stop: a string or strings that end an
+    answer: its text is cut before the first one, and a row that reaches one stops generating
+    (the run checks the text every STOP_EVERY loop iterations, streamed; the run ends when every
+    row has stopped). Token ids that end an answer are the tokenizer's stop ids (`stop=` of
+    `generate_ids`)."""
     if isinstance(prompts, str):
       prompts = [prompts]
+    if check_stop(stop):
+      stream = self.stream_text(list(prompts), chat=chat, every=STOP_EVERY, stop=stop, **kwargs)
+      texts = [""] * len(prompts)
+      for pieces in stream:
+        texts = [text + piece for text, piece in zip(texts, pieces)]
+      return texts
     out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
 

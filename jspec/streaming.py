@@ -59,12 +59,21 @@ class TokenStream:
       raise ValueError("streaming reads every row on this host; with several processes run the "
                        "whole program (generate, speculative_generate) instead")
     self._run, self._every, self._owners = run, int(every), owners
+    self._halted: np.ndarray | None = None  # [B] rows the reader has stopped (`halt`)
     self.output = None
+
+  def halt(self, rows) -> None:
+    """Stop generating for these rows (e.g. a stop string appeared in their text): they are
+    marked done in the state of the next segment dispatched, and the run ends once every row is
+    done or halted. Until then a halted row may gain up to two segments' tokens (the one being
+    read and the one queued behind it), which `output` keeps and the iteration still yields."""
+    self._halted[np.asarray(rows, np.int64)] = True
 
   def __iter__(self) -> Iterator[list[list[int]]]:
     run, every = self._run, jnp.int32(self._every)
     state = _unshared(run.start(), self._owners)
     sent = np.zeros(state.lengths.shape, np.int32)
+    self._halted = np.zeros(state.lengths.shape, bool)
     current = jax.device_get(view(state))  # the first token (before the state is donated)
     pending = None if current[2].all() else run.resume(state, every)
     while True:
@@ -74,10 +83,13 @@ class TokenStream:
       sent = lengths
       if any(new):
         yield new
-      if done.all():
+      if (done | self._halted).all():
         self.output = run.finish(state if pending is None else pending[0])
         return
       state, segment = pending
+      if self._halted.any():  # rows the reader stopped: done from the next segment on
+        state = dataclasses.replace(state, done=state.done | jax.device_put(
+            self._halted, state.done.sharding))
       pending = run.resume(state, every)  # queued behind this segment, read meanwhile
       current = jax.device_get(segment)
 
@@ -99,10 +111,14 @@ def _buffers(leaf) -> set[int]:
 class TextStream:
   """Iterate for each segment's new text: a str (one prompt given as a str) or a list of str, a
   row each ("" for a row with nothing new); `output` once the iteration has ended. The pieces join
-  to the text of the whole run (`RowText`)."""
+  to the text of the whole run (`RowText`), cut before the first of the `stop` strings
+  (`StopAt`): a row whose text reached one stops generating (`TokenStream.halt`), and the run
+  ends when every row has stopped, by a stop string, a stop id or its token budget."""
 
-  def __init__(self, tokens: TokenStream, decode: Callable[[list[int]], str], single: bool):
+  def __init__(self, tokens: TokenStream, decode: Callable[[list[int]], str], single: bool,
+               stop: tuple[str, ...] = ()):
     self._tokens, self._decode, self._single = tokens, decode, single
+    self._stop = check_stop(stop)
 
   @property
   def output(self):
@@ -110,14 +126,61 @@ class TextStream:
 
   def __iter__(self) -> Iterator[str | list[str]]:
     rows: list[RowText] = []
+    cuts: list[StopAt] = []
     for new in self._tokens:
       rows = rows or [RowText(self._decode) for _ in new]
-      pieces = [row.add(more) for row, more in zip(rows, new)]
+      cuts = cuts or [StopAt(self._stop) for _ in new]
+      pieces = ["" if cut.stopped else cut.add(row.add(more))
+                for row, cut, more in zip(rows, cuts, new)]
+      stopped = [i for i, cut in enumerate(cuts) if cut.stopped]
+      if stopped:
+        self._tokens.halt(stopped)
       if any(pieces):
         yield pieces[0] if self._single else pieces
-    pieces = [row.finish() for row in rows]
+    pieces = ["" if cut.stopped else cut.add(row.finish()) + cut.flush()
+              for row, cut in zip(rows, cuts)]
     if any(pieces):
       yield pieces[0] if self._single else pieces
+
+
+def check_stop(stop) -> tuple[str, ...]:
+  """Host-side: stop strings as a tuple (one str is one stop string; None or () none)."""
+  if stop is None:
+    return ()
+  stop = (stop,) if isinstance(stop, str) else stop
+  if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+    raise ValueError(f"stop must be a non-empty string or a list of them (text that ends an "
+                     f"answer, cut before it), got {stop!r}. Fix: stop=['\\n\\n'] or "
+                     f"stop_ids for token ids")
+  return tuple(stop)
+
+
+class StopAt:
+  """One row's text pieces cut before the first occurrence of any stop string. A piece's tail that
+  could begin a stop string (it ends with a stop string's prefix) is held back until the next
+  piece settles it, so text already given out never turns out to hold part of a stop string:
+  the pieces join to the whole text cut at its first stop string, wherever the pieces split it."""
+
+  def __init__(self, stop: tuple[str, ...]):
+    self.stop, self.held, self.stopped = stop, "", False
+
+  def add(self, piece: str) -> str:
+    if self.stopped:
+      return ""
+    text = self.held + piece
+    hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+    if hits:
+      self.stopped, self.held = True, ""
+      return text[:min(hits)]
+    keep = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1))
+                if text.endswith(s[:k])), default=0)
+    self.held = text[len(text) - keep:]
+    return text[:len(text) - keep]
+
+  def flush(self) -> str:
+    """What is held back, once the row has ended without a stop string."""
+    held, self.held = ("" if self.stopped else self.held), ""
+    return held
 
 
 class RowText:

@@ -417,6 +417,16 @@ def check_streams():
                                        sampling=SAMPLED, key=3, mesh=make_mesh(4, 2))
   assert [sum(parts, []) for parts in zip(*stream)] == want.sequences()
   same(stream.output, want, "chain streamed dp=4 tp=2")
+  # A row halted by the reader (a stop string) on a mesh: the others run on unchanged.
+  stream = speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
+                                       sampling=SAMPLED, key=3, mesh=make_mesh(2, 4))
+  for i, _ in enumerate(stream):
+    if i == 0:
+      stream.halt([2, 5])
+  got, whole = stream.output.sequences(), want.sequences()
+  for row in range(len(PROMPTS)):
+    assert got[row] == (whole[row][:len(got[row])] if row in (2, 5) else whole[row]), row
+  assert len(got[5]) < len(whole[5]), (got[5], whole[5])
   spec = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
   want = tree_speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec)
   stream = tree_speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
@@ -425,7 +435,35 @@ def check_streams():
   same(stream.output, want, "tree streamed dp=1 tp=8")
 
 
-GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains, "trees": check_trees,
+def check_logprobs():
+  """Token log-probabilities over a vocabulary split by tp (a logsumexp, a processed-logprob
+  filter and a gather across shards) are one device's, for every engine."""
+  target, draft = models()
+  close = lambda a, b, what: np.testing.assert_allclose(np.asarray(a.logprobs),
+                                                        np.asarray(b.logprobs), atol=1e-4,
+                                                        err_msg=what)
+  for kind, sp, key in (("model", SAMPLED, 5), ("sampled", FILTERED, 7)):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
+                    logprobs=kind)
+    got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
+                   logprobs=kind, mesh=make_mesh(2, 4))
+    same(got, want, f"generate logprobs={kind}")
+    close(got, want, f"generate logprobs={kind}")
+  drafter = ModelDrafter(draft, DRAFT)
+  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12, logprobs="sampled"),
+                     speculative_generate),
+                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12, logprobs="model"),
+                     tree_speculative_generate)):
+    want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=NUCLEUS, key=3)
+    got = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=NUCLEUS, key=3,
+              mesh=make_mesh(1, 8))
+    same(got, want, f"{run.__name__} logprobs")
+    close(got, want, f"{run.__name__} logprobs")
+    assert np.any(np.asarray(want.logprobs) < 0)
+
+
+GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains,
+          "trees": check_trees, "logprobs": check_logprobs,
           "compiles": check_compiles_once, "communication": check_communication,
           "rounds": check_round_communication,
           "budget": check_budget_communication,

@@ -44,6 +44,42 @@ def test_generate_streams_the_same_text(tiny_model, capsys):
   assert "--stream prints one prompt's text" in capsys.readouterr().err
 
 
+def test_generate_reports_logprobs(tiny_model, capsys):
+  argv = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+          "--prompt", "Hi", "--max-new-tokens", "6", "--drafter", "self", "--gamma", "2"]
+  assert main(argv) == 0
+  plain = capsys.readouterr()
+  assert "logprobs" not in plain.err
+  assert main(argv + ["--logprobs", "model"]) == 0
+  got = capsys.readouterr()
+  assert got.out == plain.out  # the same answers, scored
+  lines = [line for line in got.err.splitlines() if "logprobs (model)" in line]
+  assert len(lines) == 2 and all("6 tokens, sum -" in line for line in lines), got.err
+  assert main(argv + ["--logprobs", "sampled"]) == 0  # greedy: each token drawn with prob. 1
+  assert "6 tokens, sum 0.000, mean 0.000 (perplexity 1.000)" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    main(argv + ["--logprobs", "raw"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_stops_at_stop_text(tiny_model, capsys, stream):
+  argv = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+          "--max-new-tokens", "40", "--temperature", "1", "--no-chat"] + (["--stream"] * stream)
+  assert main(argv) == 0
+  full = capsys.readouterr().out[:-1]  # less the newline print adds
+  stop = full[12:15]
+  escaped = stop.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+  assert main(argv + ["--stop", escaped, "--stop", "never seen", "--logprobs", "model"]) == 0
+  got = capsys.readouterr()
+  assert got.out == full[:full.index(stop)] + "\n"
+  # The answer's tokens are scored, not those the run made past its stop text.
+  scored = int(got.err.split("of answer 1: ")[1].split(" tokens")[0])
+  made = int(got.err.split(" tokens in ")[0].split()[-1])
+  assert scored < made <= 40
+  assert main(argv + ["--stop", ""]) == 2
+  assert "--stop is empty" in capsys.readouterr().err
+
+
 def test_generate_under_a_kv_budget(tiny_model, capsys):
   long_prompt = " ".join(["the sky is blue because of Rayleigh scattering"] * 12)
   assert main(["generate", "--model", str(tiny_model), "--prompt", long_prompt,

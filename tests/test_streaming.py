@@ -11,6 +11,7 @@ from jspec.drafting.model import ModelDrafter
 from jspec.generate import generate, generate_stream
 from jspec.kv.policy import KVPolicy
 from jspec.model import Model
+from jspec.streaming import StopAt
 from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.processing import SamplingParams
@@ -147,3 +148,77 @@ def test_a_state_sharing_the_callers_buffers_is_copied_before_donation(params):
   assert state["own"] is own
   assert not _buffers(state["shared"]) & _buffers(params.embed)
   np.testing.assert_array_equal(state["shared"], params.embed)
+
+
+@pytest.mark.parametrize("stop, pieces, want", [
+    (("\n\n",), ["a\n", "\nb"], "a"),  # split over two pieces
+    (("\n\n",), ["a\n", "b\n", "\n"], "a\nb"),  # a held prefix that was not one
+    (("ND", "END"), ["xE", "N", "D y"], "x"),  # the earliest start wins, whatever the order
+    (("abc",), ["ab", "ab", "abc"], "abab"),  # a held prefix that restarts
+    (("zz",), ["no", " stop"], "no stop"),  # never: everything, the held tail flushed at the end
+])
+def test_stop_strings_cut_wherever_the_pieces_split_them(stop, pieces, want):
+  cut = StopAt(stop)
+  out = [cut.add(p) for p in pieces]
+  assert "".join(out) + cut.flush() == want
+  assert cut.stopped == (want != "".join(pieces))
+  for given in out:  # nothing given out holds a stop string's start that turned out to be one
+    assert not any(s in given for s in stop)
+
+
+@pytest.mark.parametrize("drafter_on", [False, True], ids=["autoregressive", "chain"])
+def test_stop_strings_end_each_row_early_at_its_text(drafter_on):
+  cfg = Config(arch="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=512)
+  params = init_params(cfg, jax.random.key(4), scale=0.5)
+  model = Model(cfg=cfg, params=params, tokenizer=ByteTokenizer(), source="test")
+  kw = dict(chat=False, max_new_tokens=120, sampling=SamplingParams(temperature=1.0), key=3)
+  if drafter_on:
+    kw["drafter"] = ModelDrafter(params, cfg)  # the target itself: every draft accepted
+  prompts = ["héllo", "abc"]
+  full = model.generate_text(prompts, **kw)
+  # A stop string from each row's own text: its third character on (two bytes at least), so it
+  # straddles tokens; rows stop at different places.
+  stops = [text[40:43] for text in full]
+  assert all(len(s.encode()) >= 3 for s in stops)
+  want = [text[:min(i for i in (text.find(s) for s in stops) if i >= 0)] for text in full]
+  assert want[0] != full[0] and want[1] != full[1]
+  assert model.generate_text(prompts, stop=stops, **kw) == want
+  stream = model.stream_text(prompts, every=2, stop=stops, **kw)
+  pieces = list(stream)
+  assert ["".join(p[row] for p in pieces) for row in range(2)] == want
+  # Rows halted soon after their stop string: the run did not go on to the token budget.
+  assert int(stream.output.lengths.max()) < 120
+  assert int(stream.output.lengths.max()) <= max(len(w.encode()) for w in want) + 4 * (
+      5 if drafter_on else 1) + 3
+  one = model.generate_text(prompts[0], stop=stops[0], **kw)
+  assert one == [full[0][:full[0].index(stops[0])]]
+
+
+@pytest.mark.parametrize("bad", ["", [""], ["x", 3], b"x", 7])
+def test_bad_stop_strings_are_refused(bad):
+  model = Model(cfg=CFG, params=None, tokenizer=ByteTokenizer(), source="test")
+  with pytest.raises(ValueError, match="stop must be a non-empty string"):
+    model.generate_text("x", stop=bad)
+  with pytest.raises(ValueError, match="stop must be a non-empty string"):
+    model.stream_text("x", stop=bad)
+
+
+def test_halted_rows_stop_and_the_others_run_on(params):
+  kw = dict(max_new_tokens=30, sampling=SAMPLED, key=9)
+  want = generate(params, CFG, PROMPTS, **kw).sequences()
+  def halted():
+    stream = generate_stream(params, CFG, PROMPTS, every=2, **kw)
+    for i, _ in enumerate(stream):
+      if i == 1:
+        stream.halt([0])
+    return stream.output.sequences()
+
+  first = halted()  # compiles its programs
+  with CompileCounter() as compiled:
+    got = halted()
+  assert got == first
+  assert got[1] == want[1]  # untouched
+  assert got[0] == want[0][:len(got[0])] and len(got[0]) <= 2 * 2 + 3  # halted within 2 segments
+  assert compiled.built == 0  # a halt changes the state's values, not its shapes or placement
+  # (so the segment program runs on: no second one for the halted state)

@@ -22,6 +22,7 @@ from jspec.kv.policy import KVPolicy, check_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
+from jspec.sampling.logprobs import check_logprobs
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -42,8 +43,10 @@ class SpecConfig:
   gamma: int  # draft tokens per round
   max_new_tokens: int
   stop_ids: tuple[int, ...] = ()
+  logprobs: str | None = None  # "model" or "sampled": report each token's (jspec.sampling.logprobs)
 
   def __post_init__(self):
+    check_logprobs(self.logprobs)
     if not is_int(self.gamma) or self.gamma < 1:
       raise ValueError(f"gamma (draft tokens per round) must be an integer >= 1, got "
                        f"{self.gamma!r}")
@@ -138,7 +141,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
-    new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, logits=target_logits,
+                  sampling=sampling)
     if kv is not None:
       cache = new.cache
       if kv.needs_attention:
@@ -172,7 +176,8 @@ def spec_output(s: SpecState, spec: SpecConfig) -> SpecOutput:
   return SpecOutput(
       tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
       round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
-      accepted_at=s.accepted_at)
+      accepted_at=s.accepted_at,
+      logprobs=None if s.logprobs is None else s.logprobs[:, :spec.max_new_tokens])
 
 
 @traced_under_placement

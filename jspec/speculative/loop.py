@@ -19,6 +19,7 @@ from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
+from jspec.sampling.logprobs import token_logprobs
 from jspec.sampling.processing import SamplingParams, sample
 from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout, verification_width
@@ -37,6 +38,9 @@ class SpecOutput:
   row_rounds: Array  # [] int32: (row, round) pairs in which the row was still generating
   accept_hist: Array  # [G + 1] int32: rounds (per row) that accepted k draft tokens
   accepted_at: Array  # [G] int32: how often draft position i was accepted
+  # With spec.logprobs: each generated token's log-probability under the target (model or
+  # sampled, jspec.sampling.logprobs), 0 after each row's length.
+  logprobs: Array | None = None  # [B, N] float32
 
   @property
   def target_calls(self) -> Array:
@@ -78,6 +82,7 @@ class SpecState:
   # Under a KV budget: target entries evicted per row, so the target cache holds
   # seq_len - 1 - evicted entries and RoPE positions still count from the prompt's start.
   evicted: Array | None = None
+  logprobs: Array | None = None  # [B, N + G + 1] float32 beside tokens, when reporting them
 
 
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
@@ -129,13 +134,18 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
       hidden=hidden, tokens=following, start=jnp.zeros((B,), jnp.int32), probe_hidden=probed))
   prev = jnp.take_along_axis(prompt, (prompt_lengths - 1)[:, None], axis=1)[:, 0]
   zeros = lambda n: jnp.zeros((n,), jnp.int32)
+  token_lps = None
+  if spec.logprobs:
+    token_lps = jnp.zeros((B, N + max_accepted + 1), jnp.float32).at[:, 0].set(
+        token_logprobs(logits, first, spec.logprobs, sampling))
   return SpecState(
       done=is_stop(first, spec.stop_ids) | (N <= 1),
       tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
       lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
-      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted)
+      accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted,
+      logprobs=token_lps)
 
 
 def going(s: SpecState, until: Array | None) -> Array:
@@ -194,11 +204,14 @@ def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt:
 
 
 def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
-            cache: KVCache) -> SpecState:
+            cache: KVCache, logits: Array | None = None,
+            sampling: SamplingParams | None = None) -> SpecState:
   """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
   index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
   two tokens and counters updated; `cache` gets lengths seq_len - 1 (less what was evicted). The
-  drafter state is left as it was: the caller updates it from the new seq_len."""
+  drafter state is left as it was: the caller updates it from the new seq_len. With
+  spec.logprobs, `logits` [B, G + 1, V] are the target's at each emitted token (emitted[:, j]
+  drawn from logits[:, j]) and `sampling` what it drew with."""
   B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
   N = spec.max_new_tokens
   active = ~s.done
@@ -210,6 +223,10 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   count = jnp.where(active, count, 0)
   cols = jnp.where(idx[None] < count[:, None], s.lengths[:, None] + idx[None], s.tokens.shape[1])
   tokens = set_rows(s.tokens, cols, emitted, mode="drop")
+  token_lps = s.logprobs
+  if spec.logprobs:
+    token_lps = set_rows(token_lps, cols, token_logprobs(logits, emitted, spec.logprobs, sampling),
+                         mode="drop")
   lengths = s.lengths + count
   done = s.done | (first_stop < count) | (lengths >= N)
   # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
@@ -222,7 +239,7 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   return SpecState(
       done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
       cache=cache.with_lengths(seq_len - 1 - (0 if s.evicted is None else s.evicted)),
-      draft=s.draft, evicted=s.evicted,
+      draft=s.draft, evicted=s.evicted, logprobs=token_lps,
       rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
       row_rounds=s.row_rounds + jnp.sum(act),
       accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)

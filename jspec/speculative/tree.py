@@ -35,6 +35,7 @@ from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
+from jspec.sampling.logprobs import check_logprobs
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -57,8 +58,10 @@ class TreeSpecConfig:
   tree: TreeShape | str
   max_new_tokens: int
   stop_ids: tuple[int, ...] = ()
+  logprobs: str | None = None  # "model" or "sampled": report each token's (jspec.sampling.logprobs)
 
   def __post_init__(self):
+    check_logprobs(self.logprobs)
     if isinstance(self.tree, str):
       object.__setattr__(self, "tree", parse_tree(self.tree))
     if not isinstance(self.tree, TreeShape):
@@ -91,7 +94,7 @@ class TreeSpecConfig:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class TreeSpecOutput(SpecOutput):
   """SpecOutput of a tree run: accept_hist [D + 1] counts rounds by accepted depth, accepted_at
   [D] how often depth d + 1 was reached."""
@@ -215,13 +218,15 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
           cache.mass, order[None, :, None, None, :], axis=-1))  # [L, B, S, K, D + 1]
       cache = fold_block_mass(kv, s.cache, cache, n_acc + 1)
     cache = move_kv(cache, base, r.path, n_acc)
-    new = advance(s, emitted, n_acc, spec, key=key, cache=cache)
+    # The target's view of the root and the accepted path (node n is entry n + 1 of the block):
+    # emitted[:, j] was drawn from the logits at on_path[:, j].
+    on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, sampling=sampling,
+                  logits=take(r.target_logits, on_path) if spec.logprobs else None)
     if kv is not None:
       # The cut above leaves a due row exactly evict_every entries over the budget.
       cache, dropped = evict_when_full(kv, new.cache, new.evicted, max_drop=kv.evict_every)
       new = dataclasses.replace(new, cache=cache, evicted=new.evicted + dropped)
-    # The target's view of the root and the accepted path (node n is entry n + 1 of the block).
-    on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
     probes = None
     if r.probed is not None:  # the masks after the last accepted token (the root: block index 0)
       end = jnp.take_along_axis(on_path, n_acc[:, None], axis=1)[:, 0]
@@ -251,7 +256,8 @@ def tree_output(s: SpecState, spec: TreeSpecConfig) -> TreeSpecOutput:
   return TreeSpecOutput(
       tokens=s.tokens[:, :spec.max_new_tokens], lengths=s.lengths, rounds=s.rounds,
       round_tokens=s.round_tokens, row_rounds=s.row_rounds, accept_hist=s.accept_hist,
-      accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes)
+      accepted_at=s.accepted_at, tree_nodes=spec.tree_nodes,
+      logprobs=None if s.logprobs is None else s.logprobs[:, :spec.max_new_tokens])
 
 
 @traced_under_placement

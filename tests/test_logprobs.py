@@ -1,0 +1,136 @@
+"""Token log-probabilities (jspec.sampling.logprobs): every engine reports, for each token it
+generates, the log-probability the target gives it, checked against an independent teacher-forced
+pass over the prompt and the output; greedy speculative logprobs match autoregressive ones under a
+KV budget; streamed runs report the same; bad settings are refused at the call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.drafting.model import ModelDrafter
+from jspec.generate import generate, generate_stream
+from jspec.kv.policy import KVPolicy
+from jspec.models.config import Config
+from jspec.models.llama import forward_rows, init_params
+from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_stream
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+
+CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30]]
+STOP = 3
+SAMPLINGS = {"greedy": SamplingParams(),
+             "t1-topp": SamplingParams(temperature=1.0, top_p=0.9),
+             "t0.7-topk": SamplingParams(temperature=0.7, top_k=5)}
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(params):
+  noise = init_params(CFG, jax.random.key(1), scale=0.3)
+  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.05 * b if a.ndim > 1 else a, params, noise),
+                      CFG)
+
+
+def teacher_forced(params, prompt, seq, kind, sampling) -> np.ndarray:
+  """The log-probability of each of seq's tokens from one forward over prompt + seq."""
+  logits, _ = forward_rows(params, CFG, jnp.asarray([prompt + seq], jnp.int32))
+  logits = logits[0, len(prompt) - 1:len(prompt) - 1 + len(seq)]  # [n, V]: each token's predictor
+  if kind == "model":
+    lps = jax.nn.log_softmax(logits, axis=-1)
+  elif sampling.is_greedy:
+    return np.zeros(len(seq), np.float32)
+  else:
+    lps = processed_logprobs(logits, sampling)
+  return np.asarray(lps)[np.arange(len(seq)), seq]
+
+
+def check_against_teacher(params, out, kind, sampling):
+  got = np.asarray(out.logprobs)
+  assert got.shape == np.asarray(out.tokens).shape
+  for row, (prompt, seq) in enumerate(zip(PROMPTS, out.sequences())):
+    assert len(seq) >= 2
+    np.testing.assert_allclose(got[row, :len(seq)],
+                               teacher_forced(params, prompt, seq, kind, sampling), atol=1e-4)
+    assert np.all(got[row, len(seq):] == 0)  # padding adds nothing to a row's sum
+  assert np.all(np.isfinite(got))
+
+
+def run(engine, params, drafter, kind, sampling, **kw):
+  common = dict(sampling=sampling, key=11)
+  if engine == "autoregressive":
+    return generate(params, CFG, PROMPTS, max_new_tokens=MAX_NEW, stop_ids=(STOP,),
+                    logprobs=kind, **common, **kw)
+  if engine == "chain":
+    spec = SpecConfig(gamma=3, max_new_tokens=MAX_NEW, stop_ids=(STOP,), logprobs=kind)
+    return speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, **common, **kw)
+  spec = TreeSpecConfig("fixed:2-2-1", max_new_tokens=MAX_NEW, stop_ids=(STOP,), logprobs=kind)
+  return tree_speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, **common, **kw)
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("kind", ["model", "sampled"])
+@pytest.mark.parametrize("engine", ["autoregressive", "chain", "tree"])
+def test_logprobs_score_the_generated_tokens(params, drafter, engine, kind, sampling):
+  sp = SAMPLINGS[sampling]
+  out = run(engine, params, drafter, kind, sp)
+  check_against_teacher(params, out, kind, sp)
+  if engine != "autoregressive":  # rounds accepted drafts, so the path's positions were read
+    assert out.block_efficiency > 1.2
+  if sampling != "greedy" and kind == "sampled":  # the filters changed what was reported
+    model = teacher_forced(params, PROMPTS[0], out.sequences()[0], "model", sp)
+    assert not np.allclose(np.asarray(out.logprobs)[0, :len(model)], model, atol=1e-3)
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "h2o"])
+@pytest.mark.parametrize("engine", ["chain", "tree"])
+def test_speculative_logprobs_under_a_budget_are_the_autoregressive_ones(params, drafter, engine,
+                                                                         policy):
+  kv = KVPolicy(policy, budget=8, sinks=2, window=2, chunk=4, evict_every=2)
+  want = run("autoregressive", params, drafter, "model", SAMPLINGS["greedy"], kv=kv)
+  got = run(engine, params, drafter, "model", SAMPLINGS["greedy"], kv=kv)
+  assert got.sequences() == want.sequences()
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-4)
+  # The budget changed the scores: a full cache's teacher-forced pass disagrees somewhere.
+  full = [teacher_forced(params, p, s, "model", None) for p, s in zip(PROMPTS, want.sequences())]
+  assert not all(np.allclose(np.asarray(want.logprobs)[i, :len(f)], f, atol=1e-3)
+                 for i, f in enumerate(full))
+
+
+def test_streamed_logprobs_are_the_whole_runs(params, drafter):
+  sp = SAMPLINGS["t1-topp"]
+  whole = generate(params, CFG, PROMPTS, max_new_tokens=MAX_NEW, sampling=sp, key=3,
+                   logprobs="sampled")
+  stream = generate_stream(params, CFG, PROMPTS, every=4, max_new_tokens=MAX_NEW, sampling=sp,
+                           key=3, logprobs="sampled")
+  list(stream)
+  np.testing.assert_array_equal(np.asarray(stream.output.logprobs), np.asarray(whole.logprobs))
+  spec = SpecConfig(gamma=3, max_new_tokens=MAX_NEW, logprobs="model")
+  whole = speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, sampling=sp, key=3)
+  stream = speculative_generate_stream(params, CFG, drafter, PROMPTS, every=2, spec=spec,
+                                       sampling=sp, key=3)
+  list(stream)
+  np.testing.assert_array_equal(np.asarray(stream.output.logprobs), np.asarray(whole.logprobs))
+
+
+def test_logprobs_are_off_unless_asked(params, drafter):
+  assert generate(params, CFG, PROMPTS, max_new_tokens=4).logprobs is None
+  spec = SpecConfig(gamma=2, max_new_tokens=4)
+  assert speculative_generate(params, CFG, drafter, PROMPTS, spec=spec).logprobs is None
+
+
+@pytest.mark.parametrize("bad", ["raw", True, "MODEL"])
+def test_bad_logprobs_kinds_are_refused(params, bad):
+  with pytest.raises(ValueError, match="logprobs must be None"):
+    generate(params, CFG, PROMPTS, max_new_tokens=4, logprobs=bad)
+  with pytest.raises(ValueError, match="logprobs must be None"):
+    SpecConfig(gamma=2, max_new_tokens=4, logprobs=bad)
+  with pytest.raises(ValueError, match="logprobs must be None"):
+    TreeSpecConfig("fixed:2", max_new_tokens=4, logprobs=bad)
