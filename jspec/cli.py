@@ -49,6 +49,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=int, default=0, help="0 = off")
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+  p.add_argument("--min-p", type=float, default=0.0,
+                 help="keep tokens at least this fraction as likely as the most likely; 0 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
   p.add_argument("--precision", choices=["fast", "exact"], default="fast",
@@ -169,7 +171,8 @@ def _add_tree_arg(p: argparse.ArgumentParser) -> None:
 
 def _sampling(args):
   from jspec.sampling.processing import SamplingParams
-  return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).validate()
+  return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        min_p=getattr(args, "min_p", 0.0)).validate()
 
 
 def _mesh(args, batch: int):
@@ -612,7 +615,8 @@ def cmd_bench_tau(args) -> int:
              model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, seed=args.seed, matmul_precision=precision_label())
+             top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+             matmul_precision=precision_label())
   stamp = _stamp(records)
   tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"
   out = args.json or Path("benchmarks") / (f"paired_tau_{args.dataset}_t{args.temperature:g}"
@@ -842,9 +846,9 @@ def check_args(args) -> None:
   _check_output_paths(args)
   if hasattr(args, "temperature"):
     _sampling(args)
-    if args.temperature == 0 and (args.top_k or args.top_p < 1):
-      print("[jspec] note: --top-k and --top-p filter sampled tokens; at --temperature 0 (greedy, "
-            "the default) they change nothing", file=sys.stderr)
+    if args.temperature == 0 and (args.top_k or args.top_p < 1 or getattr(args, "min_p", 0)):
+      print("[jspec] note: --top-k, --top-p and --min-p filter sampled tokens; at --temperature 0 "
+            "(greedy, the default) they change nothing", file=sys.stderr)
   if getattr(args, "n_max", None) is not None and args.n_max > _MAX_ORDER:
     raise ValueError(f"--n-max must be at most {_MAX_ORDER}, got {args.n_max}")
   for source in getattr(args, "sources", None) or ():

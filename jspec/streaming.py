@@ -67,6 +67,8 @@ class TokenStream:
     marked done in the state of the next segment dispatched, and the run ends once every row is
     done or halted. Until then a halted row may gain up to two segments' tokens (the one being
     read and the one queued behind it), which `output` keeps and the iteration still yields."""
+    if self._halted is None:
+      raise RuntimeError("halt() stops rows of a run being iterated; start iterating first")
     self._halted[np.asarray(rows, np.int64)] = True
 
   def __iter__(self) -> Iterator[list[list[int]]]:

@@ -26,10 +26,13 @@ def tiny_model(tmp_path_factory):
 def test_generate(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
                "--prompt", "Hi", "--max-new-tokens", "5", "--temperature", "0.8",
-               "--top-p", "0.9"]) == 0
+               "--top-p", "0.9", "--min-p", "0.05"]) == 0
   captured = capsys.readouterr()
   assert captured.out.count("### ") == 2
   assert "tokens/s" in captured.err
+  assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--temperature", "1",
+               "--min-p", "1.5"]) == 2
+  assert "min_p must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_generate_streams_the_same_text(tiny_model, capsys):

@@ -75,8 +75,9 @@ def test_sampling_is_deterministic_per_key(params):
   assert a == b and a != c
 
 
-def numpy_processed(logits, t, k, p):
-  """Reference: temperature, then keep the top-k, then the smallest top set of mass >= p."""
+def numpy_processed(logits, t, k, p, min_p=0.0):
+  """Reference: temperature, then keep the top-k, then the smallest top set of mass >= p, then
+  the tokens at least min_p times as likely as the most likely one (transformers' order)."""
   x = logits / t
   order = np.argsort(-x)
   keep = np.zeros_like(x, bool)
@@ -91,16 +92,26 @@ def numpy_processed(logits, t, k, p):
     final[i] = True
     mass += probs[i]
   out = np.where(final, probs, 0)
-  return out / out.sum()
+  out /= out.sum()
+  return np.where(out >= min_p * out.max(), out, 0) / out[out >= min_p * out.max()].sum()
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6)])
-def test_processed_distribution(t, k, p):
+@pytest.mark.parametrize("t,k,p,m", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
+                                     (0.5, 10, 0.6, 0.0), (1.0, 0, 1.0, 0.1), (0.7, 0, 1.0, 0.02),
+                                     (0.7, 8, 0.95, 0.3), (1.0, 0, 0.9, 0.3)])
+@pytest.mark.parametrize("traced_mode", [False, True])
+def test_processed_distribution(t, k, p, m, traced_mode):
   logits = np.random.default_rng(0).normal(size=(3, 40)).astype(np.float32) * 2
-  got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), SamplingParams(t, k, p))))
+  sp = SamplingParams(t, k, p, m, mode=None if traced_mode else "auto")
+  got = np.exp(np.asarray(processed_logprobs(jnp.asarray(logits), sp)))
+  kept = []
   for row in range(3):
-    np.testing.assert_allclose(got[row], numpy_processed(logits[row].astype(np.float64), t, k, p),
-                               atol=1e-5)
+    want = numpy_processed(logits[row].astype(np.float64), t, k, p, m)
+    np.testing.assert_allclose(got[row], want, atol=1e-5)
+    kept.append(((want > 0).sum(), (numpy_processed(logits[row].astype(np.float64), t, k, p)
+                                     > 0).sum()))
+  if m:  # min-p removed tokens the other filters kept
+    assert any(with_min_p < without for with_min_p, without in kept), kept
 
 
 @pytest.mark.parametrize("t,k,p", [(0.3, 5, 1.0), (0.3, 0, 0.6), (1.0, 0, 0.95), (0.7, 40, 0.9),

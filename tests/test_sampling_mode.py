@@ -46,7 +46,9 @@ def test_mode_is_read_off_the_values():
   # values mapped to arrays (what the engines receive) keep it; to numbers, theirs
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7)).mode == Mode(False, False)
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7, mode=None)).mode is None
-  assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True)  # top_k 1
+  # top_k 1 and min_p 1: both filters on
+  assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True, True)
+  assert SamplingParams(0.7, min_p=0.1).mode == Mode(greedy=False, filtered=False, min_p=True)
   # values traced when the params are built, or one per row: decided inside the program
   assert jax.jit(lambda t: jnp.asarray(SamplingParams(t).mode is None))(0.5)
   assert SamplingParams(jnp.asarray([0.0, 0.5])).mode is None

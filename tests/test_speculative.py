@@ -201,7 +201,16 @@ SAMPLINGS = {
     "t1": SamplingParams(temperature=1.0),
     "t0.7-topk": SamplingParams(temperature=0.7, top_k=5),
     "topp": SamplingParams(temperature=1.0, top_p=0.8),
+    "topp-minp": SamplingParams(temperature=1.0, top_p=0.95, min_p=0.2),
 }
+
+
+def test_min_p_narrows_the_target_distribution(tiny_pair):
+  """The min-p setting the lossless test samples with does remove sequences its top-p kept."""
+  target, _ = tiny_pair
+  with_min_p = exact_distribution(target, SAMPLINGS["topp-minp"])
+  without = exact_distribution(target, SamplingParams(temperature=1.0, top_p=0.95))
+  assert (with_min_p > 0).sum() < 0.8 * (without > 0).sum()
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLINGS))
@@ -218,7 +227,7 @@ def test_wrong_acceptance_rule_is_caught(tiny_pair, monkeypatch):
   target, drafter = tiny_pair
   sp = SAMPLINGS["t1"]
 
-  def accept_all(key, drafts, q, target_logits, sampling):
+  def accept_all(key, drafts, q, target_logits, sampling, target_logprobs=None):
     B, G = drafts.shape
     bonus = jax.random.categorical(key, processed_logprobs(target_logits[:, G], sampling))
     return jnp.full((B,), G, jnp.int32), bonus.astype(jnp.int32)

@@ -166,6 +166,16 @@ def test_sampling_is_lossless(close_pair, method, name):
   assert ok, (method, name, stat, dof)
 
 
+@pytest.mark.parametrize("method", ["specinfer", "rsd-s"])
+def test_min_p_sampling_is_lossless(close_pair, method):
+  """min-p (with top-p) in the target's and the drafter's processed distributions alike."""
+  target, drafter = close_pair
+  sp = SamplingParams(temperature=1.0, top_p=0.95, min_p=0.2)
+  stat, dof, ok = chi_square(sample_codes(target, drafter, SAMPLED_TREES[method], sp, 7),
+                             exact_distribution(target, sp))
+  assert ok, (method, stat, dof)
+
+
 def test_trimmed_drafter_sampling_is_lossless(tiny_pair):
   """VocabTrim: q is zero off the kept ids, the Gumbel-Top-k children are drawn among them."""
   target, drafter = tiny_pair

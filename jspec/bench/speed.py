@@ -244,7 +244,8 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
                 temperature=None, do_sample=False, **extra_kwargs)
   if float(sampling.temperature) > 0:
     kwargs.update(do_sample=True, temperature=float(sampling.temperature),
-                  top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p))
+                  top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p),
+                  min_p=float(sampling.min_p) or None)
   torch.manual_seed(seed)
 
   device = hf.device
@@ -416,6 +417,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     compare_transformers = measure_overhead = False
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
+          "min_p": float(sampling.min_p),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "mesh": dict(model.mesh.shape) if getattr(model, "mesh", None) is not None else None,
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),

@@ -37,8 +37,18 @@ def check_logprobs(kind) -> str | None:
   return kind
 
 
-def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingParams) -> Array:
-  """[...] float32: the log-probability of `tokens` [...] under `logits` [..., V], of `kind`."""
+def processed_for(kind: str | None, logits: Array, sampling: SamplingParams) -> Array | None:
+  """processed_logprobs(logits, sampling) when reporting "sampled" logprobs of a sampled run,
+  for a verifier to use too (it processes the same logits: computed once), else None."""
+  if kind != "sampled" or sampling.is_greedy is True:
+    return None
+  return processed_logprobs(logits, sampling)
+
+
+def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingParams,
+                   processed: Array | None = None) -> Array:
+  """[...] float32: the log-probability of `tokens` [...] under `logits` [..., V], of `kind`
+  (processed: `processed_for`'s, if computed)."""
   picked = lambda lp: jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
   if kind == "model":
     x = logits.astype(jnp.float32)
@@ -48,4 +58,6 @@ def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingPa
   greedy = sampling.is_greedy
   if isinstance(greedy, bool) and greedy:  # a static greedy program computes no filters
     return jnp.zeros(tokens.shape, jnp.float32)
-  return jnp.where(greedy, 0.0, picked(processed_logprobs(logits, sampling)))
+  if processed is None:
+    processed = processed_logprobs(logits, sampling)
+  return jnp.where(greedy, 0.0, picked(processed))

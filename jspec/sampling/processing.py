@@ -1,7 +1,8 @@
 """Sampling parameters and the logits → processed distribution step shared by every sampler.
 
 Speculative verification compares the target's and the draft's *processed* distributions, so the
-same function (temperature, then top-k, then top-p) must serve both; it lives here, once.
+same function (temperature, then top-k, then top-p, then min-p) must serve both; it lives here,
+once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Mode(NamedTuple):
 
   greedy: bool  # temperature 0: argmax and greedy verification, nothing else
   filtered: bool  # top-k or top-p on: the threshold search runs
+  min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
 
 
 def _host_number(value) -> float | None:
@@ -50,18 +52,20 @@ def _concrete(value) -> float | None:
 
 
 def _mode_of(values) -> Mode | None:
-  """The mode (temperature, top_k, top_p) give, or None when any is not a known number."""
+  """The mode (temperature, top_k, top_p, min_p) give, or None when any is not a known number."""
   if None in values:
     return None
-  t, k, p = values
-  return Mode(greedy=t == 0, filtered=k > 0 or p < 1)
+  t, k, p, m = values
+  return Mode(greedy=t == 0, filtered=k > 0 or p < 1, min_p=m > 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off.
+  """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off.
 
-  The three settings are pytree data, so new values do not recompile. Which branches a program
+  min_p keeps the tokens whose probability (after temperature) is at least min_p times the most
+  likely token's (Nguyen et al. 2407.01082), applied after top-k and top-p as transformers orders
+  them. The four settings are pytree data, so new values do not recompile. Which branches a program
   needs (`mode`: greedy or not, filters on or off) is static, read off the values when they are
   numbers: a greedy program then holds no sampling code and no greedy/sampled switch (on a GPU
   each lax.cond in the decode loop is a round trip to the host), and compiles 1.7-2x faster. A
@@ -75,6 +79,7 @@ class SamplingParams:
   temperature: float | Array = 0.0
   top_k: int | Array = 0
   top_p: float | Array = 1.0
+  min_p: float | Array = 0.0
   mode: Mode | None | str = "auto"
 
   def __post_init__(self):
@@ -84,13 +89,12 @@ class SamplingParams:
       raise ValueError(f"SamplingParams mode must be 'auto' (read off the values), None (decided "
                        f"inside the program) or a Mode; got {self.mode!r}")
     # A Mode passed in (dataclasses.replace passes the old one) is read again from the values.
-    object.__setattr__(self, "mode", _mode_of(
-        [_concrete(v) for v in (self.temperature, self.top_k, self.top_p)]))
+    object.__setattr__(self, "mode", _mode_of([_concrete(getattr(self, n)) for n in _FIELDS]))
 
   def validate(self, vocab_size: int | None = None) -> "SamplingParams":
     """Check concrete values on the host (top_k against `vocab_size` when given); returns self
     for chaining."""
-    t, k, p = (_setting(name, getattr(self, name)) for name in _FIELDS)
+    t, k, p, m = (_setting(name, getattr(self, name)) for name in _FIELDS)
     if not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
     if int(k) != k or int(k) < 0:
@@ -100,6 +104,8 @@ class SamplingParams:
                        f"tokens. Fix: top_k <= {vocab_size}, or 0 (off).")
     if not (0.0 < p <= 1.0):
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
+    if not (0.0 <= m <= 1.0):
+      raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m}")
     return self
 
   @property
@@ -115,8 +121,14 @@ class SamplingParams:
       return self.mode.filtered
     return (jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1)
 
+  @property
+  def min_p_on(self) -> bool | Array:
+    if self.mode is not None:
+      return self.mode.min_p
+    return jnp.asarray(self.min_p) > 0
 
-_FIELDS = ("temperature", "top_k", "top_p")
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 def _setting(name: str, value) -> float:
@@ -163,17 +175,29 @@ GREEDY = SamplingParams()
 
 
 def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
-  """Log-probabilities [..., V] after temperature, top-k and top-p; filtered tokens are -inf.
+  """Log-probabilities [..., V] after temperature, top-k, top-p and min-p; filtered tokens are
+  -inf.
 
   Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
   returns the temperature-1e-6 distribution; callers treat greedy separately with argmax. The
-  filters' threshold search is skipped when both are off (`switch` on `sp.filters_on`).
+  filters' threshold search is skipped when both are off (`switch` on `sp.filters_on`). min-p
+  keeps x >= max(x) + log(min_p) of the scaled logits x: a ratio to the most likely token, which
+  renormalising after top-k and top-p leaves as it was, so its order among them matters only in
+  that it keeps fewer (a shorter prefix of the sorted tokens) or more, never others.
   """
   x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
   k = jnp.asarray(sp.top_k, jnp.int32)
   top_p = jnp.asarray(sp.top_p, jnp.float32)
   filtered = switch(sp.filters_on, lambda: _top_k_top_p(x, k, top_p), lambda: x)
+  filtered = switch(sp.min_p_on, lambda: _min_p(filtered, x, sp.min_p), lambda: filtered)
   return jax.nn.log_softmax(filtered, axis=-1)
+
+
+def _min_p(filtered: Array, x: Array, min_p) -> Array:
+  """filtered [..., V] less the tokens whose scaled logit x is below the largest's by more than
+  -log(min_p): a probability under min_p times the most likely token's (kept: at least it)."""
+  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
+  return jnp.where(x < floor, -jnp.inf, filtered)
 
 
 # How many of the largest logits a row's top-k/top-p filter looks at before falling back to

@@ -73,16 +73,19 @@ PROPOSALS = {Siblings.IID: _proposal_iid, Siblings.FIXED: _proposal_fixed,
              Siblings.WITHOUT_REPLACEMENT: _proposal_without_replacement}
 
 
-def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
-                        sampling: SamplingParams) -> tuple[Array, Array, Array]:
+def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array, sampling: SamplingParams,
+                        target_logprobs: Array | None = None) -> tuple[Array, Array, Array]:
   """Lossless multi-draft recursive rejection; the rule for siblings comes from tree.siblings.
 
-  target_logits [B, N + 1, V] are processed here with `sampling`, as the tree's q was drafted.
+  target_logits [B, N + 1, V] are processed here with `sampling`, as the tree's q was drafted
+  (target_logprobs: processed already, when the caller has them).
   """
   B, N = tree.tokens.shape
   k_accept, k_next = jax.random.split(key)
   proposal = PROPOSALS[tree.siblings]
-  p = jnp.exp(processed_logprobs(target_logits, sampling))  # [B, N+1, V]
+  if target_logprobs is None:
+    target_logprobs = processed_logprobs(target_logits, sampling)
+  p = jnp.exp(target_logprobs)  # [B, N+1, V]
   u = jax.random.uniform(k_accept, (B, N), jnp.float32)
   at = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
 
@@ -111,13 +114,14 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array,
   return path, n_accepted, next_token
 
 
-def verify_tree(key: Array, tree: Tree, target_logits: Array,
-                sampling: SamplingParams) -> tuple[Array, Array, Array]:
-  """Greedy tree verification at temperature 0, recursive rejection otherwise; one program."""
+def verify_tree(key: Array, tree: Tree, target_logits: Array, sampling: SamplingParams,
+                target_logprobs: Array | None = None) -> tuple[Array, Array, Array]:
+  """Greedy tree verification at temperature 0, recursive rejection otherwise; one program.
+  target_logprobs: the target's processed log-probabilities, when the caller has them."""
   return switch(
       sampling.is_greedy,
       lambda: verify_tree_greedy(tree, target_logits),
-      lambda: verify_tree_sampled(key, tree, target_logits, sampling),
+      lambda: verify_tree_sampled(key, tree, target_logits, sampling, target_logprobs),
   )
 
 

@@ -59,7 +59,8 @@ def residual_distribution(p: Array, q: Array) -> Array:
 
 
 def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_logits: Array,
-                   sampling: SamplingParams) -> tuple[Array, Array]:
+                   sampling: SamplingParams,
+                   target_logprobs: Array | None = None) -> tuple[Array, Array]:
   """Lossless speculative sampling: emitted tokens are distributed exactly as the target's.
 
   Args:
@@ -68,10 +69,13 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
     draft_probs: [B, G, V], the drafter's *processed* distributions q.
     target_logits: [B, G+1, V], processed here with the same `sampling` to give p.
     sampling: the SamplingParams both drafter and target use.
+    target_logprobs: processed_logprobs(target_logits, sampling), when the caller has them.
   """
   B, G = draft_tokens.shape
   k_accept, k_next = jax.random.split(key)
-  p = jnp.exp(processed_logprobs(target_logits, sampling))  # [B, G+1, V]
+  if target_logprobs is None:
+    target_logprobs = processed_logprobs(target_logits, sampling)
+  p = jnp.exp(target_logprobs)  # [B, G+1, V]
   q = draft_probs.astype(jnp.float32)  # [B, G, V]
   p_x = jnp.take_along_axis(p[:, :G], draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
   q_x = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
@@ -89,10 +93,13 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
 
 
 def verify(key: Array, draft_tokens: Array, draft_probs: Array, target_logits: Array,
-           sampling: SamplingParams) -> tuple[Array, Array]:
-  """Greedy verification at temperature 0, speculative sampling otherwise; one compiled program."""
+           sampling: SamplingParams,
+           target_logprobs: Array | None = None) -> tuple[Array, Array]:
+  """Greedy verification at temperature 0, speculative sampling otherwise; one compiled program.
+  target_logprobs: the target's processed log-probabilities, when the caller has them."""
   return switch(
       sampling.is_greedy,
       lambda: verify_greedy(draft_tokens, target_logits),
-      lambda: verify_sampled(key, draft_tokens, draft_probs, target_logits, sampling),
+      lambda: verify_sampled(key, draft_tokens, draft_probs, target_logits, sampling,
+                             target_logprobs),
   )

@@ -22,7 +22,7 @@ from jspec.kv.policy import KVPolicy, check_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
-from jspec.sampling.logprobs import check_logprobs
+from jspec.sampling.logprobs import check_logprobs, processed_for
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -124,7 +124,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       target_logits, hidden, cache = jax.lax.cond(jnp.all(cut == 0), narrow, wide)
     else:
       target_logits, hidden, cache = wide()
-    n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling)  # [B], [B]
+    processed = processed_for(spec.logprobs, target_logits, sampling)  # shared with verify
+    n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling, processed)  # [B], [B]
     if kv is not None:
       kv_cut = eviction_cut(kv, s.cache.lengths)  # [B]
       cut = kv_cut if cut is None else jnp.minimum(cut, kv_cut)
@@ -142,7 +143,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache, logits=target_logits,
-                  sampling=sampling)
+                  sampling=sampling, processed=processed)
     if kv is not None:
       cache = new.cache
       if kv.needs_attention:

@@ -205,13 +205,15 @@ def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt:
 
 def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
             cache: KVCache, logits: Array | None = None,
-            sampling: SamplingParams | None = None) -> SpecState:
+            sampling: SamplingParams | None = None,
+            processed: Array | None = None) -> SpecState:
   """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
   index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
   two tokens and counters updated; `cache` gets lengths seq_len - 1 (less what was evicted). The
   drafter state is left as it was: the caller updates it from the new seq_len. With
   spec.logprobs, `logits` [B, G + 1, V] are the target's at each emitted token (emitted[:, j]
-  drawn from logits[:, j]) and `sampling` what it drew with."""
+  drawn from logits[:, j]) and `sampling` what it drew with (processed: the logits processed,
+  if computed: `processed_for`)."""
   B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
   N = spec.max_new_tokens
   active = ~s.done
@@ -225,8 +227,8 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   tokens = set_rows(s.tokens, cols, emitted, mode="drop")
   token_lps = s.logprobs
   if spec.logprobs:
-    token_lps = set_rows(token_lps, cols, token_logprobs(logits, emitted, spec.logprobs, sampling),
-                         mode="drop")
+    token_lps = set_rows(token_lps, cols, token_logprobs(logits, emitted, spec.logprobs, sampling,
+                                                         processed), mode="drop")
   lengths = s.lengths + count
   done = s.done | (first_stop < count) | (lengths >= N)
   # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.

@@ -35,7 +35,7 @@ from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
-from jspec.sampling.logprobs import check_logprobs
+from jspec.sampling.logprobs import check_logprobs, processed_for
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -125,14 +125,16 @@ class TreeRound:
   n_acc: Array  # [B] its length
   next_token: Array  # [B] the target's token after it
   target_logits: Array  # [B, N + 1, V] the target's logits over [root, nodes]
+  processed: Array | None  # [B, N + 1, V] their processed log-probabilities, if computed
 
 
 def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_draft: Array,
                k_verify: Array, sampling: SamplingParams, shape: TreeShape,
-               kv: KVPolicy | None = None) -> TreeRound:
+               kv: KVPolicy | None = None, logprobs: str | None = None) -> TreeRound:
   """Draft a tree from loop state `s` and verify it with one target forward (under a KV budget
   `kv` the target cache's lengths already count its entries, and attention-score policies get each
-  query's attention mass apart: cache.mass [L, B, S, K, N + 1])."""
+  query's attention mass apart: cache.mass [L, B, S, K, N + 1]). logprobs: the kind reported
+  (jspec.sampling.logprobs), so that "sampled" shares the verifier's processed logits."""
   tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
   # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
@@ -150,11 +152,13 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
                                          mass_weights=weights, appended=masks,
                                          logits_indices=heads,
                                          taps=drafter.feature_layers)  # [B, N + 1, V]
-  path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling)  # [B, D], [B], [B]
+  processed = processed_for(logprobs, target_logits, sampling)
+  path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling,
+                                 processed)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden[:, :T],
                    probed=hidden if k else None, window=hidden[:, T:] if X else None,
                    path=path, n_acc=n_acc, next_token=nxt,
-                   target_logits=target_logits)
+                   target_logits=target_logits, processed=processed)
 
 
 @traced_under_placement
@@ -194,7 +198,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
       key, k_draft, k_verify = jax.random.split(s.key, 3)
     else:
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
-    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv)
+    r = tree_round(params, cfg, drafter, s, k_draft, k_verify, sampling, shape, kv,
+                   spec.logprobs)
     n_acc, nxt = r.n_acc, r.next_token
     if kv is not None:  # as in the chain engine: depth j <= cut only, a fresh draw at the cut
       cut = eviction_cut(kv, s.cache.lengths)  # [B]
@@ -222,7 +227,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     # emitted[:, j] was drawn from the logits at on_path[:, j].
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache, sampling=sampling,
-                  logits=take(r.target_logits, on_path) if spec.logprobs else None)
+                  logits=take(r.target_logits, on_path) if spec.logprobs else None,
+                  processed=None if r.processed is None else take(r.processed, on_path))
     if kv is not None:
       # The cut above leaves a due row exactly evict_every entries over the budget.
       cache, dropped = evict_when_full(kv, new.cache, new.evicted, max_drop=kv.evict_every)
