@@ -550,6 +550,28 @@ def _int_list(flag: str, text: str) -> list[int]:
     raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
+def cmd_score(args) -> int:
+  import numpy as np
+  from jspec.model import load
+
+  kv, _ = _kv_policies(args)  # bad settings fail here, before loading anything
+  texts = list(args.text) + [path.read_text(encoding="utf-8") for path in args.file]
+  names = [f"text {i}" for i in range(1, len(args.text) + 1)] + [str(p) for p in args.file]
+  model = load(args.model, args.dtype)
+  start = time.perf_counter()
+  out = model.score_text(texts, chunk=args.chunk, kv=kv)
+  sums, perplexity = out.sums(), out.perplexity()
+  seconds = time.perf_counter() - start
+  for name, n, total, ppl in zip(names, np.asarray(out.lengths), sums, perplexity):
+    print(f"{name}: {int(n)} tokens, log-probability {total:.3f} (of the {int(n) - 1} after the "
+          f"first), perplexity {ppl:.3f}")
+  print(f"[jspec] {model.source}: scored {int(np.asarray(out.lengths).sum())} tokens in "
+        f"{seconds:.2f}s (compile included)"
+        + ("" if kv is None else f"; KV budget {kv.budget} a row ({kv.method}: sinks {kv.sinks}, "
+           f"window {kv.recent}, chunk {kv.chunk})"), file=sys.stderr)
+  return 0
+
+
 def cmd_bench_kv(args) -> int:
   from jspec.bench import kv as bench_kv, speed
   from jspec.bench.profiling import machine_info
@@ -809,6 +831,14 @@ def check_args(args) -> None:
                        f"kept per row), or drop them")
   if args.command in ("generate", "bench"):
     _check_drafter_args(args)
+  if args.command == "score":
+    if not args.text and not args.file:
+      raise ValueError("score needs something to score: --text TEXT or --file PATH")
+    if args.kv_drafter is not None:
+      raise ValueError("--kv-drafter budgets a drafter's cache; score runs no drafter. Fix: drop it")
+    for path in args.file:
+      if not path.is_file():
+        raise FileNotFoundError(f"--file {path}: no such file")
   if getattr(args, "stop", None):
     from jspec.streaming import check_stop
     try:
@@ -971,6 +1001,19 @@ def build_parser() -> argparse.ArgumentParser:
                       "program less per prompt bucket; implies --no-overhead); for tau sweeps")
   _add_kv_args(b)  # every jspec run under the budget (no transformers run, no overhead baseline)
   b.set_defaults(fn=cmd_bench)
+  sc = sub.add_parser("score", help="score text: each text's log-probability and perplexity under "
+                                     "the model, with a full cache or under a KV budget")
+  sc.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)
+  sc.add_argument("--weights", "--dtype", dest="dtype", default="float32",
+                  choices=sorted(DTYPES))
+  sc.add_argument("--text", action="append", default=[], help="a text to score; repeat for more")
+  sc.add_argument("--file", action="append", default=[], type=Path,
+                  help="a UTF-8 text file to score as one text; repeat for more")
+  sc.add_argument("--chunk", type=int, default=128,
+                  help="tokens read at a time (the logits held: chunk x vocabulary a row); under "
+                       "a KV budget, --kv-chunk")
+  _add_kv_args(sc)
+  sc.set_defaults(fn=cmd_score)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "
                                       "(passkey, multi-key, variable tracking; KL vs the full cache)")
   v.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)

@@ -20,7 +20,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
-from jspec.sampling.logprobs import check_logprobs, token_logprobs
+from jspec.sampling.logprobs import check_logprobs, processed_for, token_logprobs
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.streaming import Segmented, TokenStream, view
@@ -132,7 +132,8 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
     else:
       logits, cache, evicted = budgeted_step(params, cfg, s.last[:, None], s.cache, s.evicted, kv)
     key, sub = jax.random.split(s.key)
-    nxt = sample(sub, logits[:, 0], sampling)  # [B]
+    processed = processed_for(logprobs, logits[:, 0], sampling)  # shared with the report
+    nxt = sample(sub, logits[:, 0], sampling, processed)  # [B]
     nxt = jnp.where(s.done, PAD, nxt)
     tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.step))
     lengths = s.lengths + (~s.done).astype(jnp.int32)
@@ -144,7 +145,8 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
     token_lps = s.logprobs
     if logprobs:
-      lp = jnp.where(s.done, 0.0, token_logprobs(logits[:, 0], nxt, logprobs, sampling))
+      lp = jnp.where(s.done, 0.0, token_logprobs(logits[:, 0], nxt, logprobs, sampling,
+                                                 processed))
       token_lps = jax.lax.dynamic_update_slice(token_lps, lp[:, None], (0, s.step))
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,

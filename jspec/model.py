@@ -19,6 +19,7 @@ from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
 from jspec.models.llama import Params, place_params, repeat_kv_heads, stack_layers
 from jspec.sampling.processing import GREEDY, SamplingParams
+from jspec.score import ScoreOutput, score
 from jspec.sharding import Mesh, kv_repeats, mesh_from, model_placement
 from jspec.speculative.chain import SpecConfig, SpecOutput, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
@@ -118,6 +119,20 @@ class Model:
     ids = [self.encode(p, chat) for p in ([prompts] if single else prompts)]
     return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,
                       stop)
+
+  def score_ids(self, sequences: Sequence[Sequence[int]], *, chunk: int = 128,
+                kv: KVPolicy | None = None, precision: str = "fast") -> ScoreOutput:
+    """The model's log-probability of every token of each row given those before it
+    (jspec.score): `.sums(starts)` a continuation's log-likelihood, `.perplexity()`; under a KV
+    budget `kv`, as read under that policy."""
+    return score(self.params, self.cfg, sequences, chunk=chunk, kv=kv, precision=precision,
+                 mesh=self.mesh)
+
+  def score_text(self, texts: Sequence[str] | str, **kwargs) -> ScoreOutput:
+    """`score_ids` of texts (one str is one text), tokenized as they are (no chat template; the
+    tokenizer's BOS if it adds one)."""
+    texts = [texts] if isinstance(texts, str) else texts
+    return self.score_ids([self.encode(t, chat=False) for t in texts], **kwargs)
 
   def off_mesh_for(self, batch: int) -> "Model":
     """This model, or (when `batch` rows cannot split over its mesh's dp) the same weights run

@@ -28,6 +28,7 @@ from jspec.models.config import Config
 from jspec.models.llama import init_params, repeat_kv_heads, stack_layers
 from jspec.sampling import processing
 from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
+from jspec.score import score
 from jspec.sharding import Placement, kv_repeats, make_mesh, traced_under_placement
 from jspec.speculative.chain import (SpecConfig, speculative_generate, speculative_generate_stream,
                                      speculative_generate_tokens)
@@ -460,6 +461,11 @@ def check_logprobs():
     same(got, want, f"{run.__name__} logprobs")
     close(got, want, f"{run.__name__} logprobs")
     assert np.any(np.asarray(want.logprobs) < 0)
+  # Scoring text (jspec.score), with a full cache and under a budget, over a split vocabulary.
+  for kv in (None, KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1)):
+    want = score(target, TARGET, PROMPTS, chunk=4, kv=kv)
+    got = score(target, TARGET, PROMPTS, chunk=4, kv=kv, mesh=make_mesh(2, 4))
+    close(got, want, f"score kv={kv}")
 
 
 GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains,

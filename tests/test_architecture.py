@@ -16,7 +16,7 @@ LAYERS = [
      "jspec.sampling", "jspec.tree", "jspec.kv"),
     ("jspec.io", "jspec.decode", "jspec.data", "jspec.streaming"),
     ("jspec.drafting",),
-    ("jspec.generate", "jspec.speculative"),
+    ("jspec.generate", "jspec.speculative", "jspec.score"),
     ("jspec.model",),
     ("jspec.train", "jspec.bench"),
     ("jspec.cli",),
@@ -24,7 +24,7 @@ LAYERS = [
 # What the issue that set up the layers names: no inference module imports the tools above it.
 INFERENCE = ("jspec.native", "jspec.models", "jspec.sampling", "jspec.tree", "jspec.pallas", "jspec.kv", "jspec.io",
              "jspec.decode", "jspec.streaming", "jspec.drafting", "jspec.generate",
-             "jspec.speculative")
+             "jspec.speculative", "jspec.score")
 TOOLS = ("jspec.train", "jspec.bench", "jspec.cli")
 
 

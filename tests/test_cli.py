@@ -83,6 +83,24 @@ def test_generate_stops_at_stop_text(tiny_model, capsys, stream):
   assert "--stop is empty" in capsys.readouterr().err
 
 
+def test_score_prints_each_texts_log_probability(tiny_model, tmp_path, capsys):
+  doc = tmp_path / "doc.txt"
+  doc.write_text(" ".join(["the sky is blue because of Rayleigh scattering"] * 8))
+  assert main(["score", "--model", str(tiny_model), "--text", "Why is the sky blue?",
+               "--file", str(doc)]) == 0
+  full = capsys.readouterr().out.splitlines()
+  assert len(full) == 2 and full[0].startswith("text 1: ") and full[1].startswith(f"{doc}: ")
+  assert all("perplexity" in line for line in full)
+  assert main(["score", "--model", str(tiny_model), "--file", str(doc), "--kv-budget", "24",
+               "--kv-chunk", "8"]) == 0
+  budgeted = capsys.readouterr()
+  assert "KV budget 24 a row (keydiff" in budgeted.err
+  assert budgeted.out.splitlines()[0] != full[1]  # the budget changed the scores of a long text
+  assert main(["score", "--model", str(tiny_model)]) == 2
+  assert "--text TEXT or --file PATH" in capsys.readouterr().err
+  assert main(["score", "--model", str(tiny_model), "--file", str(tmp_path / "none.txt")]) == 2
+
+
 def test_generate_under_a_kv_budget(tiny_model, capsys):
   long_prompt = " ".join(["the sky is blue because of Rayleigh scattering"] * 12)
   assert main(["generate", "--model", str(tiny_model), "--prompt", long_prompt,

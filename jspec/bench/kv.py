@@ -183,7 +183,7 @@ def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int,
                window: int | None, evict_every: int = 1) -> KVPolicy:
   """The method's policy; "full" is a budget no run can fill (same chunked prefill, no eviction)."""
   if method == "full":
-    return KVPolicy("streaming", budget=context + max_new + chunk, sinks=0, chunk=chunk)
+    return KVPolicy.never_full(context + max_new, chunk)
   return KVPolicy(method, budget=budget, sinks=sinks, window=window, chunk=min(chunk, budget),
                   evict_every=evict_every)
 

@@ -99,6 +99,12 @@ class KVPolicy:
       raise ValueError(f"prefill chunk {self.chunk} is larger than the kv budget {self.budget}: "
                        f"a chunk must fit the budget. Fix: chunk <= budget.")
 
+  @classmethod
+  def never_full(cls, tokens: int, chunk: int) -> "KVPolicy":
+    """A budget that `tokens` tokens read `chunk` at a time never fill: chunked prefill that
+    evicts nothing (the full cache, in the same program as a budgeted one)."""
+    return cls("streaming", budget=tokens + chunk, sinks=0, chunk=chunk)
+
   @property
   def base(self) -> str:
     """The scoring method under "+caote"."""

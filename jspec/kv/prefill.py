@@ -10,6 +10,8 @@ from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, forward
+from jspec.sampling.logprobs import token_logprobs
+from jspec.sampling.processing import GREEDY
 from jspec.sharding import Placement
 
 Array = jax.Array
@@ -38,25 +40,17 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   def one_chunk(c, carry):
     cache, evicted, logits, hidden = carry
     start = c * C
-    tokens = jax.lax.dynamic_slice(prompt, (0, start), (B, C))  # [B, C]
-    positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
     index = jnp.clip(last - start, 0, C - 1)[:, None]  # [B, 1]
-    n_new = jnp.clip(prompt_lengths - start, 0, C)  # [B]
-    cache, weights = before_forward(policy, cache, n_new, C)
-    chunk_logits, chunk_hidden, cache = forward(params, cfg, tokens, positions, cache,
-                                                logits_indices=index, mass_weights=weights,
-                                                taps=taps)
+    chunk_logits, chunk_hidden, cache, evicted = _prefill_chunk(
+        params, cfg, policy, prompt, prompt_lengths, c, cache, evicted, index, taps)
     if keep_hidden:
       hidden = jax.lax.dynamic_update_slice(hidden, chunk_hidden,
                                             (0, start, 0))
     here = (last >= start) & (last < start + C)  # [B]: the row's last prompt token is here
     logits = jnp.where(here[:, None], chunk_logits[:, 0], logits)
-    cache = cache.commit(n_new)
-    cache, dropped = evict(policy, cache, evicted, max_drop=C)
-    return cache, evicted + dropped, logits, hidden
+    return cache, evicted, logits, hidden
 
-  cache = with_budget_state(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
-  cache = cache.placed(placement)
+  cache = _empty_budgeted(policy, cache, placement)
   # The head's width: the vocabulary, or a VocabTrim'd drafter's kept ids.
   out_logits, out_hidden = jax.eval_shape(
       lambda: forward(params, cfg, prompt[:, :C], jnp.zeros((B, C), jnp.int32), cache,
@@ -67,6 +61,58 @@ def chunked_prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
   cache, evicted, logits, hidden = jax.lax.fori_loop(
       0, n_chunks, one_chunk, (cache, jnp.zeros((B,), jnp.int32), logits, hidden))
   return logits, cache, evicted, (hidden[:, :P] if keep_hidden else None)
+
+
+def _prefill_chunk(params: Params, cfg: Config, policy: KVPolicy, prompt: Array,
+                   prompt_lengths: Array, c: Array, cache: KVCache, evicted: Array,
+                   logits_indices: Array | None, taps: tuple[int, ...] = ()):
+  """Chunk c of a chunked prefill of prompt [B, n C]: its C tokens at their true positions through
+  the cache, committed (each row's up to its length), then evicted down to the budget. Returns
+  (logits at logits_indices [B, N, V] (None: every position), hidden, cache, evicted)."""
+  B, C = prompt.shape[0], policy.chunk
+  start = c * C
+  tokens = jax.lax.dynamic_slice(prompt, (0, start), (B, C))  # [B, C]
+  positions = jnp.broadcast_to(start + jnp.arange(C, dtype=jnp.int32), (B, C))
+  n_new = jnp.clip(prompt_lengths - start, 0, C)  # [B]
+  cache, weights = before_forward(policy, cache, n_new, C)
+  logits, hidden, cache = forward(params, cfg, tokens, positions, cache,
+                                  logits_indices=logits_indices, mass_weights=weights, taps=taps)
+  cache, dropped = evict(policy, cache.commit(n_new), evicted, max_drop=C)
+  return logits, hidden, cache, evicted + dropped
+
+
+def _empty_budgeted(policy: KVPolicy, cache: KVCache, placement: Placement | None) -> KVCache:
+  """The cache emptied, with the budget's state (pinned to `placement`)."""
+  B = cache.lengths.shape[0]
+  cache = with_budget_state(policy, cache.with_lengths(jnp.zeros((B,), jnp.int32)))
+  return cache.placed(placement)
+
+
+def chunked_scores(params: Params, cfg: Config, tokens: Array, lengths: Array, cache: KVCache,
+                   policy: KVPolicy, placement: Placement | None = None) -> Array:
+  """[B, P] float32: the model's log-probability of each token of right-padded rows tokens [B, P]
+  given those before it, as chunked prefill reads them under `policy` (a chunk's tokens see the
+  chunk and what the budget kept of the earlier ones; `KVPolicy.never_full` evicts nothing: the
+  model's plain scores). 0 at position 0 (nothing predicts it) and from each row's length on. Logits are
+  [B, chunk, V] at a time, never [B, P, V]."""
+  B, P = tokens.shape
+  C = policy.chunk
+  n_chunks = -(-P // C)
+  padded = jnp.pad(tokens, ((0, 0), (0, n_chunks * C + 1 - P)))  # and the token after the last
+
+  def one_chunk(c, carry):
+    cache, evicted, out = carry
+    logits, _, cache, evicted = _prefill_chunk(params, cfg, policy, padded[:, :n_chunks * C],
+                                               lengths, c, cache, evicted, None)
+    following = jax.lax.dynamic_slice(padded, (0, c * C + 1), (B, C))  # what each position scores
+    lps = token_logprobs(logits, following, "model", GREEDY)  # [B, C]
+    return cache, evicted, jax.lax.dynamic_update_slice(out, lps, (0, c * C + 1))
+
+  cache = _empty_budgeted(policy, cache, placement)
+  out = jnp.zeros((B, n_chunks * C + 1), jnp.float32)
+  _, _, out = jax.lax.fori_loop(0, n_chunks, one_chunk,
+                                (cache, jnp.zeros((B,), jnp.int32), out))
+  return jnp.where(jnp.arange(P) < lengths[:, None], out[:, :P], 0.0)
 
 
 def budgeted_step(params: Params, cfg: Config, tokens: Array, cache: KVCache, evicted: Array,

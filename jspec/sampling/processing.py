@@ -337,10 +337,14 @@ def argmax(logits: Array) -> Array:
   return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
-def sample(key: Array, logits: Array, sp: SamplingParams) -> Array:
-  """One token per row from logits [B, V]: argmax when greedy, else the processed distribution."""
+def sample(key: Array, logits: Array, sp: SamplingParams,
+           processed: Array | None = None) -> Array:
+  """One token per row from logits [B, V]: argmax when greedy, else the processed distribution
+  (`processed`: processed_logprobs(logits, sp), when the caller has it)."""
   return switch(
       sp.is_greedy,
       lambda: argmax(logits),
-      lambda: jax.random.categorical(key, processed_logprobs(logits, sp), axis=-1).astype(jnp.int32),
+      lambda: jax.random.categorical(
+          key, processed_logprobs(logits, sp) if processed is None else processed,
+          axis=-1).astype(jnp.int32),
   )
