@@ -183,7 +183,7 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
 
   Args:
     prompt: [B, P] int32, right-padded prompts; prompt_lengths: [B] int32 (>= 1).
-    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, kv: static.
+    cfg, max_new_tokens, cache_size, stop_ids, cache_dtype, record_top_k, logprobs, kv: static.
     record_top_k: if > 0, also return the model's top-k tokens and log-probs at every position.
     logprobs: "model" or "sampled": also return each generated token's log-probability
       (jspec.sampling.logprobs); None: not computed.
