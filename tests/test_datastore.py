@@ -177,7 +177,7 @@ def test_greedy_identity_under_a_kv_budget(target):
   assert np.asarray(out.accept_hist)[1:].sum() > 0
 
 
-@pytest.mark.parametrize("case", ["t1", "t0.7-topk", "q misreported (control)"])
+@pytest.mark.parametrize("case", ["t1", "t0.7-topk", "topp-minp", "q misreported (control)"])
 def test_sampling_is_lossless(monkeypatch, case):
   """TINY_PROMPT repeats nothing, so every draft comes from the store (bigrams of a random
   corpus: all 16 one-token contexts). The control reports a uniform q for the store's
@@ -194,7 +194,7 @@ def test_sampling_is_lossless(monkeypatch, case):
       tokens, q, state = real(self, *args, **kwargs)
       return tokens, jnp.full_like(q, 1 / q.shape[-1]), state
     monkeypatch.setattr(NgramDrafter, "propose", misreported)
-  sp = SAMPLINGS["t0.7-topk" if case == "t0.7-topk" else "t1"]
+  sp = SAMPLINGS[case if case in SAMPLINGS else "t1"]
   stat, dof, ok = chi_square(sample_sequences(tiny, drafter, sp, gamma=2),
                              exact_distribution(tiny, sp))
   assert ok == (not case.endswith("(control)")), (case, stat, dof)

@@ -615,15 +615,18 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   assert ok, (stat, dof)
 
 
-@pytest.mark.parametrize("method,tree", [("keydiff", None), ("h2o", None), ("h2o", "rsd-c:2-2"),
-                                         ("keydiff", "specinfer:3-1")])
-def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tree):
+@pytest.mark.parametrize("method,tree,draft_budget", [
+    ("keydiff", None, None), ("h2o", None, None), ("h2o", "rsd-c:2-2", None),
+    ("keydiff", "specinfer:3-1", None), ("h2o", None, 5), ("keydiff", "rsd-c:2-2", 5)])
+def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tree, draft_budget):
   """Rounds that span an eviction: a drafter close to the target (accepting most of 3 drafts) and
   4 tokens (the budget binds within the rounds, not only at the first token) on an 8-token
   vocabulary, against the law of autoregressive decoding under the same policy, enumerated; chains
   and trees. A chain that verified past the point where autoregressive decoding evicts (no
   eviction cut) passes the 3-token test above; it fails this one (chi2 ~11,000 on ~530 dof), and
-  so does a tree engine without its cut (session 48, by mutation)."""
+  so does a tree engine without its cut (session 48, by mutation). `draft_budget`: the drafter's
+  own cache evicts too (draft_kv, KeyDiff): its q must stay what it drew from as it drops entries.
+  """
   import itertools
   from test_speculative import chi_square
   from jspec.bench.kv import continuation_logprobs
@@ -653,6 +656,9 @@ def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tr
   engine, spec = ((speculative_generate_tokens, SpecConfig(gamma=3, max_new_tokens=steps))
                   if tree is None else
                   (tree_speculative_generate_tokens, TreeSpecConfig(tree, max_new_tokens=steps)))
+  if draft_budget is not None:  # as speculative_generate's draft_kv= sets it up
+    draft_kv = KVPolicy("keydiff", budget=draft_budget, sinks=1, chunk=4, evict_every=1)
+    drafter = drafter.with_kv(draft_kv, spec.gamma + 1 if tree is None else spec.reserve + 1)
   run = jax.jit(jax.vmap(lambda key: engine(
       params, cfg, drafter, jnp.asarray([prompt + [0] * 6]), jnp.asarray([P]), key, sp,
       spec=spec, cache_size=32, kv=policy).tokens[0]))

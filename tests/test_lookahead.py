@@ -220,10 +220,12 @@ class _DraftsCalledSampled(_Seeded):
     return dataclasses.replace(tree, siblings=Siblings.IID), state
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "control"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "control", "chain-t0.7-minp"])
 def test_sampled_lookahead_follows_the_target_distribution(kind):
   target = init_params(TINY, jax.random.key(10), scale=0.8)
   sp = SamplingParams(temperature=1.0, top_k=8, top_p=0.9)
+  if kind == "chain-t0.7-minp":  # another temperature: the pool's guesses drawn at 0.7, min-p on
+    kind, sp = "chain", SamplingParams(temperature=0.7, min_p=0.05)
   make = _DraftsCalledSampled if kind == "control" else _Seeded
   drafter = make(head=dataclasses.replace(target, layers=()), cfg=TINY, width=3, ngram=3,
                  guesses=4)

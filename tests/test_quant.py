@@ -354,3 +354,19 @@ def test_engine_programs_run_inside_other_transformations():
   double = engine_jit(lambda x: 2 * x)
   np.testing.assert_array_equal(jax.jit(lambda x: double(x) + 1)(jnp.ones(2)), [3.0, 3.0])
   np.testing.assert_array_equal(jax.vmap(double)(jnp.ones((3, 2))), np.full((3, 2), 2.0))
+
+
+@pytest.mark.parametrize("kernel,bits,tree", [("native", 8, None), ("xla", 8, None),
+                                              ("native", 4, "specinfer:3")])
+def test_sampled_speculation_follows_a_quantized_targets_distribution(kernel, bits, tree):
+  """T=1 with top-k under an int8 (jspec's CPU kernel or XLA's) or q4 target, a float drafter:
+  the output follows the quantized target's own law, enumerated exactly (chi-square)."""
+  from test_speculative import SAMPLINGS, TINY, chi_square, exact_distribution, sample_sequences
+  from test_tree_engine import sample_codes
+  target = quantize_params(init_params(TINY, jax.random.key(10), scale=0.8), kernel, bits)
+  drafter = ModelDrafter(init_params(TINY, jax.random.key(11), scale=0.8), TINY)
+  sp = SAMPLINGS["t0.7-topk"]
+  codes = (sample_sequences(target, drafter, sp, gamma=2) if tree is None
+           else sample_codes(target, drafter, tree, sp, 5))
+  stat, dof, ok = chi_square(codes, exact_distribution(target, sp))
+  assert ok, (kernel, bits, tree, stat, dof)
