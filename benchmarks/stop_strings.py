@@ -1,7 +1,7 @@
 """What stop strings save, side by side in one process: for each decoding method, the whole run to
 the token budget (one program; the text cut at the first stop string afterwards) against the
-streamed run with `stop=` (rows halted once their text holds one): seconds, tokens generated, and whether the two texts are
-the same.
+streamed run with `stop_strings=` (rows halted once their text holds one): seconds, tokens
+generated, and whether the two texts are the same.
 
   python benchmarks/stop_strings.py --methods none,ngram --stop '\\n\\n' \\
       --json benchmarks/stop_strings_cpu.json
@@ -48,7 +48,7 @@ def main() -> None:
     drafter = None if method == "none" else load_drafter(method, model, args.weights)
     kw = dict(max_new_tokens=n, drafter=drafter)
 
-    def to_budget(text):  # what one would do without stop=: the whole run, then cut the text
+    def to_budget(text):  # without stop_strings=: the whole run, then cut the text
       start = time.perf_counter()
       out = model.generate_ids([model.encode(text)], **kw)
       answer = model.tokenizer.decode(out.sequences()[0])
@@ -56,7 +56,7 @@ def main() -> None:
 
     def stopped(text):
       start = time.perf_counter()
-      stream = model.stream_text(text, every=STOP_EVERY, stop=stop, **kw)
+      stream = model.stream_text(text, every=STOP_EVERY, stop_strings=stop, **kw)
       answer = "".join(stream)
       return time.perf_counter() - start, answer, int(stream.output.lengths[0])
 

@@ -229,10 +229,11 @@ def cmd_generate(args) -> int:
         texts = [text + piece for text, piece in zip(texts, pieces)]
         if args.stream:
           print(pieces[0], end="", flush=True)
-      out = stream.output
+      out, stopped = stream.output, stream.stopped
     else:
       out = jax.block_until_ready(model.generate_ids(ids, **run))
       texts = [model.tokenizer.decode(seq) for seq in out.sequences()]
+      stopped = [False] * len(ids)
   run_s = max(time.perf_counter() - start - compiled.seconds, 1e-9)
   if args.stream:
     print()
@@ -255,13 +256,14 @@ def cmd_generate(args) -> int:
            f"window {kv.recent}, chunk {kv.chunk}, evict every {kv.evict_every})"),
         file=sys.stderr)
   if args.logprobs:
-    for i, (seq, lps, text) in enumerate(zip(out.sequences(), np.asarray(out.logprobs), texts), 1):
-      if stop:  # the tokens that make the answer, not those after its stop string
+    rows = zip(out.sequences(), np.asarray(out.logprobs), texts, stopped)
+    for i, (seq, lps, text, cut) in enumerate(rows, 1):
+      if cut:  # the tokens that make the answer, not those made past its stop string
         seq = seq[:_tokens_covering(model.tokenizer.decode, seq, text)]
       total = float(lps[:len(seq)].sum())
-      print(f"[jspec] logprobs ({args.logprobs}) of answer {i}: {len(seq)} tokens, sum "
-            f"{total:.3f}, mean {total / len(seq):.3f} (perplexity "
-            f"{math.exp(-total / len(seq)):.3f})", file=sys.stderr)
+      print(f"[jspec] logprobs ({args.logprobs}) of answer {i}: {len(seq)} tokens"
+            + (f", sum {total:.3f}, mean {total / len(seq):.3f} (perplexity "
+               f"{math.exp(-total / len(seq)):.3f})" if seq else ""), file=sys.stderr)
   return 0
 
 
@@ -272,15 +274,8 @@ def _unescaped(texts: list[str]) -> list[str]:
 
 
 def _tokens_covering(decode, seq: list[int], text: str) -> int:
-  """The fewest of seq's first tokens whose text holds `text` (a prefix of seq's text)."""
-  lo, hi = 0, len(seq)
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if len(decode(seq[:mid])) >= len(text):
-      hi = mid
-    else:
-      lo = mid + 1
-  return lo
+  """The fewest of seq's first tokens whose text starts with `text` (a prefix of seq's text)."""
+  return next((n for n in range(len(seq) + 1) if decode(seq[:n]).startswith(text)), len(seq))
 
 
 _ARGV: list[str] | None = None  # what main() was given (None: the process's own arguments)
@@ -559,12 +554,16 @@ def cmd_score(args) -> int:
   names = [f"text {i}" for i in range(1, len(args.text) + 1)] + [str(p) for p in args.file]
   model = load(args.model, args.dtype)
   start = time.perf_counter()
-  out = model.score_text(texts, chunk=args.chunk, kv=kv)
+  if kv is not None and args.chunk is not None:
+    print(f"[jspec] note: under a KV budget the text is read --kv-chunk ({kv.chunk}) tokens at a "
+          f"time; --chunk {args.chunk} is not used", file=sys.stderr)
+  out = model.score_text(texts, chunk=args.chunk or 128, kv=kv)
   sums, perplexity = out.sums(), out.perplexity()
   seconds = time.perf_counter() - start
   for name, n, total, ppl in zip(names, np.asarray(out.lengths), sums, perplexity):
-    print(f"{name}: {int(n)} tokens, log-probability {total:.3f} (of the {int(n) - 1} after the "
-          f"first), perplexity {ppl:.3f}")
+    print(f"{name}: {int(n)} tokens" + (f", log-probability {total:.3f} (of the {int(n) - 1} "
+                                        f"after the first), perplexity {ppl:.3f}" if n > 1 else
+                                        " (nothing to score: the first token has no context)"))
   print(f"[jspec] {model.source}: scored {int(np.asarray(out.lengths).sum())} tokens in "
         f"{seconds:.2f}s (compile included)"
         + ("" if kv is None else f"; KV budget {kv.budget} a row ({kv.method}: sinks {kv.sinks}, "
@@ -1009,9 +1008,9 @@ def build_parser() -> argparse.ArgumentParser:
   sc.add_argument("--text", action="append", default=[], help="a text to score; repeat for more")
   sc.add_argument("--file", action="append", default=[], type=Path,
                   help="a UTF-8 text file to score as one text; repeat for more")
-  sc.add_argument("--chunk", type=int, default=128,
-                  help="tokens read at a time (the logits held: chunk x vocabulary a row); under "
-                       "a KV budget, --kv-chunk")
+  sc.add_argument("--chunk", type=int, default=None,
+                  help="tokens read at a time (the logits held: chunk x vocabulary a row); "
+                       "default 128; under a KV budget, --kv-chunk's")
   _add_kv_args(sc)
   sc.set_defaults(fn=cmd_score)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real text "

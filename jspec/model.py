@@ -110,15 +110,15 @@ class Model:
     return TokenStream(run, every, owners=owners)
 
   def stream_text(self, prompts: Sequence[str] | str, *, chat: bool = True, every: int = 1,
-                  stop: Sequence[str] | str | None = None, **kwargs) -> TextStream:
+                  stop_strings: Sequence[str] | str | None = None, **kwargs) -> TextStream:
     """`generate_text`, streamed: iterate for the new text (one prompt given as a str: a str;
-    else a list, one per prompt); the pieces join to `generate_text`'s text. stop: text that
-    ends an answer (cut before it; the row stops generating), as for `generate_text`."""
-    stop = check_stop(stop)
+    else a list, one per prompt); the pieces join to `generate_text`'s text. stop_strings: text
+    that ends an answer (cut before it; the row stops generating), as for `generate_text`."""
+    stop_strings = check_stop(stop_strings)
     single = isinstance(prompts, str)
     ids = [self.encode(p, chat) for p in ([prompts] if single else prompts)]
     return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,
-                      stop)
+                      stop_strings)
 
   def score_ids(self, sequences: Sequence[Sequence[int]], *, chunk: int = 128,
                 kv: KVPolicy | None = None, precision: str = "fast") -> ScoreOutput:
@@ -142,17 +142,19 @@ class Model:
     return dataclasses.replace(self, mesh=None)
 
   def generate_text(self, prompts: Sequence[str] | str, *, chat: bool = True,
-                    stop: Sequence[str] | str | None = None, **kwargs) -> list[str]:
+                    stop_strings: Sequence[str] | str | None = None, **kwargs) -> list[str]:
     """Generate continuations of text prompts; returns the decoded new text per prompt (one
-    str given is one prompt: a list of one text back). stop: a string or strings that end an
-    answer: its text is cut before the first one, and a row that reaches one stops generating
-    (the run checks the text every STOP_EVERY loop iterations, streamed; the run ends when every
-    row has stopped). Token ids that end an answer are the tokenizer's stop ids (`stop=` of
-    `generate_ids`)."""
+    str given is one prompt: a list of one text back). stop_strings: a string or strings that
+    end an answer: its text is cut before the first one, and a row that reaches one stops
+    generating (the run is streamed and checks the text every `every` = STOP_EVERY loop
+    iterations; it ends when every row has stopped). Token ids that end an answer are the
+    tokenizer's stop ids, on unless `stop=False` (as for `generate_ids`)."""
     if isinstance(prompts, str):
       prompts = [prompts]
-    if check_stop(stop):
-      stream = self.stream_text(list(prompts), chat=chat, every=STOP_EVERY, stop=stop, **kwargs)
+    if check_stop(stop_strings):
+      every = kwargs.pop("every", STOP_EVERY)
+      stream = self.stream_text(list(prompts), chat=chat, every=every,
+                                stop_strings=stop_strings, **kwargs)
       texts = [""] * len(prompts)
       for pieces in stream:
         texts = [text + piece for text, piece in zip(texts, pieces)]

@@ -42,19 +42,28 @@ class ScoreOutput:
     """[B] the log-probability of each row's tokens from `starts` (per row, or one for all; 1:
     every token but the first, which nothing predicts) to its end: a continuation's
     log-likelihood given the tokens before it."""
-    lps, lengths = np.asarray(self.logprobs), np.asarray(self.lengths)
-    starts = np.broadcast_to(np.asarray(starts), lengths.shape)
-    if np.any(starts < 1) or np.any(starts > lengths):
-      raise ValueError(f"starts must lie in [1, length] per row (position 0 is not predicted), "
-                       f"got {starts.tolist()} for lengths {lengths.tolist()}")
+    lps = np.asarray(self.logprobs)
+    starts = self._starts(starts)
     cols = np.arange(lps.shape[1])
     return np.where(cols >= starts[:, None], lps, 0.0).sum(axis=1)
 
-  def perplexity(self, starts: Sequence[int] | int = 1) -> np.ndarray:
-    """[B] exp(-mean log-probability) over the tokens `sums` counts."""
+  def _starts(self, starts) -> np.ndarray:
     lengths = np.asarray(self.lengths)
-    counts = np.maximum(lengths - np.broadcast_to(np.asarray(starts), lengths.shape), 1)
-    return np.exp(-self.sums(starts) / counts)
+    given = np.asarray(starts)
+    if given.ndim > 1 or (given.ndim == 1 and given.shape != lengths.shape):
+      raise ValueError(f"starts must be one position or one per row ({len(lengths)}), got "
+                       f"{given.tolist()!r}")
+    starts = np.broadcast_to(given, lengths.shape)
+    if np.any(starts < 1) or np.any(starts > lengths):
+      raise ValueError(f"starts must lie in [1, length] per row (position 0 is not predicted), "
+                       f"got {starts.tolist()} for lengths {lengths.tolist()}")
+    return starts
+
+  def perplexity(self, starts: Sequence[int] | int = 1) -> np.ndarray:
+    """[B] exp(-mean log-probability) over the tokens `sums` counts (NaN for a row with none)."""
+    counts = np.asarray(self.lengths) - self._starts(starts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      return np.where(counts > 0, np.exp(-self.sums(starts) / np.maximum(counts, 1)), np.nan)
 
 
 @traced_under_placement
@@ -94,6 +103,9 @@ def score(params: Params, cfg: Config, sequences: Sequence[Sequence[int]], *, ch
   if not is_int(chunk) or chunk < 1:
     raise ValueError(f"chunk (tokens read at a time) must be a positive integer, got {chunk!r}")
   rows = as_prompt_list(sequences)
+  if not rows or not all(len(r) for r in rows):
+    raise ValueError("score takes one or more non-empty rows of token ids (texts to score), got "
+                     f"{'none' if not rows else 'an empty row'}")
   longest = max(len(r) for r in rows)
   if longest > cfg.max_position_embeddings:
     raise ValueError(f"a row of {longest} tokens is longer than the model's "

@@ -63,13 +63,22 @@ class TokenStream:
     self.output = None
 
   def halt(self, rows) -> None:
-    """Stop generating for these rows (e.g. a stop string appeared in their text): they are
-    marked done in the state of the next segment dispatched, and the run ends once every row is
-    done or halted. Until then a halted row may gain up to two segments' tokens (the one being
+    """Stop generating for these rows (indices; e.g. a stop string appeared in their text): they
+    are marked done in the state of the next segment dispatched, and the run ends once every row
+    is done or halted. Until then a halted row may gain up to two segments' tokens (the one being
     read and the one queued behind it), which `output` keeps and the iteration still yields."""
-    if self._halted is None:
-      raise RuntimeError("halt() stops rows of a run being iterated; start iterating first")
-    self._halted[np.asarray(rows, np.int64)] = True
+    if self._halted is None or self.output is not None:
+      raise RuntimeError("halt() stops rows of a run while it is iterated: "
+                         + ("start iterating first" if self._halted is None else
+                            "this run has ended"))
+    rows = np.asarray(rows)
+    if rows.size == 0:
+      return
+    B = len(self._halted)
+    if rows.dtype == bool or not np.issubdtype(rows.dtype, np.integer) or np.any(
+        (rows < 0) | (rows >= B)):
+      raise ValueError(f"halt takes row indices in [0, {B}), got {rows.tolist()!r}")
+    self._halted[rows] = True
 
   def __iter__(self) -> Iterator[list[list[int]]]:
     run, every = self._run, jnp.int32(self._every)
@@ -121,6 +130,7 @@ class TextStream:
                stop: tuple[str, ...] = ()):
     self._tokens, self._decode, self._single = tokens, decode, single
     self._stop = check_stop(stop)
+    self.stopped: list[bool] = []  # per row, once iterated: its text was cut at a stop string
 
   @property
   def output(self):
@@ -141,6 +151,7 @@ class TextStream:
         yield pieces[0] if self._single else pieces
     pieces = ["" if cut.stopped else cut.add(row.finish()) + cut.flush()
               for row, cut in zip(rows, cuts)]
+    self.stopped = [cut.stopped for cut in cuts]
     if any(pieces):
       yield pieces[0] if self._single else pieces
 
@@ -151,17 +162,19 @@ def check_stop(stop) -> tuple[str, ...]:
     return ()
   stop = (stop,) if isinstance(stop, str) else stop
   if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-    raise ValueError(f"stop must be a non-empty string or a list of them (text that ends an "
-                     f"answer, cut before it), got {stop!r}. Fix: stop=['\\n\\n'] or "
-                     f"stop_ids for token ids")
+    raise ValueError(f"stop_strings must be a non-empty string or a list of them (text that ends "
+                     f"an answer, cut before it), got {stop!r}. Fix: stop_strings=['\\n\\n'] "
+                     f"(token ids that end an answer: the tokenizer's stop ids, stop=True)")
   return tuple(stop)
 
 
 class StopAt:
-  """One row's text pieces cut before the first occurrence of any stop string. A piece's tail that
-  could begin a stop string (it ends with a stop string's prefix) is held back until the next
-  piece settles it, so text already given out never turns out to hold part of a stop string:
-  the pieces join to the whole text cut at its first stop string, wherever the pieces split it."""
+  """One row's text pieces cut before the earliest-starting occurrence of any stop string. Text
+  from where a stop string might still begin (the tail ends with a stop string's prefix) is held
+  back until later pieces settle it, and so is a complete stop string while a longer one that
+  would start before it is still open: so text given out never turns out to hold part of a stop
+  string, and the pieces join to the whole text cut at its first stop string, wherever the pieces
+  split it (one piece or a character at a time alike)."""
 
   def __init__(self, stop: tuple[str, ...]):
     self.stop, self.held, self.stopped = stop, "", False
@@ -171,17 +184,24 @@ class StopAt:
       return ""
     text = self.held + piece
     hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-    if hits:
-      self.stopped, self.held = True, ""
-      return text[:min(hits)]
+    # Where the earliest stop string still open could begin: the longest tail that a stop string
+    # starts with (and is not all of).
     keep = max((k for s in self.stop for k in range(1, min(len(s), len(text) + 1))
                 if text.endswith(s[:k])), default=0)
-    self.held = text[len(text) - keep:]
-    return text[:len(text) - keep]
+    open_at = len(text) - keep
+    if hits and min(hits) <= open_at:  # nothing still open could start before it
+      self.stopped, self.held = True, ""
+      return text[:min(hits)]
+    self.held = text[open_at:]
+    return text[:open_at]
 
   def flush(self) -> str:
-    """What is held back, once the row has ended without a stop string."""
+    """What is held back, once the row has ended: up to a complete stop string in it, if any."""
     held, self.held = ("" if self.stopped else self.held), ""
+    hits = [i for i in (held.find(s) for s in self.stop) if i >= 0]
+    if hits:
+      self.stopped = True
+      return held[:min(hits)]
     return held
 
 

@@ -81,6 +81,11 @@ def test_generate_stops_at_stop_text(tiny_model, capsys, stream):
   assert scored < made <= 40
   assert main(argv + ["--stop", ""]) == 2
   assert "--stop is empty" in capsys.readouterr().err
+  # A stop string opening the answer: nothing to score, said without dividing by zero.
+  opening = full[:2].replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+  assert main(argv + ["--stop", opening, "--logprobs", "model"]) == 0
+  got = capsys.readouterr()
+  assert got.out == "\n" and "of answer 1: 0 tokens" in got.err, got.err
 
 
 def test_score_prints_each_texts_log_probability(tiny_model, tmp_path, capsys):

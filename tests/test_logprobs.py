@@ -15,7 +15,8 @@ from jspec.models.config import Config
 from jspec.models.llama import forward_rows, init_params
 from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_stream
-from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
+                                    tree_speculative_generate_stream)
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -23,7 +24,10 @@ PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30]]
 STOP = 3
 SAMPLINGS = {"greedy": SamplingParams(),
              "t1-topp": SamplingParams(temperature=1.0, top_p=0.9),
-             "t0.7-topk": SamplingParams(temperature=0.7, top_k=5)}
+             "t0.7-topk": SamplingParams(temperature=0.7, top_k=5),
+             "t0.8-minp": SamplingParams(temperature=0.8, min_p=0.1),
+             "greedy-traced": SamplingParams(mode=None),  # greedy decided inside the program
+             "t1-traced": SamplingParams(temperature=1.0, top_p=0.9, mode=None)}
 MAX_NEW = 14
 
 
@@ -45,7 +49,7 @@ def teacher_forced(params, prompt, seq, kind, sampling) -> np.ndarray:
   logits = logits[0, len(prompt) - 1:len(prompt) - 1 + len(seq)]  # [n, V]: each token's predictor
   if kind == "model":
     lps = jax.nn.log_softmax(logits, axis=-1)
-  elif sampling.is_greedy:
+  elif float(sampling.temperature) == 0:
     return np.zeros(len(seq), np.float32)
   else:
     lps = processed_logprobs(logits, sampling)
@@ -84,9 +88,35 @@ def test_logprobs_score_the_generated_tokens(params, drafter, engine, kind, samp
   check_against_teacher(params, out, kind, sp)
   if engine != "autoregressive":  # rounds accepted drafts, so the path's positions were read
     assert out.block_efficiency > 1.2
-  if sampling != "greedy" and kind == "sampled":  # the filters changed what was reported
+  if not sampling.startswith("greedy") and kind == "sampled":  # the filters changed the report
     model = teacher_forced(params, PROMPTS[0], out.sequences()[0], "model", sp)
     assert not np.allclose(np.asarray(out.logprobs)[0, :len(model)], model, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["model", "sampled"])
+def test_a_drafter_that_stops_early_reports_the_targets_logprobs(params, kind):
+  """The n-gram lookup drafts only where the context repeats: rounds with no drafts take the
+  one-token step (logits padded past it), and cut rounds draw the next token afresh at the cut."""
+  from jspec.drafting.ngram import ngram_drafter
+  prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 3, 9, 3, 9, 3]]
+  sp = SAMPLINGS["t1-topp"]
+  spec = SpecConfig(gamma=3, max_new_tokens=MAX_NEW, logprobs=kind)
+  out = speculative_generate(params, CFG, ngram_drafter(CFG.vocab_size), prompts, spec=spec,
+                             sampling=sp, key=4)
+  got = np.asarray(out.logprobs)
+  for row, (prompt, seq) in enumerate(zip(prompts, out.sequences())):
+    np.testing.assert_allclose(got[row, :len(seq)], teacher_forced(params, prompt, seq, kind, sp),
+                               atol=1e-4)
+  assert int(out.rounds) > 0
+
+
+def test_streamed_tree_logprobs_are_the_whole_runs(params, drafter):
+  spec = TreeSpecConfig("fixed:2-2-1", max_new_tokens=MAX_NEW, logprobs="sampled")
+  kw = dict(spec=spec, sampling=SAMPLINGS["t1-topp"], key=8)
+  whole = tree_speculative_generate(params, CFG, drafter, PROMPTS, **kw)
+  stream = tree_speculative_generate_stream(params, CFG, drafter, PROMPTS, every=2, **kw)
+  list(stream)
+  np.testing.assert_array_equal(np.asarray(stream.output.logprobs), np.asarray(whole.logprobs))
 
 
 @pytest.mark.parametrize("policy", ["keydiff", "h2o"])

@@ -104,3 +104,15 @@ def test_bad_starts_are_refused(params):
     out.sums(starts=0)
   with pytest.raises(ValueError, match="starts must lie in"):
     out.sums(starts=4)
+  with pytest.raises(ValueError, match=r"one position or one per row \(1\)"):
+    out.sums(starts=[1, 2])
+
+
+def test_nothing_scored_has_no_perplexity(params):
+  out = score(params, CFG, [[1, 2, 3], [4]])
+  ppl = out.perplexity()
+  assert np.isfinite(ppl[0]) and np.isnan(ppl[1])  # one token: nothing predicts anything
+  assert np.isnan(out.perplexity(starts=[3, 1])[0])
+  for empty in ([], [[1, 2], []]):
+    with pytest.raises(ValueError, match="non-empty rows of token ids"):
+      score(params, CFG, empty)

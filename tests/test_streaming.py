@@ -156,6 +156,9 @@ def test_a_state_sharing_the_callers_buffers_is_copied_before_donation(params):
     (("ND", "END"), ["xE", "N", "D y"], "x"),  # the earliest start wins, whatever the order
     (("abc",), ["ab", "ab", "abc"], "abab"),  # a held prefix that restarts
     (("zz",), ["no", " stop"], "no stop"),  # never: everything, the held tail flushed at the end
+    (("abc", "b"), ["ab", "c"], ""),  # "b" completes first, but "abc" starts earlier
+    (("abc", "b"), ["xab"], "xa"),  # ... and when the row ends before "abc" could complete
+    (("he",), ["hello"], ""),  # a stop string opening the answer
 ])
 def test_stop_strings_cut_wherever_the_pieces_split_them(stop, pieces, want):
   cut = StopAt(stop)
@@ -164,6 +167,23 @@ def test_stop_strings_cut_wherever_the_pieces_split_them(stop, pieces, want):
   assert cut.stopped == (want != "".join(pieces))
   for given in out:  # nothing given out holds a stop string's start that turned out to be one
     assert not any(s in given for s in stop)
+
+
+def test_stop_strings_cut_the_same_however_the_text_is_split():
+  """Random texts and stop strings (overlapping, nested, repeated letters), fed whole, a character
+  at a time and in random pieces: always the whole text cut at its earliest stop string."""
+  rng = np.random.default_rng(0)
+  word = lambda n: "".join(rng.choice(list("ab\n"), n))
+  for _ in range(400):
+    text = word(int(rng.integers(0, 14)))
+    stop = tuple(word(int(rng.integers(1, 4))) for _ in range(int(rng.integers(1, 4))))
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    want = text[:min(hits)] if hits else text
+    bounds = sorted(set(rng.integers(0, len(text) + 1, 3).tolist()) | {0, len(text)})
+    for pieces in ([text], list(text), [text[a:b] for a, b in zip(bounds, bounds[1:])]):
+      cut = StopAt(stop)
+      assert "".join(cut.add(p) for p in pieces) + cut.flush() == want, (text, stop, pieces)
+      assert cut.stopped == bool(hits)
 
 
 @pytest.mark.parametrize("drafter_on", [False, True], ids=["autoregressive", "chain"])
@@ -177,31 +197,31 @@ def test_stop_strings_end_each_row_early_at_its_text(drafter_on):
     kw["drafter"] = ModelDrafter(params, cfg)  # the target itself: every draft accepted
   prompts = ["héllo", "abc"]
   full = model.generate_text(prompts, **kw)
-  # A stop string from each row's own text: its third character on (two bytes at least), so it
-  # straddles tokens; rows stop at different places.
+  # A stop string from each row's own text: three characters from its 41st (three tokens at
+  # least: the tokenizer's are bytes); rows stop at different places.
   stops = [text[40:43] for text in full]
-  assert all(len(s.encode()) >= 3 for s in stops)
+  assert all(len(s) == 3 for s in stops)
   want = [text[:min(i for i in (text.find(s) for s in stops) if i >= 0)] for text in full]
   assert want[0] != full[0] and want[1] != full[1]
-  assert model.generate_text(prompts, stop=stops, **kw) == want
-  stream = model.stream_text(prompts, every=2, stop=stops, **kw)
+  assert model.generate_text(prompts, stop_strings=stops, **kw) == want
+  stream = model.stream_text(prompts, every=2, stop_strings=stops, **kw)
   pieces = list(stream)
   assert ["".join(p[row] for p in pieces) for row in range(2)] == want
   # Rows halted soon after their stop string: the run did not go on to the token budget.
   assert int(stream.output.lengths.max()) < 120
   assert int(stream.output.lengths.max()) <= max(len(w.encode()) for w in want) + 4 * (
       5 if drafter_on else 1) + 3
-  one = model.generate_text(prompts[0], stop=stops[0], **kw)
+  one = model.generate_text(prompts[0], stop_strings=stops[0], **kw)
   assert one == [full[0][:full[0].index(stops[0])]]
 
 
 @pytest.mark.parametrize("bad", ["", [""], ["x", 3], b"x", 7])
 def test_bad_stop_strings_are_refused(bad):
   model = Model(cfg=CFG, params=None, tokenizer=ByteTokenizer(), source="test")
-  with pytest.raises(ValueError, match="stop must be a non-empty string"):
-    model.generate_text("x", stop=bad)
-  with pytest.raises(ValueError, match="stop must be a non-empty string"):
-    model.stream_text("x", stop=bad)
+  with pytest.raises(ValueError, match="stop_strings must be a non-empty string"):
+    model.generate_text("x", stop_strings=bad)
+  with pytest.raises(ValueError, match="stop_strings must be a non-empty string"):
+    model.stream_text("x", stop_strings=bad)
 
 
 def test_halted_rows_stop_and_the_others_run_on(params):
@@ -222,3 +242,16 @@ def test_halted_rows_stop_and_the_others_run_on(params):
   assert got[0] == want[0][:len(got[0])] and len(got[0]) <= 2 * 2 + 3  # halted within 2 segments
   assert compiled.built == 0  # a halt changes the state's values, not its shapes or placement
   # (so the segment program runs on: no second one for the halted state)
+
+
+def test_halt_refuses_what_is_not_a_row_of_a_running_stream(params):
+  stream = generate_stream(params, CFG, PROMPTS, every=2, max_new_tokens=6)
+  with pytest.raises(RuntimeError, match="start iterating first"):
+    stream.halt([0])
+  for _ in stream:
+    for bad in ([True, False], [2], [-1], [0.5]):
+      with pytest.raises(ValueError, match=r"row indices in \[0, 2\)"):
+        stream.halt(bad)
+    stream.halt([])  # nothing to halt
+  with pytest.raises(RuntimeError, match="this run has ended"):
+    stream.halt([0])

@@ -4,9 +4,10 @@ Two kinds, chosen statically (`logprobs=` of `generate`, `SpecConfig`, `TreeSpec
 
   "model"    log softmax of the model's logits at temperature 1, no filters: the model's own
              score of the token (perplexity, evaluation, reward models); vLLM's raw logprobs.
-  "sampled"  the log-probability under the law the token was drawn from: temperature, top-k and
-             top-p applied (`processed_logprobs`), 0 under greedy decoding (the argmax is drawn
-             with probability 1). What an importance ratio against the sampling policy needs.
+  "sampled"  the log-probability under the law the token was drawn from: temperature, top-k,
+             top-p and min-p applied (`processed_logprobs`), 0 under greedy decoding (the argmax
+             is drawn with probability 1). What an importance ratio against the sampling policy
+             needs.
 
 Under speculative decoding both are the target's, at the position that emitted the token, read
 off the verification forward's logits: speculative output follows the target's law, so the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import SamplingParams, processed_logprobs, switch
 
 Array = jax.Array
 
@@ -42,7 +43,9 @@ def processed_for(kind: str | None, logits: Array, sampling: SamplingParams) -> 
   for a verifier to use too (it processes the same logits: computed once), else None."""
   if kind != "sampled" or sampling.is_greedy is True:
     return None
-  return processed_logprobs(logits, sampling)
+  # Greedy decided inside the program (mode=None): no filters computed for a greedy run.
+  return switch(sampling.is_greedy, lambda: jnp.zeros(logits.shape, jnp.float32),
+                lambda: processed_logprobs(logits, sampling))
 
 
 def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingParams,

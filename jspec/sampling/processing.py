@@ -196,7 +196,8 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
 def _min_p(filtered: Array, x: Array, min_p) -> Array:
   """filtered [..., V] less the tokens whose scaled logit x is below the largest's by more than
   -log(min_p): a probability under min_p times the most likely token's (kept: at least it)."""
-  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
+  min_p = jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), x.shape[:-1])[..., None]  # per row
+  floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)
   return jnp.where(x < floor, -jnp.inf, filtered)
 
 
