@@ -11,14 +11,13 @@ by prompt, best of `--repeats` each.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import numpy as np
 
 from jspec import data
-from jspec.bench.profiling import save_script_record
+from jspec.bench.profiling import method_script_parser, save_script_record
 from jspec.drafting.registry import load_drafter
 from jspec.model import load
 from jspec.sampling.processing import SamplingParams
@@ -35,16 +34,8 @@ def timed(model, prompt, n, drafter, sampling, kind):
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--model", default="default")
-  ap.add_argument("--weights", default="float32")
-  ap.add_argument("--dataset", default="mt-bench")
-  ap.add_argument("--num-prompts", type=int, default=6)
-  ap.add_argument("--max-new-tokens", type=int, default=128)
-  ap.add_argument("--methods", default="none,ngram")
+  ap = method_script_parser(__doc__)
   ap.add_argument("--samplings", default="greedy,t1-topp0.9")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--json", required=True)
   args = ap.parse_args()
   model = load(args.model, args.weights)
   prompts = [model.encode(t) for t in data.load_prompts(args.dataset, args.num_prompts)]

@@ -12,11 +12,10 @@ by prompt, best of `--repeats` each.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from jspec import data
-from jspec.bench.profiling import save_script_record
+from jspec.bench.profiling import method_script_parser, save_script_record
 from jspec.drafting.registry import load_drafter
 from jspec.model import STOP_EVERY, load
 
@@ -27,17 +26,9 @@ def cut(text: str, stop: list[str]) -> str:
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--model", default="default")
-  ap.add_argument("--weights", default="float32")
-  ap.add_argument("--dataset", default="mt-bench")
-  ap.add_argument("--num-prompts", type=int, default=6)
-  ap.add_argument("--max-new-tokens", type=int, default=256)
-  ap.add_argument("--methods", default="none,ngram")
+  ap = method_script_parser(__doc__, max_new_tokens=256)
   ap.add_argument("--stop", action="append", default=None,
                   help="stop text (escapes \\n and \\t read as such); default: a blank line")
-  ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--json", required=True)
   args = ap.parse_args()
   stop = [s.replace("\\n", "\n").replace("\\t", "\t") for s in (args.stop or ["\\n\\n"])]
   model = load(args.model, args.weights)

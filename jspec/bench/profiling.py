@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -81,6 +83,22 @@ def machine_info() -> dict:
       "backend": jax.default_backend(),
       "devices": f"{len(devices)}x {devices[0].device_kind}",
   }
+
+
+def method_script_parser(doc: str, max_new_tokens: int = 128) -> argparse.ArgumentParser:
+  """The arguments the side-by-side benchmark scripts share (benchmarks/streaming.py,
+  logprobs.py, stop_strings.py): the model and weights, a prompt set, the token budget, the
+  decoding methods (drafter names or "none"), best-of repeats, the output JSON; add your own."""
+  ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  ap.add_argument("--model", default="default")
+  ap.add_argument("--weights", default="float32")
+  ap.add_argument("--dataset", default="mt-bench")
+  ap.add_argument("--num-prompts", type=int, default=6)
+  ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+  ap.add_argument("--methods", default="none,ngram")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--json", required=True)
+  return ap
 
 
 def save_script_record(record: dict, path: str | Path) -> None:
