@@ -191,12 +191,10 @@ def cmd_generate(args) -> int:
   import numpy as np
   from jspec.bench.profiling import CompileCounter
   from jspec.drafting.registry import load_drafter
-  from jspec.model import load
+  from jspec.model import STOP_EVERY, load
   from jspec.sharding import Placement
   from jspec.streaming import TextStream
   from jspec.tree.shapes import parse_tree
-
-  from jspec.model import STOP_EVERY
 
   sampling = _sampling(args)
   stop = _unescaped(args.stop or [])
