@@ -85,6 +85,7 @@ class TokenStream:
     state = _unshared(run.start(), self._owners)
     sent = np.zeros(state.lengths.shape, np.int32)
     self._halted = np.zeros(state.lengths.shape, bool)
+    applied = self._halted.copy()  # halted rows already marked done in the state
     current = jax.device_get(view(state))  # the first token (before the state is donated)
     pending = None if current[2].all() else run.resume(state, every)
     while True:
@@ -98,9 +99,10 @@ class TokenStream:
         self.output = run.finish(state if pending is None else pending[0])
         return
       state, segment = pending
-      if self._halted.any():  # rows the reader stopped: done from the next segment on
+      if (self._halted & ~applied).any():  # newly stopped rows: done from the next segment on
+        applied = self._halted.copy()  # done stays set in the state: sent to the device once
         state = dataclasses.replace(state, done=state.done | jax.device_put(
-            self._halted, state.done.sharding))
+            applied, state.done.sharding))
       pending = run.resume(state, every)  # queued behind this segment, read meanwhile
       current = jax.device_get(segment)
 
