@@ -21,6 +21,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.logprobs import check_logprobs, processed_for, token_logprobs
+from jspec.sampling.penalties import History, penalize, start_history
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.streaming import Segmented, TokenStream, view
@@ -64,6 +65,7 @@ class DecodeState:
   evicted: Array | None = None  # [B] int32 under a KV budget: entries dropped, so the next
   # token's RoPE position is cache.lengths + evicted
   logprobs: Array | None = None  # [B, N] float32 when reporting them
+  history: History | None = None  # the text's tokens, when penalties may be on
 
 
 def _top_k_logprobs(logits: Array, k: int) -> tuple[Array, Array]:
@@ -92,7 +94,12 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
     logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv,
                                                 placement=placement)
   key, sub = jax.random.split(key)
-  first = sample(sub, logits, sampling)  # [B]
+  history = start_history(sampling, prompt, prompt_lengths, cfg.vocab_size)
+  penalized = penalize(logits, history, sampling)
+  processed = processed_for(logprobs, penalized, sampling)
+  first = sample(sub, penalized, sampling, processed)  # [B]
+  if history is not None:
+    history = history.add(first[:, None], jnp.ones((B, 1), bool))
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
   top_ids = top_logprobs = None
   if record_top_k:
@@ -103,12 +110,12 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
   token_lps = None
   if logprobs:
     token_lps = jnp.zeros((B, max_new_tokens), jnp.float32).at[:, 0].set(
-        token_logprobs(logits, first, logprobs, sampling))
+        token_logprobs(logits, first, logprobs, sampling, processed))
   return DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
       target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted,
-      logprobs=token_lps)
+      logprobs=token_lps, history=history)
 
 
 @traced_under_placement
@@ -132,9 +139,11 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
     else:
       logits, cache, evicted = budgeted_step(params, cfg, s.last[:, None], s.cache, s.evicted, kv)
     key, sub = jax.random.split(s.key)
-    processed = processed_for(logprobs, logits[:, 0], sampling)  # shared with the report
-    nxt = sample(sub, logits[:, 0], sampling, processed)  # [B]
+    penalized = penalize(logits[:, 0], s.history, sampling)
+    processed = processed_for(logprobs, penalized, sampling)  # shared with the report
+    nxt = sample(sub, penalized, sampling, processed)  # [B]
     nxt = jnp.where(s.done, PAD, nxt)
+    history = None if s.history is None else s.history.add(nxt[:, None], ~s.done[:, None])
     tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.step))
     lengths = s.lengths + (~s.done).astype(jnp.int32)
     done = s.done | is_stop(nxt, stop_ids) | (lengths >= max_new_tokens)
@@ -151,7 +160,8 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
     return DecodeState(step=s.step + 1, done=done, tokens=tokens, lengths=lengths,
                        last=jnp.where(s.done, s.last, nxt), key=key, cache=cache,
                        target_calls=s.target_calls + 1, top_ids=top_ids,
-                       top_logprobs=top_logprobs, evicted=evicted, logprobs=token_lps)
+                       top_logprobs=top_logprobs, evicted=evicted, logprobs=token_lps,
+                       history=history)
 
   return jax.lax.while_loop(cond, body, state)
 

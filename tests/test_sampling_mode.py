@@ -46,8 +46,9 @@ def test_mode_is_read_off_the_values():
   # values mapped to arrays (what the engines receive) keep it; to numbers, theirs
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7)).mode == Mode(False, False)
   assert jax.tree.map(jnp.asarray, SamplingParams(0.7, mode=None)).mode is None
-  # top_k 1 and min_p 1: both filters on
-  assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True, True)
+  # top_k 1 and min_p 1: both filters on; presence and frequency penalties 1: penalized
+  assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True, True,
+                                                                              True)
   assert SamplingParams(0.7, min_p=0.1).mode == Mode(greedy=False, filtered=False, min_p=True)
   # values traced when the params are built, or one per row: decided inside the program
   assert jax.jit(lambda t: jnp.asarray(SamplingParams(t).mode is None))(0.5)

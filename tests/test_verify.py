@@ -294,7 +294,10 @@ def test_dispatch_greedy_vs_sampled():
   rows = jax.jit(jax.vmap(lambda k, d, qq, l, s: verify(k, d[None], qq[None], l[None], s)))(
       jnp.stack([key, key]), draft[:2], q[:2], logits[:2],
       SamplingParams(temperature=jnp.asarray([0.0, 1.0]), top_k=jnp.asarray([0, 0]),
-                     top_p=jnp.asarray([1.0, 1.0]), min_p=jnp.asarray([0.0, 0.0])))
+                     top_p=jnp.asarray([1.0, 1.0]), min_p=jnp.asarray([0.0, 0.0]),
+                     repetition_penalty=jnp.asarray([1.0, 1.0]),
+                     presence_penalty=jnp.asarray([0.0, 0.0]),
+                     frequency_penalty=jnp.asarray([0.0, 0.0])))
   n_acc, next_tok = np.asarray(rows[0])[:, 0], np.asarray(rows[1])[:, 0]
   assert (n_acc[0], next_tok[0]) == (np.asarray(greedy[0])[0], np.asarray(greedy[1])[0])
   s1 = sampled_jit(key, draft[1:2], q[1:2], logits[1:2], sp)

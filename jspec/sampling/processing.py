@@ -27,6 +27,7 @@ class Mode(NamedTuple):
   greedy: bool  # temperature 0: argmax and greedy verification, nothing else
   filtered: bool  # top-k or top-p on: the threshold search runs
   min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
+  penalized: bool = False  # a repetition, presence or frequency penalty on (jspec.sampling.penalties)
 
 
 def _host_number(value) -> float | None:
@@ -52,21 +53,27 @@ def _concrete(value) -> float | None:
 
 
 def _mode_of(values) -> Mode | None:
-  """The mode (temperature, top_k, top_p, min_p) give, or None when any is not a known number."""
+  """The mode the settings (in _FIELDS' order) give, or None when any is not a known number."""
   if None in values:
     return None
-  t, k, p, m = values
-  return Mode(greedy=t == 0, filtered=k > 0 or p < 1, min_p=m > 0)
+  t, k, p, m, r, a, f = values
+  return Mode(greedy=t == 0, filtered=k > 0 or p < 1, min_p=m > 0,
+              penalized=r != 1 or a != 0 or f != 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off.
+  """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off;
+  repetition_penalty 1, presence_penalty 0 and frequency_penalty 0 switch the penalties off.
 
   min_p keeps the tokens whose probability (after temperature) is at least min_p times the most
   likely token's (Nguyen et al. 2407.01082), applied after top-k and top-p as transformers orders
-  them. The four settings are pytree data, so new values do not recompile. Which branches a program
-  needs (`mode`: greedy or not, filters on or off) is static, read off the values when they are
+  them. The penalties (jspec.sampling.penalties) change the raw logits before all of that, from
+  the text so far: repetition_penalty as transformers and vLLM (a token of the prompt or the output
+  has a positive logit divided by it, a negative one multiplied), presence_penalty and
+  frequency_penalty as OpenAI's API (subtracted once if the token was generated, and per time). The
+  seven settings are pytree data, so new values do not recompile. Which branches a program
+  needs (`mode`: greedy or not, filters on or off, penalties on or off) is static, read off the values when they are
   numbers: a greedy program then holds no sampling code and no greedy/sampled switch (on a GPU
   each lax.cond in the decode loop is a round trip to the host), and compiles 1.7-2x faster. A
   change of mode (greedy to sampled, a filter turned on or off) compiles another program; other
@@ -80,6 +87,9 @@ class SamplingParams:
   top_k: int | Array = 0
   top_p: float | Array = 1.0
   min_p: float | Array = 0.0
+  repetition_penalty: float | Array = 1.0
+  presence_penalty: float | Array = 0.0
+  frequency_penalty: float | Array = 0.0
   mode: Mode | None | str = "auto"
 
   def __post_init__(self):
@@ -94,7 +104,7 @@ class SamplingParams:
   def validate(self, vocab_size: int | None = None) -> "SamplingParams":
     """Check concrete values on the host (top_k against `vocab_size` when given); returns self
     for chaining."""
-    t, k, p, m = (_setting(name, getattr(self, name)) for name in _FIELDS)
+    t, k, p, m, r, a, f = (_setting(name, getattr(self, name)) for name in _FIELDS)
     if not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
     if int(k) != k or int(k) < 0:
@@ -106,6 +116,13 @@ class SamplingParams:
       raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
     if not (0.0 <= m <= 1.0):
       raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m}")
+    if not math.isfinite(r) or r <= 0:
+      raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off; above 1 "
+                       f"discourages repeats), got {r}")
+    for name, value in (("presence_penalty", a), ("frequency_penalty", f)):
+      if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number (0 = off; positive discourages "
+                         f"repeats), got {value}")
     return self
 
   @property
@@ -127,8 +144,23 @@ class SamplingParams:
       return self.mode.min_p
     return jnp.asarray(self.min_p) > 0
 
+  @property
+  def penalized(self) -> bool | Array:
+    """A penalty on: the next token's law depends on the text so far (jspec.sampling.penalties)."""
+    if self.mode is not None:
+      return self.mode.penalized
+    return ((jnp.asarray(self.repetition_penalty) != 1) | (jnp.asarray(self.presence_penalty) != 0)
+            | (jnp.asarray(self.frequency_penalty) != 0))
 
-_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+  @property
+  def needs_history(self) -> bool:
+    """Static: whether a program carries the text's token counts (penalties on, or decided
+    inside the program)."""
+    return self.mode is None or self.mode.penalized
+
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
 
 
 def _setting(name: str, value) -> float:

@@ -23,6 +23,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.logprobs import check_logprobs, processed_for
+from jspec.sampling.penalties import chain_paths, penalize
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -124,6 +125,9 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       target_logits, hidden, cache = jax.lax.cond(jnp.all(cut == 0), narrow, wide)
     else:
       target_logits, hidden, cache = wide()
+    model_logits = target_logits  # before any penalty: "model" logprobs
+    # Position i's law follows d_1 .. d_i too (jspec.sampling.penalties).
+    target_logits = penalize(target_logits, s.history, sampling, chain_paths(drafts))
     processed = processed_for(spec.logprobs, target_logits, sampling)  # shared with verify
     n_acc, nxt = verify(k_verify, drafts, q, target_logits, sampling, processed)  # [B], [B]
     if kv is not None:
@@ -142,7 +146,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
-    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, logits=target_logits,
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, logits=model_logits,
                   sampling=sampling, processed=processed)
     if kv is not None:
       cache = new.cache

@@ -19,7 +19,8 @@ from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
-from jspec.sampling.logprobs import token_logprobs
+from jspec.sampling.logprobs import processed_for, token_logprobs
+from jspec.sampling.penalties import History, penalize, start_history
 from jspec.sampling.processing import SamplingParams, sample
 from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout, verification_width
@@ -83,6 +84,7 @@ class SpecState:
   # seq_len - 1 - evicted entries and RoPE positions still count from the prompt's start.
   evicted: Array | None = None
   logprobs: Array | None = None  # [B, N + G + 1] float32 beside tokens, when reporting them
+  history: History | None = None  # the text's tokens, when penalties may be on
 
 
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
@@ -126,7 +128,12 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
     if drafter.probe_masks:
       probed = probe_budgeted_prompt(params, cfg, drafter, prompt, prompt_lengths, cache, evicted)
   key, sub = jax.random.split(key)
-  first = sample(sub, logits, sampling)  # [B]
+  history = start_history(sampling, prompt, prompt_lengths, cfg.vocab_size)
+  penalized = penalize(logits, history, sampling)
+  processed = processed_for(spec.logprobs, penalized, sampling)
+  first = sample(sub, penalized, sampling, processed)  # [B]
+  if history is not None:
+    history = history.add(first[:, None], jnp.ones((B, 1), bool))
   # The token after each prompt position: the prompt shifted by one, then the first sample.
   following = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
   following = set_rows(following, prompt_lengths[:, None] - 1, first[:, None])  # [B, P]
@@ -137,7 +144,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   token_lps = None
   if spec.logprobs:
     token_lps = jnp.zeros((B, N + max_accepted + 1), jnp.float32).at[:, 0].set(
-        token_logprobs(logits, first, spec.logprobs, sampling))
+        token_logprobs(logits, first, spec.logprobs, sampling, processed))
   return SpecState(
       done=is_stop(first, spec.stop_ids) | (N <= 1),
       tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
@@ -145,7 +152,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
       rounds=jnp.int32(0), round_tokens=jnp.int32(0), row_rounds=jnp.int32(0),
       accept_hist=zeros(max_accepted + 1), accepted_at=zeros(max_accepted), evicted=evicted,
-      logprobs=token_lps)
+      logprobs=token_lps, history=history)
 
 
 def going(s: SpecState, until: Array | None) -> Array:
@@ -212,8 +219,8 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   two tokens and counters updated; `cache` gets lengths seq_len - 1 (less what was evicted). The
   drafter state is left as it was: the caller updates it from the new seq_len. With
   spec.logprobs, `logits` [B, G + 1, V] are the target's at each emitted token (emitted[:, j]
-  drawn from logits[:, j]) and `sampling` what it drew with (processed: the logits processed,
-  if computed: `processed_for`)."""
+  drawn from logits[:, j]; the model's own, before any penalty) and `sampling` what it drew with
+  (processed: `processed_for` of the penalized logits, which "sampled" logprobs need)."""
   B, W = emitted.shape  # W = G + 1 (chain) or D + 1 (tree)
   N = spec.max_new_tokens
   active = ~s.done
@@ -230,6 +237,7 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
     token_lps = set_rows(token_lps, cols, token_logprobs(logits, emitted, spec.logprobs, sampling,
                                                          processed), mode="drop")
   lengths = s.lengths + count
+  history = None if s.history is None else s.history.add(emitted, idx[None] < count[:, None])
   done = s.done | (first_stop < count) | (lengths >= N)
   # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
   ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, W + 1]
@@ -241,7 +249,7 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   return SpecState(
       done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,
       cache=cache.with_lengths(seq_len - 1 - (0 if s.evicted is None else s.evicted)),
-      draft=s.draft, evicted=s.evicted, logprobs=token_lps,
+      draft=s.draft, evicted=s.evicted, logprobs=token_lps, history=history,
       rounds=s.rounds + 1, round_tokens=s.round_tokens + jnp.sum(count),
       row_rounds=s.row_rounds + jnp.sum(act),
       accept_hist=s.accept_hist + jnp.sum(jax.nn.one_hot(n_acc, W, dtype=jnp.int32)

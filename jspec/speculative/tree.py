@@ -36,6 +36,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.logprobs import check_logprobs, processed_for
+from jspec.sampling.penalties import penalize, tree_paths
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.tree_verify import emitted_tokens, verify_tree
 from jspec.sharding import Mesh, Placement, traced_under_placement
@@ -124,7 +125,8 @@ class TreeRound:
   path: Array  # [B, D] the accepted path (node indices, -1 padded)
   n_acc: Array  # [B] its length
   next_token: Array  # [B] the target's token after it
-  target_logits: Array  # [B, N + 1, V] the target's logits over [root, nodes]
+  target_logits: Array  # [B, N + 1, V] the target's logits over [root, nodes], penalized
+  model_logits: Array  # [B, N + 1, V] the same before any penalty ("model" logprobs)
   processed: Array | None  # [B, N + 1, V] their processed log-probabilities, if computed
 
 
@@ -152,13 +154,18 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
                                          mass_weights=weights, appended=masks,
                                          logits_indices=heads,
                                          taps=drafter.feature_layers)  # [B, N + 1, V]
+  model_logits = target_logits
+  # A node's law follows its path's tokens too (jspec.sampling.penalties).
+  target_logits = penalize(target_logits, s.history, sampling,
+                           tree_paths(tree.tokens, tree.valid, ancestor_mask(tree)))
   processed = processed_for(logprobs, target_logits, sampling)
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling,
                                  processed)  # [B, D], [B], [B]
   return TreeRound(tree=tree, drafted=drafted, cache=cache, hidden=hidden[:, :T],
                    probed=hidden if k else None, window=hidden[:, T:] if X else None,
                    path=path, n_acc=n_acc, next_token=nxt,
-                   target_logits=target_logits, processed=processed)
+                   target_logits=target_logits, model_logits=model_logits,
+                   processed=processed)
 
 
 @traced_under_placement
@@ -227,7 +234,7 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     # emitted[:, j] was drawn from the logits at on_path[:, j].
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
     new = advance(s, emitted, n_acc, spec, key=key, cache=cache, sampling=sampling,
-                  logits=take(r.target_logits, on_path) if spec.logprobs else None,
+                  logits=take(r.model_logits, on_path) if spec.logprobs else None,
                   processed=None if r.processed is None else take(r.processed, on_path))
     if kv is not None:
       # The cut above leaves a due row exactly evict_every entries over the budget.
