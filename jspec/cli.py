@@ -51,6 +51,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
   p.add_argument("--min-p", type=float, default=0.0,
                  help="keep tokens at least this fraction as likely as the most likely; 0 = off")
+  p.add_argument("--repetition-penalty", type=float, default=1.0,
+                 help="a token of the prompt or the output has its logit divided by this when "
+                      "positive, multiplied when not (transformers, vLLM); 1 = off")
+  p.add_argument("--presence-penalty", type=float, default=0.0,
+                 help="subtracted from the logit of every token generated so far (OpenAI); 0 = off")
+  p.add_argument("--frequency-penalty", type=float, default=0.0,
+                 help="subtracted from a token's logit per time it was generated (OpenAI); 0 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
   p.add_argument("--precision", choices=["fast", "exact"], default="fast",
@@ -172,7 +179,10 @@ def _add_tree_arg(p: argparse.ArgumentParser) -> None:
 def _sampling(args):
   from jspec.sampling.processing import SamplingParams
   return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        min_p=getattr(args, "min_p", 0.0)).validate()
+                        min_p=getattr(args, "min_p", 0.0),
+                        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                        presence_penalty=getattr(args, "presence_penalty", 0.0),
+                        frequency_penalty=getattr(args, "frequency_penalty", 0.0)).validate()
 
 
 def _mesh(args, batch: int):
@@ -634,7 +644,9 @@ def cmd_bench_tau(args) -> int:
              model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
-             top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+             presence_penalty=args.presence_penalty,
+             frequency_penalty=args.frequency_penalty, seed=args.seed,
              matmul_precision=precision_label())
   stamp = _stamp(records)
   tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"

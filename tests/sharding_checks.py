@@ -468,7 +468,35 @@ def check_logprobs():
     close(got, want, f"score kv={kv}")
 
 
-GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains,
+def check_penalties():
+  """Repetition / presence / frequency penalties over a vocabulary split by tp (the history's
+  [B, V] counts, the path tokens' gather and scatter) give one device's tokens, every engine."""
+  target, draft = models()
+  drafter = ModelDrafter(draft, DRAFT)
+  greedy = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
+  sampled = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.2,
+                           presence_penalty=0.5)
+  for sp, key in ((greedy, 0), (sampled, 5)):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
+    assert want.sequences() != generate(target, TARGET, PROMPTS, max_new_tokens=10,
+                                        key=key).sequences()
+    for dp, tp in ((2, 4), (1, 8)):
+      got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
+                     mesh=make_mesh(dp, tp))
+      same(got, want, f"generate dp={dp} tp={tp} {sp}")
+  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12), speculative_generate),
+                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12), tree_speculative_generate)):
+    ar = generate(target, TARGET, PROMPTS, max_new_tokens=12, sampling=greedy)
+    for sp in (greedy, sampled):
+      want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3)
+      if sp is greedy:
+        same(want, ar, f"{run.__name__} == generate")
+      got = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3,
+                mesh=make_mesh(2, 4))
+      same(got, want, f"{run.__name__} {sp}")
+
+
+GROUPS = {"generate": check_generate, "penalties": check_penalties, "streams": check_streams, "chains": check_chains,
           "trees": check_trees, "logprobs": check_logprobs,
           "compiles": check_compiles_once, "communication": check_communication,
           "rounds": check_round_communication,

@@ -383,3 +383,22 @@ def test_mode_and_bad_values():
              sampling=SamplingParams(repetition_penalty=-1.0))
   assert penalties.History.of_prompt(jnp.asarray([[1, 99]]), jnp.asarray([1]), 4).in_prompt[
       0].tolist() == [False, True, False, False]  # padding past the length is not the prompt
+
+
+def test_cli_flags(tmp_path, capsys):
+  """--repetition-penalty / --presence-penalty / --frequency-penalty: the same text with a
+  drafter as without, another text than unpenalized; a bad value exits with the message."""
+  import ggufutil
+  from jspec.cli import main
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama", max_position_embeddings=512)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  base = ["generate", "--model", str(d), "--prompt", "Why is the sky blue?", "--max-new-tokens",
+          "16"]
+  flags = ["--repetition-penalty", "1.5", "--presence-penalty", "0.3", "--frequency-penalty", "0.4"]
+  texts = []
+  for extra in (flags, flags + ["--drafter", "self", "--gamma", "3"], []):
+    assert main(base + extra) == 0
+    texts.append(capsys.readouterr().out)
+  assert texts[0] == texts[1] != texts[2]
+  assert main(base + ["--repetition-penalty", "0"]) == 2
+  assert "repetition_penalty must be a finite number > 0" in capsys.readouterr().err

@@ -246,6 +246,8 @@ def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: 
     kwargs.update(do_sample=True, temperature=float(sampling.temperature),
                   top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p),
                   min_p=float(sampling.min_p) or None)
+  if float(sampling.repetition_penalty) != 1:  # transformers has no presence/frequency penalty
+    kwargs.update(repetition_penalty=float(sampling.repetition_penalty))
   torch.manual_seed(seed)
 
   device = hf.device
@@ -415,9 +417,14 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
   greedy = float(sampling.temperature) == 0
   if kv is not None:
     compare_transformers = measure_overhead = False
+  if float(sampling.presence_penalty) or float(sampling.frequency_penalty):
+    compare_transformers = False  # transformers' generate has no presence/frequency penalty
   base = {"model": model_name, "dataset": dataset, "temperature": float(sampling.temperature),
           "top_k": int(sampling.top_k), "top_p": float(sampling.top_p),
           "min_p": float(sampling.min_p),
+          "repetition_penalty": float(sampling.repetition_penalty),
+          "presence_penalty": float(sampling.presence_penalty),
+          "frequency_penalty": float(sampling.frequency_penalty),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "mesh": dict(model.mesh.shape) if getattr(model, "mesh", None) is not None else None,
           "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
