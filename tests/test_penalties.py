@@ -402,3 +402,39 @@ def test_cli_flags(tmp_path, capsys):
   assert texts[0] == texts[1] != texts[2]
   assert main(base + ["--repetition-penalty", "0"]) == 2
   assert "repetition_penalty must be a finite number > 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- drafters
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_a_drafter_proposes_under_the_penalties(target, trimmed):
+  """The target as its own drafter, penalizing each draft for the text and the drafts before it,
+  proposes exactly the penalized target's greedy tokens: every draft accepted. A VocabTrim head
+  (here keeping every id, permuted) is penalized in the full vocabulary and mapped back."""
+  from jspec.drafting.model import trimmed_drafter
+  from jspec.models.vocab_trim import trim_head
+  sp = PENALTIES["all"]
+  drafter = self_drafter(target, TARGET)
+  if trimmed:
+    keep = np.random.default_rng(3).permutation(TARGET.vocab_size)
+    drafter = trimmed_drafter(trim_head(target, keep), TARGET, keep)
+  spec = SpecConfig(gamma=4, max_new_tokens=21)
+  out = speculative_generate(target, TARGET, drafter, PROMPTS, sampling=sp, spec=spec)
+  assert out.sequences() == generate(target, TARGET, PROMPTS, max_new_tokens=21,
+                                     sampling=sp).sequences()
+  assert out.block_efficiency == 5.0
+
+
+def test_a_drafter_that_ignores_its_own_drafts_is_rejected_more(target, monkeypatch):
+  """Control: a draft penalized for the committed text alone (not the drafts before it) is
+  rejected where those drafts repeat a token: the same run accepts less."""
+  from jspec.drafting import base
+  sp = PENALTIES["all"]
+  blind = penalties.chain_draft_penalty
+  monkeypatch.setattr(base, "chain_draft_penalty", lambda history, sp: (
+      None if history is None else
+      lambda logits, tokens, i: blind(history, sp)(logits, tokens, 0)))
+  out = speculative_generate(target, TARGET, self_drafter(target, TARGET), PROMPTS, sampling=sp,
+                             spec=SpecConfig(gamma=4, max_new_tokens=21, stop_ids=(63,)))
+  assert out.sequences() == generate(target, TARGET, PROMPTS, max_new_tokens=21, sampling=sp,
+                                     stop_ids=(63,)).sequences()
+  assert out.block_efficiency < 5.0

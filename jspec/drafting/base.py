@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
+from jspec.sampling.penalties import History, chain_draft_penalty
 from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 from jspec.sharding import Placement
 from jspec.tree.structure import Tree
@@ -96,9 +97,11 @@ class Drafter(abc.ABC):
 
   @abc.abstractmethod
   def propose(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None
-              ) -> tuple[Array, Array, DraftState]:
-    """A chain of `gamma` drafts with their q."""
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history: History | None = None) -> tuple[Array, Array, DraftState]:
+    """A chain of `gamma` drafts with their q. penalty_history: the text's counts when penalties
+    may be on (jspec.sampling.penalties), passed only then; a drafter that can propose under the
+    target's penalties does (more of its drafts accepted), others ignore it."""
 
   @abc.abstractmethod
   def update(self, state: DraftState, seq_len: Array, features: Features) -> DraftState:
@@ -246,6 +249,15 @@ class HeadDrafter(Drafter):
     """Head logits [..., M] in the full vocabulary [..., V] (-inf off the kept ids)."""
     return full_vocab_logits(logits, self.keep_ids, self.vocab_size)
 
+  def draft_penalty(self, history: History | None, sampling: SamplingParams):
+    """draft_chain's `penalty` for head logits [B, M]: penalized in the full vocabulary (a
+    trimmed head's ids mapped there and back); None without a history."""
+    penalty = chain_draft_penalty(history, sampling)
+    if penalty is None or self.keep_ids is None:
+      return penalty
+    return lambda logits, tokens, i: penalty(self.full_logits(logits), tokens, i)[
+        :, self.keep_ids]
+
 
 def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:
   """(token [B], processed probs [B, V]); greedy gives the argmax and a one-hot distribution."""
@@ -277,20 +289,24 @@ def keep_draw(i, tokens: Array, token: Array, probs: Array) -> tuple[Array, Arra
 
 
 def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callable,
-                sample: Callable, pick: Pick | None = None, stop: Callable | None = None):
+                sample: Callable, pick: Pick | None = None, stop: Callable | None = None,
+                penalty: Callable | None = None):
   """The token-by-token draft loop every autoregressive drafter shares.
 
   first_logits [B, M]: the logits of draft 0; step(carry, token [B]) -> (logits [B, M], carry)
   feeds draft i - 1 and scores draft i; sample(key, logits) -> (token [B], q [B, V]) draws in the
   full vocabulary; `pick` may replace each draw before it is fed. `stop(logits) -> [B] bool`
   (adaptive draft length): a row whose draft i it marks ends its chain before draft i (drafts
-  i.. are -1), and the loop stops feeding once every row has ended. Returns (tokens [B, gamma],
-  q [B, gamma, V], carry).
+  i.. are -1), and the loop stops feeding once every row has ended. `penalty(logits, tokens, i)`
+  (jspec.sampling.penalties.chain_draft_penalty): draft i's logits penalized for the text and the
+  drafts before it, before it is drawn. Returns (tokens [B, gamma], q [B, gamma, V], carry).
   """
+  penalty = penalty or (lambda logits, tokens, i: logits)
   pick = pick or keep_draw
   keys = jax.random.split(key, gamma)
   B = first_logits.shape[0]
   tokens = jnp.full((B, gamma), -1 if stop is not None else 0, jnp.int32)
+  first_logits = penalty(first_logits, tokens, 0)
   token, probs = pick(0, tokens, *sample(keys[0], first_logits))
   active = jnp.ones((B,), bool) if stop is None else ~stop(first_logits)
   tokens = tokens.at[:, 0].set(jnp.where(active, token, -1))
@@ -300,6 +316,7 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
     tokens, all_probs, carry, active = loop
     prev = jnp.maximum(jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)[:, 0], 0)  # [B]
     logits, carry = step(carry, prev)
+    logits = penalty(logits, tokens, i)
     token, probs = pick(i, tokens, *sample(keys[i], logits))
     if stop is not None:
       active = active & ~stop(logits)

@@ -115,7 +115,8 @@ class EagleDrafter(HeadDrafter):
     return self._pairs(empty, features, prompt_lengths)
 
   def propose(self, state: EagleState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history=None):
     cache = state.cache.with_lengths(seq_len - 1)
 
     def step(carry, prev: Array):
@@ -127,7 +128,8 @@ class EagleDrafter(HeadDrafter):
 
     tokens, probs, (_, cache) = draft_chain(key, gamma, self._logits(state.next_feat),
                                             (state.next_feat, cache), step,
-                                            self.sampler(sampling), pick)
+                                            self.sampler(sampling), pick,
+                                            penalty=self.draft_penalty(penalty_history, sampling))
     return tokens, probs, dataclasses.replace(state, cache=cache)
 
   def update(self, state: EagleState, seq_len: Array, features: Features) -> EagleState:

@@ -171,7 +171,8 @@ class LookaheadDrafter(Drafter):
     return LookaheadState(window=grams[:, 1:], pool=pool, count=count)
 
   def propose(self, state: LookaheadState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history=None):
     """The newest n-gram after the last known token (the token itself repeated when the pool
     holds none: a guess that costs nothing)."""
     if gamma > self.levels:

@@ -133,7 +133,8 @@ class ModelDrafter(HeadDrafter):
     return self._feed(state, last2, seq_len)
 
   def propose(self, state: ModelDraftState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history=None):
     logits, cache = self._read_last2(state, last2, seq_len)
     offset = _evicted(state)
 
@@ -144,7 +145,8 @@ class ModelDrafter(HeadDrafter):
 
     tokens, probs, cache = draft_chain(key, gamma, logits[:, 0], cache, step,
                                        self.sampler(sampling), pick,
-                                       None if self.stop_below is None else unsure(self.stop_below))
+                                       None if self.stop_below is None else unsure(self.stop_below),
+                                       self.draft_penalty(penalty_history, sampling))
     return tokens, probs, ModelDraftState(cache=cache, evicted=state.evicted)
 
   catches_up = True

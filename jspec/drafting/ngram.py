@@ -135,6 +135,12 @@ class _LookupFeeder:
     return NgramState(history=self.history, inner=inner, skipped=jnp.zeros((), bool))
 
 
+def _penalized(penalty_history) -> dict:
+  """The keyword a fallback's propose gets: the history only when there is one (drafters that
+  never see penalties need not take it)."""
+  return {} if penalty_history is None else dict(penalty_history=penalty_history)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class NgramDrafter(Drafter):
@@ -207,13 +213,15 @@ class NgramDrafter(Drafter):
     return self.fallback is not None and self.fallback.shares_target_cache
 
   def propose_shared(self, state: NgramState, cache, last2: Array, seq_len: Array, key: Array,
-                     sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+                     sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+                     penalty_history=None):
     """`propose` over a fallback that drafts in the target's KV cache (layer skipping)."""
     history, mine = self._lookup_pick(state, last2, seq_len, pick)
 
     def drafted():
       tokens, probs, inner, shared = self.fallback.propose_shared(
-          state.inner, cache, last2, seq_len, key, sampling, gamma, pick=mine)
+          state.inner, cache, last2, seq_len, key, sampling, gamma, pick=mine,
+          **_penalized(penalty_history))
       return tokens, probs, inner, shared, jnp.zeros((), bool)
 
     tokens, probs, inner, cache, skipped = self._unless_matched(
@@ -291,8 +299,10 @@ class NgramDrafter(Drafter):
     return NgramState(history=history, inner=inner, skipped=jnp.zeros((), bool))
 
   def propose(self, state: NgramState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None
-              ) -> tuple[Array, Array, NgramState]:
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history=None) -> tuple[Array, Array, NgramState]:
+    """The lookup's drafts (not penalized: a lookup proposes what the text repeated), the
+    fallback's where it misses (penalized, if the fallback can)."""
     V = self.vocab_size
     history = write_at(state.history, seq_len - 2, last2)
 
@@ -323,7 +333,8 @@ class NgramDrafter(Drafter):
 
     def drafted():
       tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
-                                                   gamma, pick=mine)
+                                                   gamma, pick=mine,
+                                                   **_penalized(penalty_history))
       return tokens, probs, inner, jnp.zeros((), bool)
 
     tokens, probs, inner, skipped = self._unless_matched(history, seq_len, gamma, pick, drafted,

@@ -26,6 +26,7 @@ from jspec.drafting.base import (DraftState, Drafter, Features, Pick, check_stop
 from jspec.models import quant
 from jspec.models.config import Config
 from jspec.models.llama import Params, lm_head
+from jspec.sampling.penalties import chain_draft_penalty
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take
 
@@ -133,7 +134,8 @@ class ProbeDrafter(Drafter):
     return ProbeState(mask=self._moved(state.mask, features.tokens, n), logits=logits)
 
   def propose(self, state: ProbeState, last2: Array, seq_len: Array, key: Array,
-              sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+              sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
+              penalty_history=None):
     if gamma > self.probe_masks:
       raise ValueError(f"a chain of {gamma} drafts needs {gamma} masks per token; this probe has "
                        f"{self.probe_masks}. Fix: mtp:{gamma} or gamma <= {self.probe_masks}")
@@ -141,7 +143,8 @@ class ProbeDrafter(Drafter):
     sample = lambda key, logits: sample_with_probs(key, logits, sampling)
     tokens, probs, _ = draft_chain(key, gamma, state.logits[:, 0], jnp.int32(1), step, sample,
                                    pick, None if self.stop_below is None
-                                   else unsure(self.stop_below))
+                                   else unsure(self.stop_below),
+                                   chain_draft_penalty(penalty_history, sampling))
     return tokens, probs, state
 
   def update(self, state: ProbeState, seq_len: Array, features: Features) -> ProbeState:

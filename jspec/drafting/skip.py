@@ -77,12 +77,14 @@ class SkipDrafter(HeadDrafter):
            features: Features) -> SkipState:
     return SkipState()
 
-  def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None):
+  def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None, *,
+              penalty_history=None):
     raise ValueError("a layer-skip draft reads the target's KV cache: the chain engine calls "
                      "propose_shared (trees are not drafted by layer skipping yet)")
 
   def propose_shared(self, state: SkipState, cache: KVCache, last2: Array, seq_len: Array,
-                     key: Array, sampling: SamplingParams, gamma: int, pick: Pick | None = None):
+                     key: Array, sampling: SamplingParams, gamma: int, pick: Pick | None = None,
+                     *, penalty_history=None):
     """A chain drafted over the target's `cache` (its lengths: the committed entries, seq_len - 1
     less any a KV budget evicted) → (tokens, q, state, the cache with the draft's entries past
     its length, length unchanged). RoPE positions count the evicted entries too."""
@@ -98,7 +100,8 @@ class SkipDrafter(HeadDrafter):
 
     tokens, probs, shared = draft_chain(
         key, gamma, logits[:, 0], shared.commit(1), step, self.sampler(sampling), pick,
-        None if self.stop_below is None else unsure(self.stop_below))
+        None if self.stop_below is None else unsure(self.stop_below),
+        self.draft_penalty(penalty_history, sampling))
     return tokens, probs, state, shared.with_lengths(cache.lengths)
 
   catches_up = True

@@ -118,6 +118,21 @@ def _penalize(logits: Array, history: History, sp: SamplingParams, paths: Array 
   return out.at[b, t, jnp.where(on, tok, V)].set(fixed, mode="drop")
 
 
+def chain_draft_penalty(history: History | None, sp: SamplingParams):
+  """For a drafter's chain loop (jspec.drafting.base.draft_chain): penalty(logits [B, V], tokens
+  [B, gamma], i) -> draft i's logits penalized for the history and drafts 0 .. i-1; None without a
+  history. A drafter that proposes under the target's penalties is accepted more often; the
+  output does not depend on it."""
+  if history is None:
+    return None
+
+  def penalty(logits: Array, tokens: Array, i) -> Array:
+    before = jnp.where(jnp.arange(tokens.shape[1]) < i, tokens, -1)  # [B, gamma]
+    return penalize(logits[:, None], history, sp, before[:, None])[:, 0]
+
+  return penalty
+
+
 def chain_paths(drafts: Array) -> Array:
   """[B, G + 1, G] for a chain block [last, d_1 .. d_G] (drafts [B, G]): position i follows
   d_1 .. d_i (the rest -1)."""

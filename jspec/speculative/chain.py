@@ -89,11 +89,15 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     else:  # one more key, for the fresh draw at a cut
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     target_cache = s.cache
+    # Penalties on: drafters that can propose under them get the text's counts.
+    penalties = {} if s.history is None else dict(penalty_history=s.history)
     if drafter.shares_target_cache:  # a layer-skip draft writes past the committed entries
       drafts, q, draft, target_cache = drafter.propose_shared(s.draft, s.cache, s.last2,
-                                                              s.seq_len, k_draft, sampling, G)
+                                                              s.seq_len, k_draft, sampling, G,
+                                                              **penalties)
     else:
-      drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G)
+      drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G,
+                                         **penalties)
     cut = None  # [B]: verify only the first `cut` drafts (the rest are not the target's to judge)
     if drafter.stops_early:
       drafts, cut = valid_drafts(drafts)
