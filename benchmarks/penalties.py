@@ -49,6 +49,9 @@ def repeated_4grams(tokens: list[int]) -> tuple[int, int]:
 def main() -> None:
   ap = method_script_parser(__doc__)
   ap.add_argument("--settings", default=",".join(SETTINGS))
+  ap.add_argument("--draft-penalties", action="store_true",
+                  help="also run each speculative method with its drafter proposing under the "
+                       "penalties (Drafter.with_draft_penalties), as method+dp")
   args = ap.parse_args()
   if args.methods.split(",")[0] != "none":
     ap.error("--methods must start with none: speculative runs are compared with its tokens")
@@ -58,8 +61,13 @@ def main() -> None:
   names = args.settings.split(",")
   autoregressive = {}  # (setting, prompt index) -> greedy autoregressive tokens
   rows = []
+  runs = []  # (row name, drafter)
   for method in args.methods.split(","):
     drafter = None if method == "none" else load_drafter(method, model, args.weights)
+    runs.append((method, drafter))
+    if drafter is not None and args.draft_penalties:
+      runs.append((method + "+dp", drafter.with_draft_penalties()))
+  for method, drafter in runs:
     for p in prompts:  # compile every bucket's programs
       for name in names:
         timed(model, p, n, drafter, SETTINGS[name])

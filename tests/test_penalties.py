@@ -28,7 +28,7 @@ from jspec.speculative import tree as tree_engine
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_tokens)
-from jspec.tree.structure import Siblings, Tree, ancestor_mask
+from jspec.tree.structure import Siblings, Tree
 from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_PROMPT, chi_square,
                               noised_drafter)
 
@@ -110,7 +110,8 @@ def test_tree_paths_follow_each_nodes_ancestors():
   depth = jnp.asarray([[1, 1, 2, 2, 2, 3, 0]])
   tree = Tree(tokens=tokens, parents=parents, depth=depth, valid=valid,
               q=jnp.zeros((1, 8, 6)), max_depth=3, siblings=Siblings.FIXED)
-  paths = np.asarray(tree_paths(tokens, valid, ancestor_mask(tree)))
+  paths = np.asarray(tree_paths(tree))
+  assert paths.shape == (1, 8, 3)
   want = [[], [3], [4], [3, 3], [3, 5], [4, 3], [3, 3, 3], []]
   assert [sorted(p[p >= 0].tolist()) for p in paths[0]] == [sorted(w) for w in want]
   history = History.of_prompt(jnp.asarray([[1]]), jnp.asarray([1]), 6)
@@ -314,8 +315,8 @@ def test_sampling_that_ignores_the_drafts_is_caught(close_pair, monkeypatch):
   """Control: the tree verifier penalizing every node for the committed text alone fails the
   same test."""
   target, drafter = close_pair
-  monkeypatch.setattr(tree_engine, "tree_paths", lambda tokens, valid, anc: jnp.full(
-      (tokens.shape[0], tokens.shape[1] + 1, tokens.shape[1]), -1, jnp.int32))
+  monkeypatch.setattr(tree_engine, "tree_paths", lambda tree: jnp.full(
+      (tree.tokens.shape[0], tree.num_nodes + 1, tree.max_depth), -1, jnp.int32))
   stat, dof, ok = chi_square(sampled_codes(target, drafter, "rsd-c:2-2"), exact(target))
   assert not ok, (stat, dof)
 
@@ -416,12 +417,28 @@ def test_a_drafter_proposes_under_the_penalties(target, trimmed):
   drafter = self_drafter(target, TARGET)
   if trimmed:
     keep = np.random.default_rng(3).permutation(TARGET.vocab_size)
-    drafter = trimmed_drafter(trim_head(target, keep), TARGET, keep)
+    drafter = trimmed_drafter(trim_head(target, keep), TARGET, keep).with_draft_penalties()
   spec = SpecConfig(gamma=4, max_new_tokens=21)
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=21, sampling=sp).sequences()
   out = speculative_generate(target, TARGET, drafter, PROMPTS, sampling=sp, spec=spec)
-  assert out.sequences() == generate(target, TARGET, PROMPTS, max_new_tokens=21,
-                                     sampling=sp).sequences()
-  assert out.block_efficiency == 5.0
+  assert out.sequences() == want and out.block_efficiency == 5.0
+  # Off (a draft model's default): the same drafter proposes the unpenalized chain.
+  out = speculative_generate(target, TARGET, drafter.with_draft_penalties(False), PROMPTS,
+                             sampling=sp, spec=spec)
+  assert out.sequences() == want and out.block_efficiency < 4.5
+
+
+def test_draft_penalties_setting():
+  """On for the target as its own drafter, off for draft models; the n-gram lookup passes it to
+  its fallback; a drafter that does not draw from logits refuses it."""
+  params = init_params(TINY, jax.random.key(0))
+  assert self_drafter(params, TINY).draft_penalties
+  model = ModelDrafter(params, TINY)
+  assert not model.draft_penalties
+  assert ngram_drafter(TINY.vocab_size, fallback=model).with_draft_penalties().fallback \
+      .draft_penalties
+  with pytest.raises(ValueError, match="does not draw its drafts from logits"):
+    ngram_drafter(TINY.vocab_size).with_draft_penalties()
 
 
 def test_a_drafter_that_ignores_its_own_drafts_is_rejected_more(target, monkeypatch):

@@ -176,6 +176,16 @@ class Drafter(abc.ABC):
     raise ValueError(f"{type(self).__name__} has no adaptive draft length: drop the stop "
                      f"threshold (the @P of a drafter name NAME@P) for it")
 
+  def with_draft_penalties(self, on: bool = True) -> "Drafter":
+    """This drafter proposing under the target's repetition / presence / frequency penalties
+    (counting its own earlier drafts) when a run has them, or (on=False) without. The output is
+    the same either way; acceptance is not: a drafter whose logits track the target's own (the
+    target as its drafter) gains, a small draft model may lose (benchmarks/README.md)."""
+    if "draft_penalties" not in {f.name for f in dataclasses.fields(self)}:
+      raise ValueError(f"{type(self).__name__} does not draw its drafts from logits, so it has no "
+                       f"penalized proposals; drop the draft-penalties setting for it")
+    return dataclasses.replace(self, draft_penalties=bool(on))
+
   def probe_embedding(self, state: DraftState) -> Array:
     """[B, E]: the input embedding of the mask positions (probing drafters only)."""
     raise NotImplementedError(f"{type(self).__name__} appends no mask positions")
@@ -251,8 +261,9 @@ class HeadDrafter(Drafter):
 
   def draft_penalty(self, history: History | None, sampling: SamplingParams):
     """draft_chain's `penalty` for head logits [B, M]: penalized in the full vocabulary (a
-    trimmed head's ids mapped there and back); None without a history."""
-    penalty = chain_draft_penalty(history, sampling)
+    trimmed head's ids mapped there and back); None without a history or when the drafter
+    proposes unpenalized (`draft_penalties`, set by `with_draft_penalties`)."""
+    penalty = chain_draft_penalty(history, sampling) if self.draft_penalties else None
     if penalty is None or self.keep_ids is None:
       return penalty
     return lambda logits, tokens, i: penalty(self.full_logits(logits), tokens, i)[

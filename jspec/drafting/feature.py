@@ -55,6 +55,8 @@ class EagleDrafter(HeadDrafter):
   head: Array | None
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
+  # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
+  draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def feature_layers(self) -> tuple[int, ...]:

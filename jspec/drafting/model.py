@@ -76,6 +76,8 @@ class ModelDrafter(HeadDrafter):
   kv_slots: int = dataclasses.field(default=0, metadata=dict(static=True))
   kv_drop: int = dataclasses.field(default=0, metadata=dict(static=True))
   stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+  # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
+  draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def stops_early(self) -> bool:
@@ -198,7 +200,7 @@ class ModelDrafter(HeadDrafter):
 
 def self_drafter(params: Params, cfg: Config) -> ModelDrafter:
   """The target as its own draft: the engine's sanity check (greedy accepts every token)."""
-  return ModelDrafter(params=params, cfg=cfg)
+  return ModelDrafter(params=params, cfg=cfg, draft_penalties=True)
 
 
 def early_exit_drafter(params: Params, cfg: Config, num_layers: int) -> ModelDrafter:

@@ -208,6 +208,12 @@ class NgramDrafter(Drafter):
       return dataclasses.replace(self, stop_on_miss=True)
     return dataclasses.replace(self, fallback=self.fallback.with_stop(threshold))
 
+  def with_draft_penalties(self, on: bool = True) -> NgramDrafter:
+    """The fallback's proposals under the penalties (a lookup's are the text's repeats)."""
+    if self.fallback is None:
+      return super().with_draft_penalties(on)
+    return dataclasses.replace(self, fallback=self.fallback.with_draft_penalties(on))
+
   @property
   def shares_target_cache(self) -> bool:
     return self.fallback is not None and self.fallback.shares_target_cache

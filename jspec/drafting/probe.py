@@ -68,6 +68,8 @@ class ProbeDrafter(Drafter):
   probe_masks: int = dataclasses.field(default=2, metadata=dict(static=True))
   ema_rate: float = dataclasses.field(default=EMA_RATE, metadata=dict(static=True))
   stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+  # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
+  draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
     if not isinstance(self.probe_masks, int) or self.probe_masks < 1:
@@ -144,7 +146,8 @@ class ProbeDrafter(Drafter):
     tokens, probs, _ = draft_chain(key, gamma, state.logits[:, 0], jnp.int32(1), step, sample,
                                    pick, None if self.stop_below is None
                                    else unsure(self.stop_below),
-                                   chain_draft_penalty(penalty_history, sampling))
+                                   chain_draft_penalty(penalty_history, sampling)
+                                   if self.draft_penalties else None)
     return tokens, probs, state
 
   def update(self, state: ProbeState, seq_len: Array, features: Features) -> ProbeState:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, switch
+from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
 
@@ -141,9 +142,15 @@ def chain_paths(drafts: Array) -> Array:
   return jnp.where(before[None], drafts[:, None, :], -1)
 
 
-def tree_paths(tokens: Array, valid: Array, ancestors: Array) -> Array:
-  """[B, N + 1, N] for a tree block [root, nodes] (tokens, valid [B, N]; ancestors [B, N, N]:
-  node n sees node m, itself included): the root follows nothing new, node n its path's tokens."""
-  B, N = tokens.shape
-  nodes = jnp.where(ancestors & valid[:, None, :], tokens[:, None, :], -1)  # [B, N, N]
-  return jnp.concatenate([jnp.full((B, 1, N), -1, nodes.dtype), nodes], axis=1)
+def tree_paths(tree: Tree) -> Array:
+  """[B, N + 1, D] for a tree block [root, nodes] (D = tree.max_depth): the root follows nothing
+  new, node n the tokens of its path, itself back to the root's child (-1 padded; an invalid
+  node: all -1)."""
+  B, N = tree.tokens.shape
+  node = jnp.where(tree.valid, jnp.arange(N, dtype=jnp.int32), -1)  # [B, N]
+  columns = []
+  for _ in range(tree.max_depth):
+    columns.append(jnp.where(node >= 0, take(tree.tokens, node), -1))
+    node = parent_of(tree, node)
+  nodes = jnp.stack(columns, axis=-1).astype(jnp.int32)  # [B, N, D]
+  return jnp.concatenate([jnp.full((B, 1, tree.max_depth), -1, jnp.int32), nodes], axis=1)
