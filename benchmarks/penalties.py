@@ -66,7 +66,10 @@ def main() -> None:
     drafter = None if method == "none" else load_drafter(method, model, args.weights)
     runs.append((method, drafter))
     if drafter is not None and args.draft_penalties:
-      runs.append((method + "+dp", drafter.with_draft_penalties()))
+      try:
+        runs.append((method + "+dp", drafter.with_draft_penalties()))
+      except ValueError:  # a lookup alone, lookahead: nothing drawn from logits to penalize
+        pass
   for method, drafter in runs:
     for p in prompts:  # compile every bucket's programs
       for name in names:

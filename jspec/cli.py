@@ -1037,7 +1037,8 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--budgets", default="256,512", help="KV slots kept per row, comma-separated")
   v.add_argument("--context", type=int, default=2048, help="context tokens per sample")
   v.add_argument("--tasks", default="passkey,multikey,vt,kl",
-                 help="passkey, multikey, vt (variable tracking), kl (vs the full cache)")
+                 help="passkey, multikey, vt (variable tracking), kl (vs the full cache), ppl (the "
+                      "context's perplexity read under the policy, over the full cache's)")
   v.add_argument("--num-samples", type=int, default=8)
   v.add_argument("--no-timing", action="store_true",
                  help="skip the prefill s / decode tok/s runs (eight per method and task)")

@@ -496,8 +496,8 @@ def check_penalties():
       same(got, want, f"{run.__name__} {sp}")
 
 
-GROUPS = {"generate": check_generate, "penalties": check_penalties, "streams": check_streams, "chains": check_chains,
-          "trees": check_trees, "logprobs": check_logprobs,
+GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains,
+          "trees": check_trees, "logprobs": check_logprobs, "penalties": check_penalties,
           "compiles": check_compiles_once, "communication": check_communication,
           "rounds": check_round_communication,
           "budget": check_budget_communication,

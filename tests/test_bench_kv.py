@@ -13,6 +13,7 @@ from jspec.kv.policy import KVPolicy
 from jspec.model import load
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward
+from jspec.score import score
 
 import ggufutil
 
@@ -89,12 +90,12 @@ def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
 
 def test_records_and_plot(tiny, tmp_path):
   setup = bench_kv.BenchKV(methods=["full", "keydiff", "h2o+caote"], budgets=[48], context=160,
-                           tasks=["passkey", "kl"], num_samples=1, chunk=16, continuation=8,
+                           tasks=["passkey", "kl", "ppl"], num_samples=1, chunk=16, continuation=8,
                            decode_tokens=9, evict_every=3)
   records = bench_kv.run_bench_kv(tiny, setup, texts(), progress=lambda r: None)
   got = {(r["task"], r["method"]) for r in records}
   assert got == {("passkey", "full"), ("passkey", "keydiff"), ("passkey", "h2o+caote"),
-                 ("kl", "keydiff"), ("kl", "h2o+caote")}
+                 ("kl", "keydiff"), ("kl", "h2o+caote"), ("ppl", "keydiff"), ("ppl", "h2o+caote")}
   full = next(r for r in records if r["method"] == "full")
   kd = next(r for r in records if r["method"] == "keydiff" and r["task"] == "kl")
   for r in records:
@@ -105,6 +106,13 @@ def test_records_and_plot(tiny, tmp_path):
   assert kd["peak_kv_bytes"] < full["peak_kv_bytes"] and kd["kl"] >= 0
   assert kd["budget"] == 48 and kd["budget_fraction"] == pytest.approx(48 / 160)
   assert kd["evict_every"] == 3 and kd["continuation"] == 8
+  # ppl: the budgeted read's perplexity over the full cache's, on the same 160 tokens.
+  ppl = next(r for r in records if r["method"] == "keydiff" and r["task"] == "ppl")
+  text = bench_kv.haystack_ids(tiny.tokenizer, texts(), 160 + 8)[:160]  # the sample's context
+  full_ppl = float(score(tiny.params, tiny.cfg, [text], chunk=16).perplexity()[0])
+  assert ppl["full_perplexity"] == pytest.approx(full_ppl, rel=1e-5)
+  assert ppl["perplexity_ratio"] == pytest.approx(ppl["perplexity"] / full_ppl, rel=1e-5)
+  assert ppl["perplexity_ratio"] != pytest.approx(1.0, abs=1e-4)  # 48 slots of 160 lose something
   pytest.importorskip("matplotlib")
   bench_kv.plot(records, tmp_path / "kv.png")
   assert (tmp_path / "kv.png").stat().st_size > 1000

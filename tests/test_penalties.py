@@ -127,7 +127,9 @@ def test_penalties_off_leave_the_logits_alone():
   assert penalize(x, history, SamplingParams(temperature=0.5)) is x  # static mode: untouched
   traced = jax.jit(lambda sp: penalize(x, history, sp))(SamplingParams(mode=None))
   np.testing.assert_array_equal(np.asarray(traced), np.asarray(x, np.float32))
-  assert penalize(x, None, PENALTIES["all"]) is x
+  assert penalize(x, None, SamplingParams(mode=None)) is x  # no history: nothing to count
+  with pytest.raises(ValueError, match="no History of the text"):
+    penalize(x, None, PENALTIES["all"])
 
 
 # ---------------------------------------------------------------------------- autoregressive
@@ -300,9 +302,13 @@ def sampled_codes(params, drafter, engine: str, seed: int = 0) -> np.ndarray:
   return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
 
 
-@pytest.mark.parametrize("engine", ["chain", "rsd-c:2-2"])
+@pytest.mark.parametrize("engine", ["chain", "chain-draft-penalties", "rsd-c:2-2"])
 def test_sampling_with_penalties_is_lossless(close_pair, engine):
+  """Chains and trees; "chain-draft-penalties": the drafter proposing under the penalties too (its
+  q the law it drew from, penalized for its own earlier drafts)."""
   target, drafter = close_pair
+  if engine == "chain-draft-penalties":
+    engine, drafter = "chain", drafter.with_draft_penalties()
   probs = exact(target)
   stat, dof, ok = chi_square(sampled_codes(target, drafter, engine), probs)
   assert ok, (engine, stat, dof)
@@ -373,7 +379,7 @@ def test_mode_and_bad_values():
                                                             min_p=False, penalized=True)
   assert not SamplingParams(repetition_penalty=1.0).mode.penalized
   assert SamplingParams(mode=None).needs_history and not SamplingParams().needs_history
-  for bad, match in ((dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+  for bad, match in ((dict(repetition_penalty=0.0), "repetition_penalty must be a finite number"),
                      (dict(repetition_penalty=float("inf")), "repetition_penalty"),
                      (dict(presence_penalty=float("nan")), "presence_penalty must be a finite"),
                      (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite")):
@@ -455,3 +461,54 @@ def test_a_drafter_that_ignores_its_own_drafts_is_rejected_more(target, monkeypa
   assert out.sequences() == generate(target, TARGET, PROMPTS, max_new_tokens=21, sampling=sp,
                                      stop_ids=(63,)).sequences()
   assert out.block_efficiency < 5.0
+
+
+def test_settings_decided_inside_the_program_and_streams(target, drafter):
+  """mode=None (one program for every setting, the history always carried): the same tokens as
+  the static mode, penalties on or off; streamed runs give the whole run's tokens."""
+  from jspec.generate import generate_stream
+  from jspec.speculative.chain import speculative_generate_stream
+  spec = SpecConfig(gamma=3, max_new_tokens=16)
+  for sp in (PENALTIES["all"], SamplingParams()):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp).sequences()
+    traced = dataclasses_replace(sp, mode=None)
+    assert generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=traced).sequences() \
+        == want
+    assert speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec,
+                                sampling=traced).sequences() == want
+  sp = PENALTIES["all"]
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp).sequences()
+  for stream in (generate_stream(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp, every=3),
+                 speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
+                                             sampling=sp, every=2)):
+    for _ in stream:
+      pass
+    assert stream.output.sequences() == want
+
+
+def test_a_drafter_written_before_penalties_still_runs(target, drafter):
+  """A drafter whose propose does not take penalty_history (a user's, written to the older
+  protocol) is not handed one: it proposes unpenalized, the output is the same."""
+  import dataclasses
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass
+  class OldSignature(ModelDrafter):
+    own: bool = dataclasses.field(default=True, metadata=dict(static=True))
+
+    def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None):
+      return super().propose(state, last2, seq_len, key, sampling, gamma, pick)
+
+  old = OldSignature(drafter.params, TARGET)
+  sp = PENALTIES["repetition"]
+  want = generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp).sequences()
+  assert speculative_generate(target, TARGET, old, PROMPTS, sampling=sp,
+                              spec=SpecConfig(gamma=3, max_new_tokens=16)).sequences() == want
+
+
+def test_bench_tau_refuses_presence_and_frequency_penalties(target, drafter):
+  from jspec.bench.paired_tau import paired_tau
+  from jspec.tree.shapes import parse_tree
+  with pytest.raises(ValueError, match="presence and frequency penalties count generated"):
+    paired_tau(target, TARGET, drafter, [[1, 2, 3]], [parse_tree("fixed:2-1")],
+               sampling=SamplingParams(frequency_penalty=0.5), progress=False)

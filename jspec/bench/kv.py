@@ -12,6 +12,9 @@ already fetches):
 - kl: a conversation's next `continuation` tokens teacher-forced after `context` tokens of it: the
   mean KL divergence of the policy's next-token distributions from the full cache's, and how often
   their top-1 tokens agree.
+- ppl: a conversation's `context` tokens scored as chunked prefill reads them under the policy
+  (jspec.score: each chunk over the cache the earlier chunks left): the perplexity, and its ratio to
+  the full cache's on the same text (1 = nothing lost; the geometric mean of the samples' ratios).
 
 "full" runs the same chunked prefill with a budget that never binds (exact attention over every
 token), so every method sees the same chunking and only eviction differs (a budget below `chunk`
@@ -39,9 +42,11 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.models.numerics import engine_jit
+from jspec.score import score
 
 Array = jax.Array
-TASKS = ("passkey", "multikey", "vt", "kl")
+TASKS = ("passkey", "multikey", "vt", "kl", "ppl")
+SCORED = ("kl", "ppl")  # tasks that score a text against the full cache's, generating nothing
 NAMES = ("Alice", "Bob", "Carol", "Dave", "Erin", "Frank", "Grace", "Heidi")
 ANSWER_TOKENS = {"passkey": 12, "multikey": 12, "vt": 40}  # greedy tokens generated per answer
 
@@ -172,6 +177,11 @@ def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: 
 _continuation_jit = engine_jit(continuation_logprobs, static_argnums=(1, 3, 4))
 
 
+def _perplexity(params: Params, cfg: Config, tokens: list[int], policy: KVPolicy) -> float:
+  """The perplexity of `tokens` (their first excluded: nothing predicts it) read under `policy`."""
+  return float(score(params, cfg, [tokens], chunk=policy.chunk, kv=policy).perplexity()[0])
+
+
 def kl_and_agreement(full: Array, policy: Array) -> tuple[float, float]:
   """Mean KL(full || policy) in nats and top-1 agreement over the positions."""
   kl = jnp.sum(jnp.exp(full) * (full - policy), axis=-1)
@@ -256,10 +266,14 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
       full_policy = policy_for("full", 0, need, 0, setup.chunk, 0, 0)
       tokens = [jnp.asarray([s]) for s in samples]
       reference = [_continuation_jit(params, cfg, t, setup.context, full_policy) for t in tokens]
+    elif task == "ppl":
+      texts_in = [s[:setup.context] for s in samples]
+      full_policy = policy_for("full", 0, setup.context, 0, setup.chunk, 0, 0)
+      reference = [_perplexity(params, cfg, t, full_policy) for t in texts_in]
     else:
       built = [make_task(task, model.tokenizer, s, setup.context, rng) for s in samples]
     for method, budget in runs:
-      if task == "kl" and method == "full":
+      if task in SCORED and method == "full":
         continue
       policy = policy_for(method, budget, setup.context, most_new, setup.chunk, setup.sinks,
                           setup.window, setup.evict_every)
@@ -271,6 +285,13 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
                     for ref, t in zip(reference, tokens)]
           result = {"kl": float(np.mean([s[0] for s in scores])),
                     "top1_agreement": float(np.mean([s[1] for s in scores]))}
+        elif task == "ppl":
+          ppl = [_perplexity(params, cfg, t, policy) for t in texts_in]
+          ratios = np.asarray(ppl) / np.asarray(reference)
+          result = {"perplexity": float(np.exp(np.mean(np.log(ppl)))),
+                    "full_perplexity": float(np.exp(np.mean(np.log(reference)))),
+                    "perplexity_ratio": float(np.exp(np.mean(np.log(ratios)))),
+                    "perplexity_ratios": [float(r) for r in ratios]}
         else:
           correct = []
           for prompt, wanted, others in built:
@@ -282,7 +303,7 @@ def run_bench_kv(model, setup: BenchKV, texts: Iterator[str], progress=print) ->
       seconds = time.perf_counter() - start - compiled.seconds
       if task == "kl":
         result["continuation"] = setup.continuation
-      if task != "kl" and setup.time_decode:  # every prompt is `context` tokens: one stands
+      if task not in SCORED and setup.time_decode:  # every prompt is `context` tokens: one stands
         prefill_s, decode = time_prefill_decode(model, built[0][0], policy,  # for all
                                                 setup.decode_tokens)
         result.update(prefill_s=prefill_s, decode_tokens_per_s=decode)
@@ -306,7 +327,7 @@ def plot(records: list[dict], path) -> None:
   tasks = sorted({r["task"] for r in records})
   fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 4), squeeze=False)
   for ax, task in zip(axes[0], tasks):
-    key = "kl" if task == "kl" else "accuracy"
+    key = {"kl": "kl", "ppl": "perplexity_ratio"}.get(task, "accuracy")
     rows = [r for r in records if r["task"] == task]
     for method in sorted({r["method"] for r in rows}):
       pts = sorted((r["budget_fraction"], r[key]) for r in rows if r["method"] == method)
@@ -315,7 +336,8 @@ def plot(records: list[dict], path) -> None:
       else:
         ax.plot(*zip(*pts), marker="o", label=method)
     ax.set_xlabel("KV budget / context")
-    ax.set_ylabel("KL(full || policy), nats" if key == "kl" else "accuracy")
+    ax.set_ylabel({"kl": "KL(full || policy), nats",
+                   "perplexity_ratio": "perplexity / full cache's"}.get(key, "accuracy"))
     ax.set_title(f"{task}, context {rows[0]['context']}")
     ax.legend(fontsize=7)
   fig.tight_layout()

@@ -141,6 +141,12 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   if int(rounds) != rounds or rounds < 1 or int(batch) != batch or batch < 1:
     raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
   sampling.validate()
+  if float(sampling.presence_penalty) or float(sampling.frequency_penalty):
+    raise ValueError("bench-tau scores rounds from contexts of prompt + response prefix, all read "
+                     "as prompt, while presence and frequency penalties count generated tokens "
+                     "only: its target would not be the one decoding runs. Fix: drop them here "
+                     "(repetition_penalty, which counts the prompt too, is fine), or measure tau "
+                     "with jspec bench")
   reserve = max(TreeSpecConfig(s, max_new_tokens=1).reserve for s in shapes)
   if draft_kv is not None:
     if kv is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 from typing import Callable, Protocol
 
 import jax
@@ -101,7 +102,7 @@ class Drafter(abc.ABC):
               penalty_history: History | None = None) -> tuple[Array, Array, DraftState]:
     """A chain of `gamma` drafts with their q. penalty_history: the text's counts when penalties
     may be on (jspec.sampling.penalties), passed only then; a drafter that can propose under the
-    target's penalties does (more of its drafts accepted), others ignore it."""
+    target's penalties and is asked to (`with_draft_penalties`) does, others ignore it."""
 
   @abc.abstractmethod
   def update(self, state: DraftState, seq_len: Array, features: Features) -> DraftState:
@@ -182,8 +183,10 @@ class Drafter(abc.ABC):
     the same either way; acceptance is not: a drafter whose logits track the target's own (the
     target as its drafter) gains, a small draft model may lose (benchmarks/README.md)."""
     if "draft_penalties" not in {f.name for f in dataclasses.fields(self)}:
-      raise ValueError(f"{type(self).__name__} does not draw its drafts from logits, so it has no "
-                       f"penalized proposals; drop the draft-penalties setting for it")
+      raise ValueError(f"{type(self).__name__} does not draw its drafts from logits (an n-gram "
+                       f"lookup without a fallback, lookahead), so it cannot propose under "
+                       f"penalties: do not call with_draft_penalties on it (a lookup with a model "
+                       f"fallback, ngram+default, passes it on to the fallback)")
     return dataclasses.replace(self, draft_penalties=bool(on))
 
   def probe_embedding(self, state: DraftState) -> Array:
@@ -268,6 +271,15 @@ class HeadDrafter(Drafter):
       return penalty
     return lambda logits, tokens, i: penalty(self.full_logits(logits), tokens, i)[
         :, self.keep_ids]
+
+
+def penalty_kwargs(drafter: Drafter, history: History) -> dict:
+  """{"penalty_history": history} for a drafter whose propose (propose_shared, if it drafts in the
+  target's cache) takes it; {} for one written before penalties (its own signature), which then
+  proposes unpenalized: the output is the same."""
+  method = drafter.propose_shared if drafter.shares_target_cache else drafter.propose
+  takes = "penalty_history" in inspect.signature(method).parameters
+  return dict(penalty_history=history) if takes else {}
 
 
 def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tuple[Array, Array]:

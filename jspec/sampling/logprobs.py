@@ -4,10 +4,10 @@ Two kinds, chosen statically (`logprobs=` of `generate`, `SpecConfig`, `TreeSpec
 
   "model"    log softmax of the model's logits at temperature 1, no filters: the model's own
              score of the token (perplexity, evaluation, reward models); vLLM's raw logprobs.
-  "sampled"  the log-probability under the law the token was drawn from: temperature, top-k,
-             top-p and min-p applied (`processed_logprobs`), 0 under greedy decoding (the argmax
-             is drawn with probability 1). What an importance ratio against the sampling policy
-             needs.
+  "sampled"  the log-probability under the law the token was drawn from: the penalties,
+             temperature, top-k, top-p and min-p applied (`processed_logprobs`), 0 under greedy
+             decoding (the argmax is drawn with probability 1). What an importance ratio against
+             the sampling policy needs.
 
 Under speculative decoding both are the target's, at the position that emitted the token, read
 off the verification forward's logits: speculative output follows the target's law, so the

@@ -14,8 +14,10 @@ Under speculative decoding the law at each verified position depends on the draf
 it: position i of a chain block [last, d_1 .. d_G] follows the committed text and d_1 .. d_i, a tree
 node its root-to-node path. `penalize` takes those tokens (`paths`), so the target's distribution
 at every position is the one autoregressive decoding would use after that prefix, and greedy and
-lossless sampled verification stay exact. Drafters propose without penalties: that changes how
-often they are accepted, never what is emitted. The history counts text, not cache entries: a KV
+lossless sampled verification stay exact. Drafters propose without penalties unless asked
+(`Drafter.with_draft_penalties`: `chain_draft_penalty` in their chain loop, counting their own
+earlier drafts; on for the target as its own drafter): that changes how often they are accepted,
+never what is emitted. The history counts text, not cache entries: a KV
 budget's evictions do not change it.
 """
 
@@ -26,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, switch
+from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
@@ -90,10 +92,17 @@ def penalize(logits: Array, history: History | None, sp: SamplingParams,
   the cost is one pass over the logits and a gather/scatter of B x T x M entries.
   """
   on = sp.penalized
-  if history is None or on is False:
+  if on is False:
     return logits
-  return switch(on, lambda: _penalize(logits, history, sp, paths),
-                lambda: logits.astype(jnp.float32))
+  if history is None:
+    if on is True:
+      raise ValueError("penalties are on but there is no History of the text to count: build "
+                       "the loop state with start_history (jspec.sampling.penalties)")
+    return logits
+  # Decided inside the program (mode=None): computed either way, no lax.cond (on a GPU each is a
+  # round trip to the host every step); at the defaults (r = 1, a = f = 0) the formula returns
+  # every logit exactly as it was (x / 1, x * 1, x - 0).
+  return _penalize(logits, history, sp, paths)
 
 
 def _penalize(logits: Array, history: History, sp: SamplingParams, paths: Array | None) -> Array:

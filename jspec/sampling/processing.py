@@ -27,7 +27,7 @@ class Mode(NamedTuple):
   greedy: bool  # temperature 0: argmax and greedy verification, nothing else
   filtered: bool  # top-k or top-p on: the threshold search runs
   min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
-  penalized: bool = False  # a repetition, presence or frequency penalty on (jspec.sampling.penalties)
+  penalized: bool = False  # a repetition, presence or frequency penalty on (sampling.penalties)
 
 
 def _host_number(value) -> float | None:
@@ -73,13 +73,13 @@ class SamplingParams:
   has a positive logit divided by it, a negative one multiplied), presence_penalty and
   frequency_penalty as OpenAI's API (subtracted once if the token was generated, and per time). The
   seven settings are pytree data, so new values do not recompile. Which branches a program
-  needs (`mode`: greedy or not, filters on or off, penalties on or off) is static, read off the values when they are
-  numbers: a greedy program then holds no sampling code and no greedy/sampled switch (on a GPU
-  each lax.cond in the decode loop is a round trip to the host), and compiles 1.7-2x faster. A
-  change of mode (greedy to sampled, a filter turned on or off) compiles another program; other
-  changes (0.7 -> 0.9) do not. `mode=None` keeps one program for every setting (the switches
-  decided inside it), as do values that are not numbers when the params are built (traced, or one
-  per row), `dataclasses.replace` included. Pytree operations keep the mode they flattened
+  needs (`mode`: greedy or not, filters on or off, penalties on or off) is static, read off the
+  values when they are numbers: a greedy program then holds no sampling code and no
+  greedy/sampled switch (on a GPU each lax.cond in the decode loop is a round trip to the host),
+  and compiles 1.7-2x faster. A change of mode (greedy to sampled, a filter or a penalty turned
+  on or off) compiles another program; other changes (0.7 -> 0.9) do not. `mode=None` keeps one
+  program for every setting (the switches decided inside it), as do values that are not numbers
+  when the params are built (traced, or one per row), `dataclasses.replace` included. Pytree operations keep the mode they flattened
   (values mapped to arrays or tracers keep it; mapped to new Python numbers, it is read again).
   """
 

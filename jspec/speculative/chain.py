@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import is_int, on_mesh, prepare_batch
-from jspec.drafting.base import Drafter, Features, place_drafter, valid_drafts
+from jspec.drafting.base import Drafter, Features, penalty_kwargs, place_drafter, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy, check_kv
@@ -90,7 +90,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     target_cache = s.cache
     # Penalties on: drafters that can propose under them get the text's counts.
-    penalties = {} if s.history is None else dict(penalty_history=s.history)
+    penalties = {} if s.history is None else penalty_kwargs(drafter, s.history)
     if drafter.shares_target_cache:  # a layer-skip draft writes past the committed entries
       drafts, q, draft, target_cache = drafter.propose_shared(s.draft, s.cache, s.last2,
                                                               s.seq_len, k_draft, sampling, G,
