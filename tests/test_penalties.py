@@ -435,10 +435,15 @@ def test_a_drafter_proposes_under_the_penalties(target, trimmed):
 
 
 def test_draft_penalties_setting():
-  """On for the target as its own drafter, off for draft models; the n-gram lookup passes it to
-  its fallback; a drafter that does not draw from logits refuses it."""
+  """On for the target as its own drafter and layer skipping, off for draft models and probing;
+  the n-gram lookup passes it to its fallback; a drafter that does not draw from logits refuses
+  it."""
+  from jspec.drafting.probe import probe_drafter
+  from jspec.drafting.skip import skip_drafter
   params = init_params(TINY, jax.random.key(0))
   assert self_drafter(params, TINY).draft_penalties
+  assert skip_drafter(params, TINY, [0]).draft_penalties
+  assert not probe_drafter(params, TINY, 2).draft_penalties
   model = ModelDrafter(params, TINY)
   assert not model.draft_penalties
   assert ngram_drafter(TINY.vocab_size, fallback=model).with_draft_penalties().fallback \

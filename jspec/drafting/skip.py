@@ -47,8 +47,9 @@ class SkipDrafter(HeadDrafter):
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   layers: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
   stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
-  # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
-  draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties): on, as
+  # its logits are the target's own layers' (tau 1.51 -> 1.72 at repetition 1.2, session 50).
+  draft_penalties: bool = dataclasses.field(default=True, metadata=dict(static=True))
   keep_ids = None  # the target's full head
   shares_target_cache = True
 
