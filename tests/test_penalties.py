@@ -434,6 +434,13 @@ def test_a_drafter_proposes_under_the_penalties(target, trimmed):
   assert out.sequences() == want and out.block_efficiency < 4.5
 
 
+def two_layers():
+  """(params, cfg) of a random two-layer TINY: a model a layer-skip draft can run part of."""
+  import dataclasses
+  cfg = dataclasses.replace(TINY, num_layers=2)
+  return init_params(cfg, jax.random.key(0)), cfg
+
+
 def test_draft_penalties_setting():
   """On for the target as its own drafter and layer skipping, off for draft models and probing;
   the n-gram lookup passes it to its fallback; a drafter that does not draw from logits refuses
@@ -442,7 +449,7 @@ def test_draft_penalties_setting():
   from jspec.drafting.skip import skip_drafter
   params = init_params(TINY, jax.random.key(0))
   assert self_drafter(params, TINY).draft_penalties
-  assert skip_drafter(params, TINY, [0]).draft_penalties
+  assert skip_drafter(*two_layers(), [0]).draft_penalties
   assert not probe_drafter(params, TINY, 2).draft_penalties
   model = ModelDrafter(params, TINY)
   assert not model.draft_penalties
