@@ -180,8 +180,9 @@ class Drafter(abc.ABC):
   def with_draft_penalties(self, on: bool = True) -> "Drafter":
     """This drafter proposing under the target's repetition / presence / frequency penalties
     (counting its own earlier drafts) when a run has them, or (on=False) without. The output is
-    the same either way; acceptance is not: a drafter whose logits track the target's own (the
-    target as its drafter) gains, a small draft model may lose (benchmarks/README.md)."""
+    the same either way; acceptance is not: a drafter whose logits are the target's own (the
+    target as its drafter, layer skipping: on by default) gains, a small draft model or probing
+    loses (benchmarks/README.md, session 50)."""
     if "draft_penalties" not in {f.name for f in dataclasses.fields(self)}:
       raise ValueError(f"{type(self).__name__} does not draw its drafts from logits (an n-gram "
                        f"lookup without a fallback, lookahead), so it cannot propose under "

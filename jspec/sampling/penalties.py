@@ -16,9 +16,9 @@ node its root-to-node path. `penalize` takes those tokens (`paths`), so the targ
 at every position is the one autoregressive decoding would use after that prefix, and greedy and
 lossless sampled verification stay exact. Drafters propose without penalties unless asked
 (`Drafter.with_draft_penalties`: `chain_draft_penalty` in their chain loop, counting their own
-earlier drafts; on for the target as its own drafter): that changes how often they are accepted,
-never what is emitted. The history counts text, not cache entries: a KV
-budget's evictions do not change it.
+earlier drafts; on by default for the target as its own drafter and for layer skipping): that
+changes how often they are accepted, never what is emitted. The history counts text, not cache
+entries: a KV budget's evictions do not change it.
 """
 
 from __future__ import annotations

@@ -79,8 +79,9 @@ class SamplingParams:
   and compiles 1.7-2x faster. A change of mode (greedy to sampled, a filter or a penalty turned
   on or off) compiles another program; other changes (0.7 -> 0.9) do not. `mode=None` keeps one
   program for every setting (the switches decided inside it), as do values that are not numbers
-  when the params are built (traced, or one per row), `dataclasses.replace` included. Pytree operations keep the mode they flattened
-  (values mapped to arrays or tracers keep it; mapped to new Python numbers, it is read again).
+  when the params are built (traced, or one per row), `dataclasses.replace` included. Pytree
+  operations keep the mode they flattened (values mapped to arrays or tracers keep it; mapped to
+  new Python numbers, it is read again).
   """
 
   temperature: float | Array = 0.0
