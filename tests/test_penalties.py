@@ -5,7 +5,6 @@ speculative output (chains, trees, n-gram lookup, under a KV budget) identical t
 output, sampled speculative output distributed as the penalized target's (chi-square against
 enumeration), each with a control that must fail; log-probabilities, compiles, bad input."""
 
-import functools
 import itertools
 
 import jax
@@ -18,8 +17,7 @@ from jspec.drafting.model import ModelDrafter, self_drafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
-from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params
+from jspec.models.llama import forward_rows, init_params
 from jspec.sampling import penalties
 from jspec.sampling.penalties import History, chain_paths, penalize, tree_paths
 from jspec.sampling.processing import Mode, SamplingParams, processed_logprobs
@@ -138,18 +136,14 @@ def target():
   return init_params(TARGET, jax.random.key(0), scale=0.3)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _causal_logits(params, cfg, ids):
-  B, T = ids.shape
-  return forward(params, cfg, ids, jnp.broadcast_to(jnp.arange(T), ids.shape),
-                 KVCache.init(cfg, B, T))[0]
+_forward_rows = jax.jit(forward_rows, static_argnums=1)
 
 
 def causal_logits(params, cfg, text: list[int], width: int = 48) -> np.ndarray:
   """The model's logits [len(text), V] over `text` by one causal forward (padded to `width`, which
   positions before the padding do not see: one compiled program)."""
   ids = jnp.asarray([list(text) + [0] * (width - len(text))])
-  return np.asarray(_causal_logits(params, cfg, ids)[0, :len(text)], np.float64)
+  return np.asarray(_forward_rows(params, cfg, ids)[0][0, :len(text)], np.float64)
 
 
 def host_greedy(params, cfg, prompt, steps, sp):
@@ -252,9 +246,7 @@ def exact_distribution(params, sp: SamplingParams, prompt=TINY_PROMPT) -> np.nda
   prefix, then processed (temperature, top-p) by jspec's tested processed_logprobs."""
   V = TINY.vocab_size
   rows = jnp.asarray([prompt + list(p) for p in itertools.product(range(V), repeat=2)])
-  N, T = rows.shape
-  logits = np.asarray(forward(params, TINY, rows, jnp.broadcast_to(jnp.arange(T), rows.shape),
-                              KVCache.init(TINY, N, T))[0], np.float64)
+  logits = np.asarray(_forward_rows(params, TINY, rows)[0], np.float64)
   P = len(prompt)
   pairs = list(itertools.product(range(V), repeat=2))
   penalized = np.stack([[reference(logits[a * V + b, P - 1 + t], prompt, (a, b)[:t], sp)
