@@ -185,6 +185,14 @@ def _sampling(args):
                         frequency_penalty=getattr(args, "frequency_penalty", 0.0)).validate()
 
 
+def _penalty_tag(args) -> str:
+  """A default output name's mark of the penalties a run used ("" for none)."""
+  settings = (("rep", getattr(args, "repetition_penalty", 1.0), 1.0),
+              ("pres", getattr(args, "presence_penalty", 0.0), 0.0),
+              ("freq", getattr(args, "frequency_penalty", 0.0), 0.0))
+  return "".join(f"_{name}{value:g}" for name, value, off in settings if value != off)
+
+
 def _mesh(args, batch: int):
   """The mesh of --mesh (checked before anything loads): its text, 'none', or (unset) every local
   device on dp when `batch` divides over them."""
@@ -380,6 +388,7 @@ def cmd_bench(args) -> int:
                                          if ":" in d.name else "") for d in drafters) or "ar"
   tag += "+trees" if trees else ""
   tag += f"_kv{kv.budget}-{kv.method}" if kv is not None else ""
+  tag += _penalty_tag(args)
   out = args.json or Path("benchmarks") / f"{tag}_{args.dataset}_t{args.temperature:g}_{stamp}.json"
   speed.print_table(records)
   print(f"wrote {speed.write_records(records, out)}")
@@ -651,6 +660,7 @@ def cmd_bench_tau(args) -> int:
   stamp = _stamp(records)
   tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"
   out = args.json or Path("benchmarks") / (f"paired_tau_{args.dataset}_t{args.temperature:g}"
+                                           f"{_penalty_tag(args)}"
                                            f"{tag}_{stamp}.json")
   for r in records:
     if r["kind"] == "paired_tau":
