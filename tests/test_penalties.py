@@ -513,8 +513,9 @@ def test_a_drafter_written_before_penalties_still_runs(target, drafter):
   old = OldSignature(drafter.params, TARGET)
   sp = PENALTIES["repetition"]
   want = generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp).sequences()
-  assert speculative_generate(target, TARGET, old, PROMPTS, sampling=sp,
-                              spec=SpecConfig(gamma=3, max_new_tokens=16)).sequences() == want
+  for run in (old, ngram_drafter(TARGET.vocab_size, fallback=old)):  # alone, as a fallback
+    assert speculative_generate(target, TARGET, run, PROMPTS, sampling=sp,
+                                spec=SpecConfig(gamma=3, max_new_tokens=16)).sequences() == want
 
 
 def test_bench_tau_refuses_presence_and_frequency_penalties(target, drafter):

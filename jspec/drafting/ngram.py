@@ -29,7 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafting.base import DraftState, Drafter, Features, Pick, check_stop, keep_draw
+from jspec.drafting.base import (DraftState, Drafter, Features, Pick, check_stop, keep_draw,
+                                 penalty_kwargs)
 from jspec.io.datastore import NgramTable, context_hash
 from jspec.sampling.processing import SamplingParams
 from jspec.sharding import set_rows
@@ -135,10 +136,10 @@ class _LookupFeeder:
     return NgramState(history=self.history, inner=inner, skipped=jnp.zeros((), bool))
 
 
-def _penalized(penalty_history) -> dict:
-  """The keyword a fallback's propose gets: the history only when there is one (drafters that
-  never see penalties need not take it)."""
-  return {} if penalty_history is None else dict(penalty_history=penalty_history)
+def _penalized(fallback: Drafter, penalty_history) -> dict:
+  """The keyword a fallback's propose gets: the history only when there is one and the fallback
+  takes it (`penalty_kwargs`: drafters written before penalties do not)."""
+  return {} if penalty_history is None else penalty_kwargs(fallback, penalty_history)
 
 
 @jax.tree_util.register_dataclass
@@ -227,7 +228,7 @@ class NgramDrafter(Drafter):
     def drafted():
       tokens, probs, inner, shared = self.fallback.propose_shared(
           state.inner, cache, last2, seq_len, key, sampling, gamma, pick=mine,
-          **_penalized(penalty_history))
+          **_penalized(self.fallback, penalty_history))
       return tokens, probs, inner, shared, jnp.zeros((), bool)
 
     tokens, probs, inner, cache, skipped = self._unless_matched(
@@ -340,7 +341,7 @@ class NgramDrafter(Drafter):
     def drafted():
       tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
                                                    gamma, pick=mine,
-                                                   **_penalized(penalty_history))
+                                                   **_penalized(self.fallback, penalty_history))
       return tokens, probs, inner, jnp.zeros((), bool)
 
     tokens, probs, inner, skipped = self._unless_matched(history, seq_len, gamma, pick, drafted,
