@@ -5,6 +5,7 @@ speculative output (chains, trees, n-gram lookup, under a KV budget) identical t
 output, sampled speculative output distributed as the penalized target's (chi-square against
 enumeration), each with a control that must fail; log-probabilities, compiles, bad input."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -323,7 +324,7 @@ def test_sampling_that_ignores_the_drafts_is_caught(close_pair, monkeypatch):
 def test_logprobs_under_penalties(target, drafter):
   """"sampled" logprobs are the penalized law's, "model" the model's own; greedy speculative
   and autoregressive runs report the same."""
-  sp = dataclasses_replace(PENALTIES["all"], temperature=0.8)
+  sp = dataclasses.replace(PENALTIES["all"], temperature=0.8)
   prompts = PROMPTS[:2]
   out = generate(target, TARGET, prompts, max_new_tokens=8, sampling=sp, key=3,
                  logprobs="sampled")
@@ -343,11 +344,6 @@ def test_logprobs_under_penalties(target, drafter):
   spec = speculative_generate(target, TARGET, drafter, PROMPTS, sampling=greedy,
                               spec=SpecConfig(gamma=3, max_new_tokens=16, logprobs="model"))
   np.testing.assert_allclose(np.asarray(spec.logprobs), np.asarray(ar.logprobs), atol=1e-5)
-
-
-def dataclasses_replace(sp, **changes):
-  import dataclasses
-  return dataclasses.replace(sp, **changes)
 
 
 def test_new_penalty_values_reuse_the_program(target, drafter):
@@ -435,7 +431,6 @@ def test_a_drafter_proposes_under_the_penalties(target, trimmed):
 
 def two_layers():
   """(params, cfg) of a random two-layer TINY: a model a layer-skip draft can run part of."""
-  import dataclasses
   cfg = dataclasses.replace(TINY, num_layers=2)
   return init_params(cfg, jax.random.key(0)), cfg
 
@@ -482,7 +477,7 @@ def test_settings_decided_inside_the_program_and_streams(target, drafter):
   spec = SpecConfig(gamma=3, max_new_tokens=16)
   for sp in (PENALTIES["all"], SamplingParams()):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=sp).sequences()
-    traced = dataclasses_replace(sp, mode=None)
+    traced = dataclasses.replace(sp, mode=None)
     assert generate(target, TARGET, PROMPTS, max_new_tokens=16, sampling=traced).sequences() \
         == want
     assert speculative_generate(target, TARGET, drafter, PROMPTS, spec=spec,
@@ -500,8 +495,6 @@ def test_settings_decided_inside_the_program_and_streams(target, drafter):
 def test_a_drafter_written_before_penalties_still_runs(target, drafter):
   """A drafter whose propose does not take penalty_history (a user's, written to the older
   protocol) is not handed one: it proposes unpenalized, the output is the same."""
-  import dataclasses
-
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass
   class OldSignature(ModelDrafter):

@@ -274,10 +274,12 @@ class HeadDrafter(Drafter):
         :, self.keep_ids]
 
 
-def penalty_kwargs(drafter: Drafter, history: History) -> dict:
+def penalty_kwargs(drafter: Drafter, history: History | None) -> dict:
   """{"penalty_history": history} for a drafter whose propose (propose_shared, if it drafts in the
-  target's cache) takes it; {} for one written before penalties (its own signature), which then
-  proposes unpenalized: the output is the same."""
+  target's cache) takes it; {} without a history, or for a drafter written before penalties (its
+  own signature), which then proposes unpenalized: the output is the same."""
+  if history is None:
+    return {}
   method = drafter.propose_shared if drafter.shares_target_cache else drafter.propose
   takes = "penalty_history" in inspect.signature(method).parameters
   return dict(penalty_history=history) if takes else {}

@@ -136,12 +136,6 @@ class _LookupFeeder:
     return NgramState(history=self.history, inner=inner, skipped=jnp.zeros((), bool))
 
 
-def _penalized(fallback: Drafter, penalty_history) -> dict:
-  """The keyword a fallback's propose gets: the history only when there is one and the fallback
-  takes it (`penalty_kwargs`: drafters written before penalties do not)."""
-  return {} if penalty_history is None else penalty_kwargs(fallback, penalty_history)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class NgramDrafter(Drafter):
@@ -228,7 +222,7 @@ class NgramDrafter(Drafter):
     def drafted():
       tokens, probs, inner, shared = self.fallback.propose_shared(
           state.inner, cache, last2, seq_len, key, sampling, gamma, pick=mine,
-          **_penalized(self.fallback, penalty_history))
+          **penalty_kwargs(self.fallback, penalty_history))
       return tokens, probs, inner, shared, jnp.zeros((), bool)
 
     tokens, probs, inner, cache, skipped = self._unless_matched(
@@ -341,7 +335,7 @@ class NgramDrafter(Drafter):
     def drafted():
       tokens, probs, inner = self.fallback.propose(state.inner, last2, seq_len, key, sampling,
                                                    gamma, pick=mine,
-                                                   **_penalized(self.fallback, penalty_history))
+                                                   **penalty_kwargs(self.fallback, penalty_history))
       return tokens, probs, inner, jnp.zeros((), bool)
 
     tokens, probs, inner, skipped = self._unless_matched(history, seq_len, gamma, pick, drafted,

@@ -90,7 +90,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       key, k_draft, k_verify, k_cut = jax.random.split(s.key, 4)
     target_cache = s.cache
     # Penalties on: drafters that can propose under them get the text's counts.
-    penalties = {} if s.history is None else penalty_kwargs(drafter, s.history)
+    penalties = penalty_kwargs(drafter, s.history)
     if drafter.shares_target_cache:  # a layer-skip draft writes past the committed entries
       drafts, q, draft, target_cache = drafter.propose_shared(s.draft, s.cache, s.last2,
                                                               s.seq_len, k_draft, sampling, G,
