@@ -179,7 +179,6 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "
                     f"GREEDY.")
-  sampling.validate(cfg.vocab_size)
   if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
     raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
                     f"stop_ids=({stop_ids!r},) for one id.")
@@ -189,6 +188,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   if any(not 0 <= s < cfg.vocab_size for s in stop):
     raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
   prompts = as_prompt_list(prompts)
+  sampling.validate(cfg.vocab_size, batch=len(prompts))
   bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size,
                             reserve, reserve_for)
   tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)

@@ -40,7 +40,8 @@ def test_mode_is_read_off_the_values():
   assert SamplingParams(np.float32(0.0), jnp.asarray(3)).mode == Mode(greedy=True, filtered=True)
   # a copy with new values gets their mode, never the old one's: read again, or None
   assert dataclasses.replace(SamplingParams(0.7), temperature=0.0).mode.greedy
-  assert dataclasses.replace(SamplingParams(), temperature=jnp.asarray([0.0, 0.7])).mode is None
+  assert dataclasses.replace(SamplingParams(), temperature=jnp.asarray([0.0, 0.7])).mode == Mode(
+      greedy=False, filtered=False, greedy_rows=True)  # one per row: greedy and sampled rows
   assert jax.jit(lambda t: jnp.asarray(
       dataclasses.replace(SamplingParams(), temperature=t).mode is None))(0.7)
   # values mapped to arrays (what the engines receive) keep it; to numbers, theirs
@@ -50,9 +51,12 @@ def test_mode_is_read_off_the_values():
   assert jax.tree.map(lambda v: v * 0 + 1, SamplingParams(0.0)).mode == Mode(False, True, True,
                                                                               True)
   assert SamplingParams(0.7, min_p=0.1).mode == Mode(greedy=False, filtered=False, min_p=True)
-  # values traced when the params are built, or one per row: decided inside the program
+  # values traced when the params are built: decided inside the program
   assert jax.jit(lambda t: jnp.asarray(SamplingParams(t).mode is None))(0.5)
-  assert SamplingParams(jnp.asarray([0.0, 0.5])).mode is None
+  # one per row: a branch is on when any row needs it
+  assert SamplingParams([0.5, 0.9], top_k=np.array([0, 4])).mode == Mode(False, True)
+  assert SamplingParams((0.0, 0.0), repetition_penalty=[1.0, 1.3]).mode == Mode(True, False,
+                                                                                penalized=True)
   with pytest.raises(ValueError, match="mode must be 'auto'"):
     SamplingParams(0.7, mode="static")
 

@@ -241,8 +241,11 @@ class Drafter(abc.ABC):
       tree = shape.draft(key, feeder, B, self.vocab_size, sampling, greedy=greedy)
       return tree, feeder.result(tree, shape.reindexes)
 
-    if shape.greedy_variant:
-      return switch(sampling.is_greedy, lambda: run(True), lambda: run(False))
+    greedy = sampling.is_greedy
+    if shape.greedy_variant and jnp.ndim(greedy) == 0:
+      return switch(greedy, lambda: run(True), lambda: run(False))
+    # Greedy rows beside sampled ones (settings per row) are drafted as the sampled rows are, at
+    # temperature 0 (a near one-hot q): greedy verification takes any tree.
     return run(False)
 
 

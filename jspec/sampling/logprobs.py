@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, processed_logprobs, switch
+from jspec.sampling.processing import SamplingParams, per_row, processed_logprobs, switch
 
 Array = jax.Array
 
@@ -63,4 +63,4 @@ def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingPa
     return jnp.zeros(tokens.shape, jnp.float32)
   if processed is None:
     processed = processed_logprobs(logits, sampling)
-  return jnp.where(greedy, 0.0, picked(processed))
+  return jnp.where(per_row(greedy, tokens), 0.0, picked(processed))

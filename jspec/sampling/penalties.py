@@ -28,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams
+from jspec.sampling.processing import SamplingParams, per_row
 from jspec.tree.structure import Tree, parent_of, take
 
 Array = jax.Array
@@ -68,9 +68,7 @@ def start_history(sampling: SamplingParams, prompt: Array, lengths: Array,
 
 
 def _per_row(value, x: Array) -> Array:
-  """A setting (one number, or one per row [B]) broadcast against x [B, ...]."""
-  value = jnp.asarray(value, jnp.float32)
-  return value.reshape(value.shape + (1,) * (x.ndim - value.ndim))
+  return per_row(jnp.asarray(value, jnp.float32), x)
 
 
 def _penalized(x: Array, seen: Array, count: Array, sp: SamplingParams) -> Array:

@@ -28,37 +28,45 @@ class Mode(NamedTuple):
   filtered: bool  # top-k or top-p on: the threshold search runs
   min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
   penalized: bool = False  # a repetition, presence or frequency penalty on (sampling.penalties)
+  # Rows at temperature 0 beside sampled rows (settings given per row): each greedy/sampled choice
+  # is made row by row inside the program (both sides computed, `switch`); greedy is then False.
+  greedy_rows: bool = False
 
 
-def _host_number(value) -> float | None:
-  """value as a float when the host holds it as one number (Python or NumPy); None for arrays of
-  rows, jax arrays (reading one would wait for the device) and tracers."""
-  if isinstance(value, (bool, int, float, np.generic)) or (
-      isinstance(value, np.ndarray) and value.ndim == 0):
-    return float(value)
+def _host_values(value) -> np.ndarray | None:
+  """value as float64 numbers (one, or one per row) when the host holds them: Python or NumPy
+  numbers and arrays; None for anything else (jax arrays, tracers, text)."""
+  if isinstance(value, (bool, int, float, np.generic, np.ndarray)):
+    array = np.asarray(value)
+    if array.ndim <= 1 and (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+      return array.astype(np.float64)
   return None
 
 
-def _concrete(value) -> float | None:
-  """_host_number, and also a one-number jax array this host can read (not a tracer)."""
-  number = _host_number(value)
-  if number is not None or not isinstance(value, jax.Array):
-    return number
-  if value.ndim:
-    return None
+def _concrete(value) -> np.ndarray | None:
+  """_host_values, and also a jax array of one number or one per row that this host can read
+  (not a tracer; reading waits for the device once, when the params are built)."""
+  values = _host_values(value)
+  if values is not None or not isinstance(value, jax.Array) or value.ndim > 1:
+    return values
   try:  # a tracer raises here; so does an array held by other hosts
-    return float(value) if value.is_fully_addressable else None
+    return _host_values(np.asarray(value)) if value.is_fully_addressable else None
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
     return None
 
 
 def _mode_of(values) -> Mode | None:
-  """The mode the settings (in _FIELDS' order) give, or None when any is not a known number."""
-  if None in values:
+  """The mode the settings (in _FIELDS' order; each a number or one per row) give, or None when
+  any is not known on the host. A branch is on when any row needs it."""
+  if any(v is None for v in values):
     return None
   t, k, p, m, r, a, f = values
-  return Mode(greedy=t == 0, filtered=k > 0 or p < 1, min_p=m > 0,
-              penalized=r != 1 or a != 0 or f != 0)
+  greedy_rows = bool(np.any(t == 0))
+  greedy = bool(np.all(t == 0))
+  return Mode(greedy=greedy, filtered=bool(np.any(k > 0) or np.any(p < 1)),
+              min_p=bool(np.any(m > 0)),
+              penalized=bool(np.any(r != 1) or np.any(a != 0) or np.any(f != 0)),
+              greedy_rows=greedy_rows and not greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +102,10 @@ class SamplingParams:
   mode: Mode | None | str = "auto"
 
   def __post_init__(self):
+    for name in _FIELDS:  # one per row as a list or tuple: an array (a pytree leaf, not a node)
+      value = getattr(self, name)
+      if isinstance(value, (list, tuple)):
+        object.__setattr__(self, name, np.asarray(value))
     if self.mode is None:
       return
     if self.mode != "auto" and not isinstance(self.mode, Mode):
@@ -102,34 +114,39 @@ class SamplingParams:
     # A Mode passed in (dataclasses.replace passes the old one) is read again from the values.
     object.__setattr__(self, "mode", _mode_of([_concrete(getattr(self, n)) for n in _FIELDS]))
 
-  def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-    """Check concrete values on the host (top_k against `vocab_size` when given); returns self
-    for chaining."""
-    t, k, p, m, r, a, f = (_setting(name, getattr(self, name)) for name in _FIELDS)
-    if not math.isfinite(t) or t < 0:
-      raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t}")
-    if int(k) != k or int(k) < 0:
-      raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-    if vocab_size is not None and k > vocab_size:
+  def validate(self, vocab_size: int | None = None, batch: int | None = None
+               ) -> "SamplingParams":
+    """Check concrete values on the host (top_k against `vocab_size` when given; settings given
+    per row against the `batch` size when given); returns self for chaining."""
+    values = {name: _setting(name, getattr(self, name), batch) for name in _FIELDS}
+
+    def check(name: str, ok, rule: str) -> None:
+      bad = np.flatnonzero(~np.asarray(ok, bool).reshape(-1))
+      if bad.size:
+        row = "" if values[name].ndim == 0 else f"[{bad[0]}]"
+        value = values[name].reshape(-1)[bad[0]]
+        raise ValueError(f"{name}{row} {rule}, got {value:g}")
+
+    t, k, p, m, r = (values[n] for n in _FIELDS[:5])
+    check("temperature", np.isfinite(t) & (t >= 0), "must be a finite number >= 0 (0 = greedy)")
+    check("top_k", (np.round(k) == k) & (k >= 0), "must be an integer >= 0 (0 = off)")
+    if vocab_size is not None and np.any(k > vocab_size):
       raise ValueError(f"top_k={self.top_k!r} is more than the vocabulary's {vocab_size} "
                        f"tokens. Fix: top_k <= {vocab_size}, or 0 (off).")
-    if not (0.0 < p <= 1.0):
-      raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p}")
-    if not (0.0 <= m <= 1.0):
-      raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m}")
-    if not math.isfinite(r) or r <= 0:
-      raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off; above 1 "
-                       f"discourages repeats), got {r}")
-    for name, value in (("presence_penalty", a), ("frequency_penalty", f)):
-      if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number (0 = off; positive discourages "
-                         f"repeats), got {value}")
+    check("top_p", (p > 0) & (p <= 1), "must be in (0, 1] (1 = off)")
+    check("min_p", (m >= 0) & (m <= 1), "must be in [0, 1] (0 = off)")
+    check("repetition_penalty", np.isfinite(r) & (r > 0),
+          "must be a finite number > 0 (1 = off; above 1 discourages repeats)")
+    for name in ("presence_penalty", "frequency_penalty"):
+      check(name, np.isfinite(values[name]),
+            "must be a finite number (0 = off; positive discourages repeats)")
     return self
 
   @property
   def is_greedy(self) -> bool | Array:
-    """A Python bool when the mode is static, else a traced scalar."""
-    if self.mode is not None:
+    """A Python bool when the mode is static; else traced: one bool, or one per row [B] when
+    the settings are given per row (`switch` then picks a side row by row)."""
+    if self.mode is not None and not self.mode.greedy_rows:
       return self.mode.greedy
     return jnp.asarray(self.temperature) == 0
 
@@ -137,21 +154,22 @@ class SamplingParams:
   def filters_on(self) -> bool | Array:
     if self.mode is not None:
       return self.mode.filtered
-    return (jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1)
+    return jnp.any((jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1))
 
   @property
   def min_p_on(self) -> bool | Array:
     if self.mode is not None:
       return self.mode.min_p
-    return jnp.asarray(self.min_p) > 0
+    return jnp.any(jnp.asarray(self.min_p) > 0)
 
   @property
   def penalized(self) -> bool | Array:
     """A penalty on: the next token's law depends on the text so far (jspec.sampling.penalties)."""
     if self.mode is not None:
       return self.mode.penalized
-    return ((jnp.asarray(self.repetition_penalty) != 1) | (jnp.asarray(self.presence_penalty) != 0)
-            | (jnp.asarray(self.frequency_penalty) != 0))
+    return jnp.any((jnp.asarray(self.repetition_penalty) != 1)
+                   | (jnp.asarray(self.presence_penalty) != 0)
+                   | (jnp.asarray(self.frequency_penalty) != 0))
 
   @property
   def needs_history(self) -> bool:
@@ -164,19 +182,19 @@ _FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "pres
            "frequency_penalty")
 
 
-def _setting(name: str, value) -> float:
-  """One sampling setting as a host number: a real number (Python, NumPy or a one-number array),
-  the same for every row."""
+def _setting(name: str, value, batch: int | None) -> np.ndarray:
+  """One sampling setting as host numbers: one real number (Python, NumPy or a one-number
+  array) for every row, or one per row [batch]."""
   if isinstance(value, (str, bytes)) or value is None:
     raise TypeError(f"{name} must be a number, got {value!r}")
   array = np.asarray(value)
-  if array.ndim:
-    raise ValueError(f"{name} must be one number for the whole batch, got an array of shape "
-                     f"{array.shape}: rows with different sampling settings run as separate "
-                     f"calls")
   if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
     raise TypeError(f"{name} must be a number, got {value!r} of dtype {array.dtype}")
-  return float(array)
+  if array.ndim > 1 or (array.ndim == 1 and batch is not None and array.shape[0] != batch):
+    raise ValueError(f"{name} must be one number for the whole batch or one per row "
+                     f"({'[B]' if batch is None else f'{batch}, one per prompt'}), "
+                     f"got an array of shape {array.shape}")
+  return array.astype(np.float64)
 
 
 def _unflatten(mode: Mode | None, values) -> SamplingParams:
@@ -185,7 +203,7 @@ def _unflatten(mode: Mode | None, values) -> SamplingParams:
   for name, value in zip(_FIELDS, values):
     object.__setattr__(sp, name, value)
   if mode is not None:
-    mode = _mode_of([_host_number(v) for v in values]) or mode
+    mode = _mode_of([_host_values(v) for v in values]) or mode
   object.__setattr__(sp, "mode", mode)
   return sp
 
@@ -198,10 +216,26 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def switch(pred: bool | Array, on_true: Callable[[], T], on_false: Callable[[], T]) -> T:
-  """lax.cond when pred is traced; when it is a Python bool, only the branch it picks is traced."""
+  """lax.cond when pred is one traced bool; when it is a Python bool, only the branch it picks is
+  traced; one per row [B] (settings given per row): both sides run and each row keeps its own
+  side (the outputs must lead with the batch axis)."""
   if isinstance(pred, bool):
     return on_true() if pred else on_false()
-  return jax.lax.cond(pred, on_true, on_false)
+  if jnp.ndim(pred) == 0:
+    return jax.lax.cond(pred, on_true, on_false)
+  return jax.tree.map(lambda a, b: jnp.where(per_row(pred, a), a, b), on_true(), on_false())
+
+
+def per_row(value, x: Array) -> Array:
+  """A setting (one number, or one per row [B]) shaped to broadcast against x [B, ...]."""
+  value = jnp.asarray(value)
+  if value.ndim == 0:
+    return value
+  if value.ndim != 1 or x.ndim == 0 or x.shape[0] != value.shape[0]:
+    raise ValueError(f"a sampling setting given per row (shape {value.shape}) does not match "
+                     f"an array of rows of shape {x.shape}: settings per row need arrays that "
+                     f"lead with the batch axis")
+  return value.reshape(value.shape + (1,) * (x.ndim - 1))
 
 
 GREEDY = SamplingParams()
@@ -218,7 +252,8 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   renormalising after top-k and top-p leaves as it was, so its order among them matters only in
   that it keeps fewer (a shorter prefix of the sorted tokens) or more, never others.
   """
-  x = logits.astype(jnp.float32) / jnp.maximum(jnp.asarray(sp.temperature, jnp.float32), 1e-6)
+  temperature = per_row(jnp.asarray(sp.temperature, jnp.float32), logits)
+  x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
   k = jnp.asarray(sp.top_k, jnp.int32)
   top_p = jnp.asarray(sp.top_p, jnp.float32)
   filtered = switch(sp.filters_on, lambda: _top_k_top_p(x, k, top_p), lambda: x)
@@ -229,9 +264,14 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
 def _min_p(filtered: Array, x: Array, min_p) -> Array:
   """filtered [..., V] less the tokens whose scaled logit x is below the largest's by more than
   -log(min_p): a probability under min_p times the most likely token's (kept: at least it)."""
-  min_p = jnp.broadcast_to(jnp.asarray(min_p, jnp.float32), x.shape[:-1])[..., None]  # per row
+  min_p = _per_position(jnp.asarray(min_p, jnp.float32), x)
   floor = jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p)
   return jnp.where(x < floor, -jnp.inf, filtered)
+
+
+def _per_position(value: Array, x: Array) -> Array:
+  """A setting (one number, or one per row) as [..., 1] against x [..., V]."""
+  return jnp.broadcast_to(per_row(value, x), x.shape[:-1] + (1,))
 
 
 # How many of the largest logits a row's top-k/top-p filter looks at before falling back to
@@ -253,12 +293,13 @@ def _top_k_top_p(x: Array, k: Array, top_p: Array) -> Array:
   array at once; both are exact, but a token within float32 rounding of top_p's edge may fall
   either side depending on which ran.
   """
-  k = jnp.broadcast_to(k, x.shape[:-1])[..., None]  # [..., 1]
-  top_p = jnp.broadcast_to(top_p, x.shape[:-1])[..., None]
+  k, top_p = _per_position(k, x), _per_position(top_p, x)  # [..., 1]
   threshold, fits, log_z_all = candidate_threshold(x, k, top_p)
   threshold = jax.lax.cond(jnp.all(fits), lambda: threshold,
                            lambda: bisected_threshold(x, k, top_p, log_z_all))
-  return jnp.where(x < threshold, -jnp.inf, x)
+  # A row with both filters off (settings per row, beside rows that filter) keeps every token,
+  # not the candidates alone.
+  return jnp.where((x < threshold) & ((k > 0) | (top_p < 1)), -jnp.inf, x)
 
 
 def candidate_threshold(x: Array, k: Array, top_p: Array) -> tuple[Array, Array, Array]:

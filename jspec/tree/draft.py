@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import SamplingParams, per_row, processed_logprobs
 from jspec.sharding import set_rows, top_k_by_rows
 from jspec.tree.structure import Siblings, Tree, prune_to_budget, take
 
@@ -35,7 +35,8 @@ def _distributions(logits: Array, sampling: SamplingParams) -> tuple[Array, Arra
   """(processed log q [..., V], ranking log-probs [..., V]: log-softmax of logits when greedy)."""
   logq = processed_logprobs(logits, sampling)
   # A static mode's Python bool makes this select a constant one: XLA keeps only its side.
-  rank = jnp.where(sampling.is_greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
+  greedy = per_row(sampling.is_greedy, logits)  # one bool, or one per row
+  rank = jnp.where(greedy, jax.nn.log_softmax(logits.astype(jnp.float32), -1), logq)
   return logq, rank
 
 
