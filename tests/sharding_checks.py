@@ -470,13 +470,18 @@ def check_logprobs():
 
 def check_penalties():
   """Repetition / presence / frequency penalties over a vocabulary split by tp (the history's
-  [B, V] counts, the path tokens' gather and scatter) give one device's tokens, every engine."""
+  [B, V] counts, the path tokens' gather and scatter) give one device's tokens, every engine;
+  so do settings given per row (greedy rows beside sampled ones) with the rows split by dp."""
   target, draft = models()
   drafter = ModelDrafter(draft, DRAFT)
   greedy = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
   sampled = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.2,
                            presence_penalty=0.5)
-  for sp, key in ((greedy, 0), (sampled, 5)):
+  B = len(PROMPTS)
+  rows = SamplingParams(temperature=np.arange(B) % 3 * 0.5, top_k=np.arange(B) % 2 * 20,
+                        repetition_penalty=1 + np.arange(B) % 4 * 0.1)
+  assert rows.mode.greedy_rows
+  for sp, key in ((greedy, 0), (sampled, 5), (rows, 6)):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
     assert want.sequences() != generate(target, TARGET, PROMPTS, max_new_tokens=10,
                                         key=key).sequences()
@@ -487,7 +492,7 @@ def check_penalties():
   for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12), speculative_generate),
                     (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12), tree_speculative_generate)):
     ar = generate(target, TARGET, PROMPTS, max_new_tokens=12, sampling=greedy)
-    for sp in (greedy, sampled):
+    for sp in (greedy, sampled, rows):
       want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3)
       if sp is greedy:
         same(want, ar, f"{run.__name__} == generate")

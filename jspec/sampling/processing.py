@@ -8,7 +8,6 @@ once.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, NamedTuple, TypeVar
 
 import jax

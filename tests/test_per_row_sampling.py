@@ -1,0 +1,198 @@
+"""Sampling settings given per row (one number per prompt for any of the seven): each row of a
+batch runs under its own settings, greedy rows beside sampled ones included. Row b of a per-row
+run equals row b of a run whose every row has row b's settings (the same key: a row's random draws
+do not depend on the other rows), in every engine; those uniform runs are checked for exactness
+elsewhere (test_speculative, test_penalties, test_logprobs), so per-row runs inherit it. A
+setting broadcast along the wrong axis, a filter run on a row that asked for none, or a greedy
+row drafted or verified as a sampled one fails here."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.bench.profiling import CompileCounter
+from jspec.drafting.model import ModelDrafter
+from jspec.drafting.ngram import ngram_drafter
+from jspec.generate import generate
+from jspec.models.config import Config
+from jspec.models.llama import init_params
+from jspec.sampling.penalties import History, penalize, tree_paths
+from jspec.drafting.base import sample_with_probs
+from jspec.sampling.processing import Mode, SamplingParams, processed_logprobs, sample
+from jspec.sampling.tree_verify import verify_tree
+from jspec.sampling.verify import verify
+from jspec.speculative.chain import SpecConfig, speculative_generate
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.tree.structure import Siblings, Tree
+
+CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
+             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30], [7, 7, 7, 12]]
+# Row 0 greedy (with a penalty), rows 1 and 2 sampled with different filters and penalties.
+ROWS = [dict(repetition_penalty=1.3),
+        dict(temperature=0.9, top_k=5, presence_penalty=0.4),
+        dict(temperature=1.2, top_p=0.85, min_p=0.05, frequency_penalty=0.3)]
+FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+          "frequency_penalty")
+MAX_NEW = 12
+
+
+def per_row(rows, **kw) -> SamplingParams:
+  default = SamplingParams()
+  return SamplingParams(**{f: [r.get(f, getattr(default, f)) for r in rows] for f in FIELDS}, **kw)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0), scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def drafter(params):
+  noise = init_params(CFG, jax.random.key(1), scale=0.3)
+  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.05 * b if a.ndim > 1 else a, params, noise),
+                      CFG)
+
+
+def test_processing_per_row_is_each_rows_own():
+  # V above the filters' 256 candidates: a row with both filters off beside rows that filter
+  # must keep its whole vocabulary, not the candidates.
+  rows = [dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
+          dict(temperature=1.0), dict(temperature=0.9, min_p=0.1)]
+  sp = jax.tree.map(jnp.asarray, per_row(rows))
+  assert sp.mode == Mode(greedy=False, filtered=True, min_p=True)
+  logits = 3 * jax.random.normal(jax.random.key(0), (4, 3, 600))  # [B, T, V]
+  for x in (logits, logits[:, 0]):  # [B, T, V] and [B, V]
+    got = np.asarray(processed_logprobs(x, sp))
+    for b, row in enumerate(rows):
+      want = np.asarray(processed_logprobs(x[b:b + 1], SamplingParams(**row)))[0]
+      np.testing.assert_array_equal(np.isinf(got[b]), np.isinf(want), err_msg=f"row {b}")
+      np.testing.assert_allclose(got[b], want, rtol=1e-6, err_msg=f"row {b}")  # x / t: an ulp
+  assert np.all(np.isfinite(got[2]))  # filters off: every token kept
+
+
+def test_penalties_per_row_are_each_rows_own():
+  rows = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.2),
+          dict(repetition_penalty=0.8, frequency_penalty=1.0)]
+  sp = per_row(rows)
+  V = 11
+  history = History.of_prompt(jnp.asarray([[1, 2, 3], [4, 4, 0], [5, 1, 9]]),
+                              jnp.asarray([3, 2, 3]), V)
+  history = history.add(jnp.asarray([[2, 2], [6, 4], [0, 7]]), jnp.ones((3, 2), bool))
+  tree = Tree(tokens=jnp.asarray([[3, 6, 3], [4, 2, 4], [9, 9, 1]], jnp.int32),
+              parents=jnp.asarray([[-1, 0, 1]] * 3, jnp.int32),
+              depth=jnp.asarray([[1, 2, 3]] * 3, jnp.int32), valid=jnp.ones((3, 3), bool),
+              q=jnp.zeros((3, 4, V)), max_depth=3, siblings=Siblings.IID)
+  logits = jax.random.normal(jax.random.key(2), (3, 4, V))  # [B, N + 1, V]
+  got = np.asarray(penalize(logits, history, sp, tree_paths(tree)))
+  for b, row in enumerate(rows):
+    one = jax.tree.map(lambda a: a[b:b + 1], (history, tree))
+    want = penalize(logits[b:b + 1], one[0], SamplingParams(**row), tree_paths(one[1]))
+    np.testing.assert_allclose(got[b], np.asarray(want)[0], rtol=0, atol=0, err_msg=f"row {b}")
+
+
+def test_a_greedy_row_beside_sampled_ones_is_decided_greedily():
+  """Two tokens tie for the largest logit: greedy takes the first, always; a sampled row at
+  temperature ~0 would take either. So each function whose greedy and sampled sides differ must
+  give the greedy row its greedy side (both rows have the same logits, one greedy, one not)."""
+  V = 9
+  logits = jnp.zeros((2, V)).at[:, 3].set(5.0).at[:, 7].set(5.0)  # [B, V]
+  sp = jax.tree.map(jnp.asarray, SamplingParams(temperature=[0.0, 1.0]))
+  drafts = jnp.full((2, 1), 7, jnp.int32)  # the second of the tied tokens
+  q = jax.nn.one_hot(drafts, V)  # [B, 1, V]
+  tree = Tree(tokens=drafts, parents=jnp.full((2, 1), -1, jnp.int32),
+              depth=jnp.ones((2, 1), jnp.int32), valid=jnp.ones((2, 1), bool),
+              q=jnp.concatenate([q, jnp.zeros((2, 1, V))], axis=1), max_depth=1,
+              siblings=Siblings.FIXED)
+  both = jnp.stack([logits, logits], axis=1)  # [B, 2, V]
+  seen = {"sample": set(), "sample_with_probs": set(), "verify": set(), "verify_tree": set()}
+  for seed in range(24):
+    key = jax.random.key(seed)
+    tokens = sample(key, logits, sp)
+    assert int(tokens[0]) == 3
+    seen["sample"].add(int(tokens[1]))
+    tokens, probs = sample_with_probs(key, logits, sp)
+    assert int(tokens[0]) == 3 and float(probs[0, 3]) == 1.0
+    seen["sample_with_probs"].add(int(tokens[1]))
+    n, nxt = verify(key, drafts, q, both, sp)
+    assert (int(n[0]), int(nxt[0])) == (0, 3)  # greedy rejects the tied second
+    seen["verify"].add(int(n[1]))
+    path, n, nxt = verify_tree(key, tree, both, sp)
+    assert (int(n[0]), int(nxt[0])) == (0, 3)
+    seen["verify_tree"].add(int(n[1]))
+  # the sampled row takes either side of the tie (the test would pass a sampled greedy row
+  # only by luck)
+  assert seen == {"sample": {3, 7}, "sample_with_probs": {3, 7}, "verify": {0, 1},
+                  "verify_tree": {0, 1}}
+
+
+def run(engine, params, drafter, sampling, logprobs="sampled"):
+  common = dict(sampling=sampling, key=5)
+  if engine == "autoregressive":
+    return generate(params, CFG, PROMPTS, max_new_tokens=MAX_NEW, logprobs=logprobs, **common)
+  if engine in ("chain", "ngram"):
+    spec = SpecConfig(gamma=3, max_new_tokens=MAX_NEW, logprobs=logprobs)
+    chosen = ngram_drafter(CFG.vocab_size, 1, 3) if engine == "ngram" else drafter
+    return speculative_generate(params, CFG, chosen, PROMPTS, spec=spec, **common)
+  spec = TreeSpecConfig(engine, max_new_tokens=MAX_NEW, logprobs=logprobs)
+  return tree_speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, **common)
+
+
+# fixed: a temperature-0 variant (top-k children) the greedy row gives up beside sampled rows.
+@pytest.mark.parametrize("engine", ["autoregressive", "chain", "ngram", "fixed:2-2-1",
+                                    "rsd-s:2,3"])
+def test_each_row_runs_under_its_own_settings(params, drafter, engine):
+  got = run(engine, params, drafter, per_row(ROWS))
+  assert np.any(np.asarray(got.logprobs)[1:] != 0)
+  for b, row in enumerate(ROWS):
+    want = run(engine, params, drafter, SamplingParams(**row))
+    np.testing.assert_array_equal(np.asarray(got.tokens)[b], np.asarray(want.tokens)[b],
+                                  err_msg=f"row {b}")
+    np.testing.assert_allclose(np.asarray(got.logprobs)[b], np.asarray(want.logprobs)[b],
+                               atol=1e-5, err_msg=f"row {b}")
+
+
+def test_decided_inside_the_program_gives_the_same_rows(params, drafter):
+  want = run("chain", params, drafter, per_row(ROWS))
+  got = run("chain", params, drafter, per_row(ROWS, mode=None))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_new_values_per_row_reuse_the_program(params):
+  def call(rows):
+    return generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=per_row(rows), key=1).tokens
+
+  jax.block_until_ready(call(ROWS))
+  changed = [dict(r, temperature=r.get("temperature", 0) and r["temperature"] + 0.1,
+                  top_k=r.get("top_k", 0) and 7) for r in ROWS]
+  with CompileCounter() as counter:
+    jax.block_until_ready(call(changed))
+  assert counter.compiles == 0
+
+
+@pytest.mark.parametrize("sampling,match", [
+    (SamplingParams(temperature=[0.5, 0.7]), r"temperature must be one number for the whole "
+                                             r"batch or one per row \(3, one per prompt\)"),
+    (SamplingParams(temperature=np.ones((3, 1))), "temperature must be one number"),
+    (SamplingParams(temperature=[0.5, -1.0, 0.7]), r"temperature\[1\] must be a finite number"),
+    (SamplingParams(temperature=0.7, top_p=[1.0, 0.9, 0.0]), r"top_p\[2\] must be in \(0, 1\]"),
+    (SamplingParams(temperature=0.7, top_k=[0, 2.5, 1]), r"top_k\[1\] must be an integer"),
+    (SamplingParams(repetition_penalty=[1.0, 1.0, float("nan")]),
+     r"repetition_penalty\[2\] must be a finite number > 0"),
+])
+def test_bad_settings_per_row_are_refused(params, sampling, match):
+  with pytest.raises(ValueError, match=match):
+    generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=sampling)
+
+
+def test_mode_per_row():
+  assert per_row(ROWS).mode == Mode(greedy=False, filtered=True, min_p=True, penalized=True,
+                                    greedy_rows=True)
+  assert per_row([{}, {}]).mode == Mode(greedy=True, filtered=False)  # every row greedy
+  sp = per_row(ROWS)
+  np.testing.assert_array_equal(sp.is_greedy, [True, False, False])
+  # replace reads the mode again: no row greedy now
+  assert not dataclasses.replace(sp, temperature=[0.5, 0.9, 1.2]).mode.greedy_rows
