@@ -85,10 +85,15 @@ class SamplingParams:
   greedy/sampled switch (on a GPU each lax.cond in the decode loop is a round trip to the host),
   and compiles 1.7-2x faster. A change of mode (greedy to sampled, a filter or a penalty turned
   on or off) compiles another program; other changes (0.7 -> 0.9) do not. `mode=None` keeps one
-  program for every setting (the switches decided inside it), as do values that are not numbers
-  when the params are built (traced, or one per row), `dataclasses.replace` included. Pytree
-  operations keep the mode they flattened (values mapped to arrays or tracers keep it; mapped to
-  new Python numbers, it is read again).
+  program for every setting (the switches decided inside it), as do values traced when the
+  params are built, `dataclasses.replace` included. Pytree operations keep the mode they
+  flattened (values mapped to arrays or tracers keep it; mapped to new host numbers, it is read
+  again).
+
+  Each setting is one number for every row or one per row ([B]: a list, tuple or array). The
+  mode then reads all rows (a branch is on when any row needs it); greedy rows beside sampled
+  ones (`Mode.greedy_rows`) make `is_greedy` one bool per row, and every `switch` on it computes
+  both sides and keeps each row's own.
   """
 
   temperature: float | Array = 0.0
