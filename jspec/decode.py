@@ -194,7 +194,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
   return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                key=prng_key(key),
-               sampling=jax.tree.map(jnp.asarray, sampling), stop_ids=stop, cache_size=size)
+               sampling=sampling.as_arrays(), stop_ids=stop, cache_size=size)
 
 
 def on_mesh(params: Params, cfg: Config, b: Batch, mesh: Mesh | None

@@ -21,11 +21,12 @@ from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.penalties import History, penalize, tree_paths
 from jspec.drafting.base import sample_with_probs
-from jspec.sampling.processing import Mode, SamplingParams, processed_logprobs, sample
+from jspec.sampling.processing import Mode, SamplingParams, processed_logprobs, sample, switch
 from jspec.sampling.tree_verify import verify_tree
 from jspec.sampling.verify import verify
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from jspec.tree.draft import draft_fixed
 from jspec.tree.structure import Siblings, Tree
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -129,6 +130,37 @@ def test_a_greedy_row_beside_sampled_ones_is_decided_greedily():
                   "verify_tree": {0, 1}}
 
 
+def test_a_fixed_tree_drafts_greedy_rows_top_k_and_sampled_rows_their_draws():
+  V, B = 40, 3
+  table = 2 * jax.random.normal(jax.random.key(3), (V, V))
+
+  def next_logits(tree, frontier):  # [B, W, V]: a bigram table of the frontier's tokens
+    tokens = jnp.where(frontier >= 0, jnp.take_along_axis(
+        tree.tokens, jnp.maximum(frontier, 0), axis=1), jnp.arange(B)[:, None])
+    return table[tokens]
+
+  key, branching = jax.random.key(4), (3, 2)
+  sp = SamplingParams(temperature=[0.0, 0.8, 0.0], top_k=[0, 6, 0])
+  mixed = draft_fixed(key, next_logits, B, V, branching, sp, Siblings.IID,
+                      greedy_rows=sp.is_greedy)
+  greedy = draft_fixed(key, next_logits, B, V, branching, SamplingParams(), Siblings.FIXED)
+  sampled = draft_fixed(key, next_logits, B, V, branching, SamplingParams(0.8, top_k=6),
+                        Siblings.IID)
+  for b, want in ((0, greedy), (1, sampled), (2, greedy)):
+    np.testing.assert_array_equal(mixed.tokens[b], want.tokens[b], err_msg=f"row {b}")
+    np.testing.assert_array_equal(mixed.valid[b], want.valid[b], err_msg=f"row {b}")
+  assert len(set(np.asarray(mixed.tokens[0, :3]).tolist())) == 3  # top-3, not one token 3 times
+
+
+def test_switch_refuses_a_predicate_per_row_unless_told_the_outputs_lead_with_rows():
+  pred = jnp.asarray([True, False])
+  layers_first = lambda v: jnp.full((2, 2, 3), v)  # [L, B, ...] with L == B
+  with pytest.raises(ValueError, match="rows=True"):
+    switch(pred, lambda: layers_first(1), lambda: layers_first(0))
+  got = switch(pred, lambda: jnp.ones((2, 3)), lambda: jnp.zeros((2, 3)), rows=True)
+  np.testing.assert_array_equal(got, [[1, 1, 1], [0, 0, 0]])
+
+
 def run(engine, params, drafter, sampling, logprobs="sampled"):
   common = dict(sampling=sampling, key=5)
   if engine == "autoregressive":
@@ -166,11 +198,30 @@ def test_new_values_per_row_reuse_the_program(params):
     return generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=per_row(rows), key=1).tokens
 
   jax.block_until_ready(call(ROWS))
-  changed = [dict(r, temperature=r.get("temperature", 0) and r["temperature"] + 0.1,
-                  top_k=r.get("top_k", 0) and 7) for r in ROWS]
+  changed = [dict(r, temperature=r.get("temperature", 0) and r["temperature"] + 1,
+                  top_k=r.get("top_k", 0) and 7.0) for r in ROWS]  # whole numbers: ints, floats
   with CompileCounter() as counter:
     jax.block_until_ready(call(changed))
   assert counter.compiles == 0
+
+
+def test_settings_per_row_traced_in_your_own_jit(params):
+  """A list of traced values inside a user's jit: the mode is decided inside the program."""
+  from jspec.generate import generate_tokens
+  prompt = jnp.asarray([[5, 17, 3, 0], [8, 1, 30, 0]], jnp.int32)
+  lengths = jnp.asarray([3, 3])
+
+  @jax.jit
+  def run_rows(t0, t1):
+    sp = SamplingParams(temperature=[t0, t1])
+    assert sp.mode is None
+    return generate_tokens(params, CFG, prompt, lengths, jax.random.key(2), sp, max_new_tokens=5,
+                           cache_size=16).tokens
+
+  got = run_rows(0.0, 0.9)
+  want = generate(params, CFG, [[5, 17, 3], [8, 1, 30]], max_new_tokens=5,
+                  sampling=SamplingParams(temperature=[0.0, 0.9], mode=None), key=2)
+  np.testing.assert_array_equal(got[0], np.asarray(want.tokens)[0])
 
 
 @pytest.mark.parametrize("sampling,match", [
@@ -182,10 +233,21 @@ def test_new_values_per_row_reuse_the_program(params):
     (SamplingParams(temperature=0.7, top_k=[0, 2.5, 1]), r"top_k\[1\] must be an integer"),
     (SamplingParams(repetition_penalty=[1.0, 1.0, float("nan")]),
      r"repetition_penalty\[2\] must be a finite number > 0"),
+    (SamplingParams(temperature=0.7, top_k=[0, float("inf"), 1]), r"top_k\[1\] must be an int"),
+    (SamplingParams(temperature=0.7, top_k=[0, 200, 1]), r"top_k\[1\]=200 is more than the"),
 ])
 def test_bad_settings_per_row_are_refused(params, sampling, match):
   with pytest.raises(ValueError, match=match):
     generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=sampling)
+
+
+def test_per_row_settings_where_one_number_is_needed():
+  with pytest.raises(ValueError, match="as many rows each"):
+    SamplingParams(temperature=[0.5, 0.7], top_p=[0.9, 0.9, 0.9]).validate()
+  with pytest.raises(ValueError, match="jspec bench takes one number per sampling setting, got "
+                                       "one per row for temperature"):
+    SamplingParams(temperature=[0.5, 0.7]).require_uniform("jspec bench")
+  assert SamplingParams(0.5).require_uniform("x").temperature == 0.5
 
 
 def test_mode_per_row():

@@ -69,6 +69,7 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
   kv, draft_kv: the budget the run will have (`Model.generate_ids`): calibrating on a full cache
   would prefill a long prompt whole (the memory the budget exists to avoid) and time forwards over
   a cache the run never has."""
+  sampling.require_uniform("gamma='auto' (a calibration run)")
   if not isinstance(drafter, ModelDrafter):
     raise ValueError(f"--gamma auto times the drafter's network, so it needs a model drafter "
                      f"(default, self, early-exit:K, model:PATH), got {type(drafter).__name__}; "

@@ -140,7 +140,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
     raise ValueError("paired_tau needs at least one context")
   if int(rounds) != rounds or rounds < 1 or int(batch) != batch or batch < 1:
     raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
-  sampling.validate()
+  sampling.require_uniform("jspec bench-tau").validate()
   if float(sampling.presence_penalty) or float(sampling.frequency_penalty):
     raise ValueError("bench-tau scores rounds from contexts of prompt + response prefix, all read "
                      "as prompt, while presence and frequency penalties count generated tokens "

@@ -414,7 +414,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
   drafters' own caches), so each speculative run is measured against autoregressive decoding
   under the same policy. transformers has no such cache, and the engine-overhead baseline runs a
   full one: both are left out under a budget."""
-  greedy = float(sampling.temperature) == 0
+  greedy = float(sampling.require_uniform("jspec bench").temperature) == 0
   if kv is not None:
     compare_transformers = measure_overhead = False
   if float(sampling.presence_penalty) or float(sampling.frequency_penalty):

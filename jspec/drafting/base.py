@@ -236,17 +236,19 @@ class Drafter(abc.ABC):
     """
     B = last2.shape[0]
 
-    def run(greedy: bool) -> tuple[Tree, DraftState]:
+    def run(greedy: bool | Array) -> tuple[Tree, DraftState]:
       feeder = self.tree_feeder(state, last2, seq_len)
       tree = shape.draft(key, feeder, B, self.vocab_size, sampling, greedy=greedy)
       return tree, feeder.result(tree, shape.reindexes)
 
     greedy = sampling.is_greedy
-    if shape.greedy_variant and jnp.ndim(greedy) == 0:
+    if not shape.greedy_variant:
+      return run(False)
+    if jnp.ndim(greedy) == 0:
       return switch(greedy, lambda: run(True), lambda: run(False))
-    # Greedy rows beside sampled ones (settings per row) are drafted as the sampled rows are, at
-    # temperature 0 (a near one-hot q): greedy verification takes any tree.
-    return run(False)
+    # Greedy rows beside sampled ones (settings per row): one tree, each row drafted its own way
+    # (the drafter's state is laid out [L, B, ...]: not a per-row select).
+    return run(greedy)
 
 
 class HeadDrafter(Drafter):
@@ -299,7 +301,7 @@ def sample_with_probs(key: Array, logits: Array, sampling: SamplingParams) -> tu
     token = jax.random.categorical(key, logprobs, axis=-1).astype(jnp.int32)
     return token, jnp.exp(logprobs)
 
-  return switch(sampling.is_greedy, greedy, sampled)
+  return switch(sampling.is_greedy, greedy, sampled, rows=True)
 
 
 def sample_full_vocab(key: Array, logits: Array, sampling: SamplingParams, keep_ids: Array | None,

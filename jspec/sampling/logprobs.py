@@ -45,7 +45,7 @@ def processed_for(kind: str | None, logits: Array, sampling: SamplingParams) -> 
     return None
   # Greedy decided inside the program (mode=None): no filters computed for a greedy run.
   return switch(sampling.is_greedy, lambda: jnp.zeros(logits.shape, jnp.float32),
-                lambda: processed_logprobs(logits, sampling))
+                lambda: processed_logprobs(logits, sampling), rows=True)
 
 
 def token_logprobs(logits: Array, tokens: Array, kind: str, sampling: SamplingParams,

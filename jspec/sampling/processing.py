@@ -48,8 +48,10 @@ def _concrete(value) -> np.ndarray | None:
   values = _host_values(value)
   if values is not None or not isinstance(value, jax.Array) or value.ndim > 1:
     return values
+  if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == bool):
+    return None
   try:  # a tracer raises here; so does an array held by other hosts
-    return _host_values(np.asarray(value)) if value.is_fully_addressable else None
+    return np.asarray(value, np.float64) if value.is_fully_addressable else None  # bfloat16 too
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
     return None
 
@@ -109,7 +111,8 @@ class SamplingParams:
     for name in _FIELDS:  # one per row as a list or tuple: an array (a pytree leaf, not a node)
       value = getattr(self, name)
       if isinstance(value, (list, tuple)):
-        object.__setattr__(self, name, np.asarray(value))
+        traced = any(isinstance(v, jax.Array) for v in value)  # traced in a jit: stay traced
+        object.__setattr__(self, name, jnp.asarray(value) if traced else np.asarray(value))
     if self.mode is None:
       return
     if self.mode != "auto" and not isinstance(self.mode, Mode):
@@ -123,6 +126,9 @@ class SamplingParams:
     """Check concrete values on the host (top_k against `vocab_size` when given; settings given
     per row against the `batch` size when given); returns self for chaining."""
     values = {name: _setting(name, getattr(self, name), batch) for name in _FIELDS}
+    lengths = {name: v.shape[0] for name, v in values.items() if v.ndim}
+    if len(set(lengths.values())) > 1:
+      raise ValueError(f"settings given per row must give as many rows each, got {lengths}")
 
     def check(name: str, ok, rule: str) -> None:
       bad = np.flatnonzero(~np.asarray(ok, bool).reshape(-1))
@@ -133,9 +139,12 @@ class SamplingParams:
 
     t, k, p, m, r = (values[n] for n in _FIELDS[:5])
     check("temperature", np.isfinite(t) & (t >= 0), "must be a finite number >= 0 (0 = greedy)")
-    check("top_k", (np.round(k) == k) & (k >= 0), "must be an integer >= 0 (0 = off)")
+    check("top_k", np.isfinite(k) & (np.round(k) == k) & (k >= 0),
+          "must be an integer >= 0 (0 = off)")
     if vocab_size is not None and np.any(k > vocab_size):
-      raise ValueError(f"top_k={self.top_k!r} is more than the vocabulary's {vocab_size} "
+      row = "" if k.ndim == 0 else f"[{np.flatnonzero(k > vocab_size)[0]}]"
+      value = k.reshape(-1)[np.flatnonzero(k.reshape(-1) > vocab_size)[0]]
+      raise ValueError(f"top_k{row}={value:g} is more than the vocabulary's {vocab_size} "
                        f"tokens. Fix: top_k <= {vocab_size}, or 0 (off).")
     check("top_p", (p > 0) & (p <= 1), "must be in (0, 1] (1 = off)")
     check("min_p", (m >= 0) & (m <= 1), "must be in [0, 1] (0 = off)")
@@ -144,6 +153,22 @@ class SamplingParams:
     for name in ("presence_penalty", "frequency_penalty"):
       check(name, np.isfinite(values[name]),
             "must be a finite number (0 = off; positive discourages repeats)")
+    return self
+
+  def as_arrays(self) -> "SamplingParams":
+    """The settings as jax arrays of fixed dtypes (top_k int32, the rest float32), the mode kept:
+    what a jitted call takes, so 1 and 0.7, or [0, 1] and [0, 0.7], give the same program."""
+    return _unflatten(self.mode, [jnp.asarray(getattr(self, n),
+                                              jnp.int32 if n == "top_k" else jnp.float32)
+                                  for n in _FIELDS])
+
+  def require_uniform(self, who: str) -> "SamplingParams":
+    """self, when every setting is one number for the whole batch; a clear error for settings
+    per row where `who` (a benchmark comparing settings, a calibration) takes one of each."""
+    per_row_fields = [n for n in _FIELDS if np.ndim(getattr(self, n))]
+    if per_row_fields:
+      raise ValueError(f"{who} takes one number per sampling setting, got one per row for "
+                       f"{', '.join(per_row_fields)}. Fix: run it once per setting.")
     return self
 
   @property
@@ -219,14 +244,21 @@ jax.tree_util.register_pytree_with_keys(
     lambda sp: (tuple(getattr(sp, n) for n in _FIELDS), sp.mode))
 
 
-def switch(pred: bool | Array, on_true: Callable[[], T], on_false: Callable[[], T]) -> T:
+def switch(pred: bool | Array, on_true: Callable[[], T], on_false: Callable[[], T], *,
+           rows: bool = False) -> T:
   """lax.cond when pred is one traced bool; when it is a Python bool, only the branch it picks is
-  traced; one per row [B] (settings given per row): both sides run and each row keeps its own
-  side (the outputs must lead with the batch axis)."""
+  traced. With `rows` (every output leads with the batch axis), pred may be one bool per row [B]
+  (`SamplingParams.is_greedy` with greedy rows beside sampled ones): both sides run and each row
+  keeps its own. Without it such a pred is refused: an output laid out [L, B, ...] would be
+  selected along the wrong axis, silently when L == B."""
   if isinstance(pred, bool):
     return on_true() if pred else on_false()
   if jnp.ndim(pred) == 0:
     return jax.lax.cond(pred, on_true, on_false)
+  if not rows:
+    raise ValueError(f"switch got one predicate per row (shape {jnp.shape(pred)}), but its "
+                     f"outputs are not declared batch-leading: pass rows=True if every output "
+                     f"leads with the batch axis, else branch per row yourself")
   return jax.tree.map(lambda a, b: jnp.where(per_row(pred, a), a, b), on_true(), on_false())
 
 
@@ -426,4 +458,4 @@ def sample(key: Array, logits: Array, sp: SamplingParams,
       lambda: jax.random.categorical(
           key, processed_logprobs(logits, sp) if processed is None else processed,
           axis=-1).astype(jnp.int32),
-  )
+      rows=True)

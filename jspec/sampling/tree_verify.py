@@ -122,7 +122,7 @@ def verify_tree(key: Array, tree: Tree, target_logits: Array, sampling: Sampling
       sampling.is_greedy,
       lambda: verify_tree_greedy(tree, target_logits),
       lambda: verify_tree_sampled(key, tree, target_logits, sampling, target_logprobs),
-  )
+      rows=True)
 
 
 def emitted_tokens(tree: Tree, path: Array, n_accepted: Array, next_token: Array) -> Array:

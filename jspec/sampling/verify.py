@@ -102,4 +102,4 @@ def verify(key: Array, draft_tokens: Array, draft_probs: Array, target_logits: A
       lambda: verify_greedy(draft_tokens, target_logits),
       lambda: verify_sampled(key, draft_tokens, draft_probs, target_logits, sampling,
                              target_logprobs),
-  )
+      rows=True)

@@ -88,12 +88,15 @@ def fixed_tree_size(branching: tuple[int, ...]) -> int:
 
 def draft_fixed(key: Array, next_logits: NextLogits, batch: int, vocab: int,
                 branching: tuple[int, ...], sampling: SamplingParams,
-                siblings: Siblings = Siblings.WITHOUT_REPLACEMENT) -> Tree:
+                siblings: Siblings = Siblings.WITHOUT_REPLACEMENT,
+                greedy_rows: Array | None = None) -> Tree:
   """Fixed-shape tree: every node at depth d - 1 gets branching[d - 1] children.
 
   siblings picks the children: FIXED = top-k of q (greedy trees), IID = i.i.d. draws from q
   (SpecInfer), WITHOUT_REPLACEMENT = Gumbel-Top-k draws (RSD-C). Nodes are laid out depth by
   depth, each parent's children contiguous and in draw order. Size: fixed_tree_size(branching).
+  greedy_rows [B] bool (settings per row, greedy rows beside sampled ones): those rows take the
+  top-k children whatever `siblings` says (greedy verification reads no sibling rule).
   """
   tree = Tree.empty(batch, fixed_tree_size(branching), vocab, len(branching), siblings)
   frontier = jnp.full((batch, 1), -1, jnp.int32)
@@ -103,6 +106,10 @@ def draft_fixed(key: Array, next_logits: NextLogits, batch: int, vocab: int,
     logq, rank = _distributions(next_logits(tree, frontier), sampling)  # [B, W, V]
     tree = _set_q(tree, frontier, logq)
     toks, ok = _CHILDREN[siblings](key_d, logq, rank, k)  # [B, W, k]
+    if greedy_rows is not None and siblings is not Siblings.FIXED:
+      greedy = per_row(greedy_rows, toks)
+      top, top_ok = _top_k_children(key_d, logq, rank, k)
+      toks, ok = jnp.where(greedy, top, toks), jnp.where(greedy, top_ok, ok)
     W = frontier.shape[1]
     valid = (ok & frontier_ok[..., None]).reshape(batch, W * k)
     parents = jnp.repeat(frontier, k, axis=1)

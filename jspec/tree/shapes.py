@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax import Array
+
 from jspec.tree.draft import draft_dynamic, draft_fixed, draft_stochastic_beam, fixed_tree_size
 from jspec.tree.structure import Siblings, Tree
 
@@ -80,10 +82,12 @@ class BranchingTree:
   def greedy_variant(self) -> bool:
     return self.method == "fixed"  # top-k children at temperature 0
 
-  def draft(self, key, next_logits, batch, vocab, sampling, *, greedy: bool) -> Tree:
+  def draft(self, key, next_logits, batch, vocab, sampling, *, greedy: bool | Array) -> Tree:
+    """greedy: a Python bool, or one per row [B] (greedy rows beside sampled ones)."""
     siblings = _BRANCHING_SIBLINGS[self.method]
+    rows = None if isinstance(greedy, bool) else greedy
     tree = draft_fixed(key, next_logits, batch, vocab, self.branching, sampling,
-                       Siblings.FIXED if greedy else siblings)
+                       Siblings.FIXED if greedy is True else siblings, greedy_rows=rows)
     return dataclasses.replace(tree, siblings=siblings)  # greedy verification ignores the label
 
   def __str__(self) -> str:
