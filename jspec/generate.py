@@ -20,8 +20,9 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
 from jspec.models.numerics import engine_jit
+from jspec.sampling.first_token import first_token
 from jspec.sampling.logprobs import check_logprobs, processed_for, token_logprobs
-from jspec.sampling.penalties import History, penalize, start_history
+from jspec.sampling.penalties import History, penalize
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.streaming import Segmented, TokenStream, view
@@ -93,13 +94,8 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
                          cache_dtype or params.embed.dtype).placed(placement)
     logits, cache, evicted, _ = chunked_prefill(params, cfg, prompt, prompt_lengths, cache, kv,
                                                 placement=placement)
-  key, sub = jax.random.split(key)
-  history = start_history(sampling, prompt, prompt_lengths, cfg.vocab_size)
-  penalized = penalize(logits, history, sampling)
-  processed = processed_for(logprobs, penalized, sampling)
-  first = sample(sub, penalized, sampling, processed)  # [B]
-  if history is not None:
-    history = history.add(first[:, None], jnp.ones((B, 1), bool))
+  key, first, history, first_lp = first_token(key, logits, prompt, prompt_lengths,
+                                               cfg.vocab_size, sampling, logprobs)
   tokens = jnp.full((B, max_new_tokens), PAD, jnp.int32).at[:, 0].set(first)
   top_ids = top_logprobs = None
   if record_top_k:
@@ -109,8 +105,7 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
     top_logprobs = jnp.full(shape, -jnp.inf, jnp.float32).at[:, 0].set(lps)
   token_lps = None
   if logprobs:
-    token_lps = jnp.zeros((B, max_new_tokens), jnp.float32).at[:, 0].set(
-        token_logprobs(logits, first, logprobs, sampling, processed))
+    token_lps = jnp.zeros((B, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
   return DecodeState(
       step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,

@@ -12,16 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.decode import PAD, is_stop, prefill, trimmed_rows
-from jspec.drafting.base import DraftState, Drafter, Features
+from jspec.drafting.base import Drafter, DraftState, Features
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots, forward
-from jspec.sampling.logprobs import processed_for, token_logprobs
-from jspec.sampling.penalties import History, penalize, start_history
-from jspec.sampling.processing import SamplingParams, sample
+from jspec.sampling.first_token import first_token
+from jspec.sampling.logprobs import token_logprobs
+from jspec.sampling.penalties import History
+from jspec.sampling.processing import SamplingParams
 from jspec.sharding import Placement, set_rows
 from jspec.speculative.probing import prefill_layout, verification_width
 from jspec.streaming import Segmented
@@ -127,13 +128,8 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                                                      placement=placement)
     if drafter.probe_masks:
       probed = probe_budgeted_prompt(params, cfg, drafter, prompt, prompt_lengths, cache, evicted)
-  key, sub = jax.random.split(key)
-  history = start_history(sampling, prompt, prompt_lengths, cfg.vocab_size)
-  penalized = penalize(logits, history, sampling)
-  processed = processed_for(spec.logprobs, penalized, sampling)
-  first = sample(sub, penalized, sampling, processed)  # [B]
-  if history is not None:
-    history = history.add(first[:, None], jnp.ones((B, 1), bool))
+  key, first, history, first_lp = first_token(key, logits, prompt, prompt_lengths,
+                                               cfg.vocab_size, sampling, spec.logprobs)
   # The token after each prompt position: the prompt shifted by one, then the first sample.
   following = jnp.concatenate([prompt[:, 1:], jnp.zeros((B, 1), prompt.dtype)], axis=1)
   following = set_rows(following, prompt_lengths[:, None] - 1, first[:, None])  # [B, P]
@@ -143,8 +139,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   zeros = lambda n: jnp.zeros((n,), jnp.int32)
   token_lps = None
   if spec.logprobs:
-    token_lps = jnp.zeros((B, N + max_accepted + 1), jnp.float32).at[:, 0].set(
-        token_logprobs(logits, first, spec.logprobs, sampling, processed))
+    token_lps = jnp.zeros((B, N + max_accepted + 1), jnp.float32).at[:, 0].set(first_lp)
   return SpecState(
       done=is_stop(first, spec.stop_ids) | (N <= 1),
       tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
