@@ -25,6 +25,21 @@ _MODEL_HELP = ("the target model: 'default' (SmolLM2-135M-Instruct, fetched once
 _TARGET_HELP = _MODEL_HELP.replace("the target model", "the target model the drafter serves")
 
 
+_PER_PROMPT = ("; each sampling flag takes one number, or in `jspec generate` one per --prompt, "
+               "comma-separated (e.g. --temperature 0,0.7)")
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
+
+
+def _per_prompt(number: type):
+  """An argparse type: one number, or several comma-separated (a tuple: one per prompt)."""
+  def parse(text: str):
+    values = tuple(number(part) for part in text.split(","))
+    return values[0] if len(values) == 1 else values
+  parse.__name__ = number.__name__  # argparse names the type in its errors
+  return parse
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", "--target", dest="model", default="default", help=_MODEL_HELP)
   p.add_argument("--weights", "--dtype", dest="dtype", default="float32",
@@ -46,17 +61,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "heads, MLP and vocabulary over tp) or 'none' for one device; default: every "
                       "local device on dp when the prompts divide over them, else one device. "
                       "float32 weights run XLA's dot on a mesh; int8/q4 do not shard")
-  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=0, help="0 = off")
-  p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-  p.add_argument("--min-p", type=float, default=0.0,
+  # `jspec generate` also takes one value per --prompt, comma-separated (settings per row).
+  p.add_argument("--temperature", type=_per_prompt(float), default=0.0,
+                 help="0 = greedy" + _PER_PROMPT)
+  p.add_argument("--top-k", type=_per_prompt(int), default=0, help="0 = off")
+  p.add_argument("--top-p", type=_per_prompt(float), default=1.0, help="1 = off")
+  p.add_argument("--min-p", type=_per_prompt(float), default=0.0,
                  help="keep tokens at least this fraction as likely as the most likely; 0 = off")
-  p.add_argument("--repetition-penalty", type=float, default=1.0,
+  p.add_argument("--repetition-penalty", type=_per_prompt(float), default=1.0,
                  help="a token of the prompt or the output has its logit divided by this when "
                       "positive, multiplied when not (transformers, vLLM); 1 = off")
-  p.add_argument("--presence-penalty", type=float, default=0.0,
+  p.add_argument("--presence-penalty", type=_per_prompt(float), default=0.0,
                  help="subtracted from the logit of every token generated so far (OpenAI); 0 = off")
-  p.add_argument("--frequency-penalty", type=float, default=0.0,
+  p.add_argument("--frequency-penalty", type=_per_prompt(float), default=0.0,
                  help="subtracted from a token's logit per time it was generated (OpenAI); 0 = off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none", help="speculative decoding drafter: " + drafter_help())
@@ -178,11 +195,18 @@ def _add_tree_arg(p: argparse.ArgumentParser) -> None:
 
 def _sampling(args):
   from jspec.sampling.processing import SamplingParams
-  return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        min_p=getattr(args, "min_p", 0.0),
-                        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
-                        presence_penalty=getattr(args, "presence_penalty", 0.0),
-                        frequency_penalty=getattr(args, "frequency_penalty", 0.0)).validate()
+  per_row = [f for f in _SAMPLING_FLAGS if isinstance(getattr(args, f, None), tuple)]
+  if per_row and args.command != "generate":
+    raise ValueError(f"--{per_row[0].replace('_', '-')} takes one number in `jspec "
+                     f"{args.command}`; one per --prompt (comma-separated) is for `jspec "
+                     f"generate`")
+  batch = len(args.prompt) if args.command == "generate" else None
+  sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=getattr(args, "min_p", 0.0),
+                            repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+                            presence_penalty=getattr(args, "presence_penalty", 0.0),
+                            frequency_penalty=getattr(args, "frequency_penalty", 0.0))
+  return sampling.validate(batch=batch)
 
 
 def _penalty_tag(args) -> str:
@@ -894,8 +918,8 @@ def check_args(args) -> None:
   _check_data_args(args)
   _check_output_paths(args)
   if hasattr(args, "temperature"):
-    _sampling(args)
-    if args.temperature == 0 and (args.top_k or args.top_p < 1 or getattr(args, "min_p", 0)):
+    mode = _sampling(args).mode
+    if mode.greedy and (mode.filtered or mode.min_p):
       print("[jspec] note: --top-k, --top-p and --min-p filter sampled tokens; at --temperature 0 "
             "(greedy, the default) they change nothing", file=sys.stderr)
   if getattr(args, "n_max", None) is not None and args.n_max > _MAX_ORDER:

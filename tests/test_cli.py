@@ -35,6 +35,25 @@ def test_generate(tiny_model, capsys):
   assert "min_p must be in [0, 1]" in capsys.readouterr().err
 
 
+def test_generate_takes_sampling_settings_per_prompt(tiny_model, capsys):
+  argv = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
+          "--prompt", "Hi", "--max-new-tokens", "6", "--seed", "3"]
+  assert main(argv + ["--temperature", "0,0.9", "--top-k", "0,5",
+                      "--repetition-penalty", "1.3,1"]) == 0
+  both = capsys.readouterr().out.split("### ")[1:]
+  assert main(argv + ["--repetition-penalty", "1.3"]) == 0  # greedy, for the first row
+  greedy = capsys.readouterr().out.split("### ")[1:]
+  assert both[0] == greedy[0]  # the greedy row is the greedy run's
+  assert main(argv + ["--temperature", "0,0.5,1"]) == 2
+  assert "temperature must be one number for the whole batch or one per row (2, one per " \
+         "prompt)" in capsys.readouterr().err
+  assert main(["bench", "--model", str(tiny_model), "--temperature", "0,1"]) == 2
+  assert "--temperature takes one number in `jspec bench`" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # argparse: not a number
+    main(argv + ["--top-k", "0,x"])
+  assert "invalid int value: '0,x'" in capsys.readouterr().err
+
+
 def test_generate_streams_the_same_text(tiny_model, capsys):
   argv = ["generate", "--model", str(tiny_model), "--prompt", "Why is the sky blue?",
           "--max-new-tokens", "12", "--temperature", "0.8", "--drafter", "self", "--gamma", "2"]
