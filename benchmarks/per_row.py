@@ -28,15 +28,6 @@ from jspec.sampling.processing import SamplingParams
 
 SETTINGS = [dict(), dict(repetition_penalty=1.2), dict(temperature=0.7, top_p=0.9),
             dict(temperature=1.0, top_k=50)]
-FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty")
-
-
-def per_row(settings: list[dict]) -> SamplingParams:
-  default = SamplingParams()
-  return SamplingParams(**{f: [s.get(f, getattr(default, f)) for s in settings] for f in FIELDS})
-
-
 def main() -> None:
   ap = method_script_parser(__doc__, max_new_tokens=64)
   ap.add_argument("--batch", type=int, default=4)
@@ -57,7 +48,7 @@ def main() -> None:
                                                       sampling=sampling, key=1))
 
     ways = {  # name -> [(prompts, sampling)] a group's calls
-        "per_row": lambda g: [(g, per_row(settings))],
+        "per_row": lambda g: [(g, SamplingParams.of_rows(settings))],
         "one_call_each": lambda g: [([p], SamplingParams(**s)) for p, s in zip(g, settings)],
         "uniform_greedy": lambda g: [(g, SamplingParams())],
         "uniform_sampled": lambda g: [(g, SamplingParams(temperature=0.7, top_p=0.9))],

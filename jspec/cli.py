@@ -25,10 +25,11 @@ _MODEL_HELP = ("the target model: 'default' (SmolLM2-135M-Instruct, fetched once
 _TARGET_HELP = _MODEL_HELP.replace("the target model", "the target model the drafter serves")
 
 
-_PER_PROMPT = ("; each sampling flag takes one number, or in `jspec generate` one per --prompt, "
-               "comma-separated (e.g. --temperature 0,0.7)")
+_PER_PROMPT = ("; each sampling flag takes one number, or one per --prompt, comma-separated "
+               "(--temperature 0,0.7; a negative first value after '=': "
+               "--presence-penalty=-0.5,0.5)")
 _SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty")
+                   "presence_penalty", "frequency_penalty")  # SamplingParams' seven settings
 
 
 def _per_prompt(number: type):
@@ -62,8 +63,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                       "local device on dp when the prompts divide over them, else one device. "
                       "float32 weights run XLA's dot on a mesh; int8/q4 do not shard")
   # `jspec generate` also takes one value per --prompt, comma-separated (settings per row).
-  p.add_argument("--temperature", type=_per_prompt(float), default=0.0,
-                 help="0 = greedy" + _PER_PROMPT)
+  p.add_argument("--temperature", type=_per_prompt(float), default=0.0, help="0 = greedy")
   p.add_argument("--top-k", type=_per_prompt(int), default=0, help="0 = off")
   p.add_argument("--top-p", type=_per_prompt(float), default=1.0, help="1 = off")
   p.add_argument("--min-p", type=_per_prompt(float), default=0.0,
@@ -918,8 +918,16 @@ def check_args(args) -> None:
   _check_data_args(args)
   _check_output_paths(args)
   if hasattr(args, "temperature"):
-    mode = _sampling(args).mode
-    if mode.greedy and (mode.filtered or mode.min_p):
+    import numpy as np
+    sampling = _sampling(args)
+    if getattr(args, "gamma", None) == "auto" and not all(
+        np.ndim(getattr(sampling, f)) == 0 for f in _SAMPLING_FLAGS):
+      raise ValueError("--gamma auto calibrates under one setting, got sampling settings per "
+                       "--prompt. Fix: --gamma N (a number)")
+    greedy = np.asarray(sampling.temperature) == 0
+    filters = ((np.asarray(sampling.top_k) > 0) | (np.asarray(sampling.top_p) < 1)
+               | (np.asarray(sampling.min_p) > 0))
+    if np.any(greedy & filters):
       print("[jspec] note: --top-k, --top-p and --min-p filter sampled tokens; at --temperature 0 "
             "(greedy, the default) they change nothing", file=sys.stderr)
   if getattr(args, "n_max", None) is not None and args.n_max > _MAX_ORDER:
@@ -1010,7 +1018,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_model_args(g)
   _add_gamma_arg(g)
   g.add_argument("--prompt", action="append", required=True,
-                 help="prompt text; repeat for a batch")
+                 help="prompt text; repeat for a batch" + _PER_PROMPT)
   g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                  help="wrap prompts in the model's chat template (default on)")
   g.add_argument("--stream", action="store_true",

@@ -52,6 +52,14 @@ def test_generate_takes_sampling_settings_per_prompt(tiny_model, capsys):
   with pytest.raises(SystemExit):  # argparse: not a number
     main(argv + ["--top-k", "0,x"])
   assert "invalid int value: '0,x'" in capsys.readouterr().err
+  assert main(argv + ["--presence-penalty=-0.5,0.5", "--temperature", "0.7"]) == 0  # the help's way
+  capsys.readouterr()
+  for command in (["generate", "--prompt", "a", "--prompt", "b", "--drafter", "self",
+                   "--gamma", "auto"], ["bench-tau", "--drafter", "self", "--tree", "fixed:2"]):
+    assert main(command + ["--model", str(tiny_model), "--temperature", "0,1"]) == 2
+    err = capsys.readouterr().err  # refused by check_args, before anything loads
+    assert "--gamma auto calibrates under one setting" in err or (
+        "--temperature takes one number in `jspec bench-tau`" in err), err
 
 
 def test_generate_streams_the_same_text(tiny_model, capsys):

@@ -36,14 +36,11 @@ PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30], [7, 7, 7, 12]]
 ROWS = [dict(repetition_penalty=1.3),
         dict(temperature=0.9, top_k=5, presence_penalty=0.4),
         dict(temperature=1.2, top_p=0.85, min_p=0.05, frequency_penalty=0.3)]
-FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty")
 MAX_NEW = 12
 
 
 def per_row(rows, **kw) -> SamplingParams:
-  default = SamplingParams()
-  return SamplingParams(**{f: [r.get(f, getattr(default, f)) for r in rows] for f in FIELDS}, **kw)
+  return SamplingParams.of_rows(rows, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +184,22 @@ def test_each_row_runs_under_its_own_settings(params, drafter, engine):
                                atol=1e-5, err_msg=f"row {b}")
 
 
+def test_the_tree_engine_hands_greedy_rows_to_a_fixed_tree(params, drafter, monkeypatch):
+  """Greedy verification takes any tree, so tokens alone cannot show a greedy row drafted as a
+  sampled one; the plumbing is checked here (the tree itself by the draft_fixed test above)."""
+  from jspec.tree import shapes
+  handed, original = [], shapes.draft_fixed
+
+  def spy(*args, greedy_rows=None, **kw):
+    handed.append(greedy_rows is not None)
+    return original(*args, greedy_rows=greedy_rows, **kw)
+
+  monkeypatch.setattr(shapes, "draft_fixed", spy)
+  spec = TreeSpecConfig("fixed:3-1-1", max_new_tokens=5)  # a shape no other test traces
+  tree_speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, sampling=per_row(ROWS))
+  assert handed and all(handed)
+
+
 def test_decided_inside_the_program_gives_the_same_rows(params, drafter):
   want = run("chain", params, drafter, per_row(ROWS))
   got = run("chain", params, drafter, per_row(ROWS, mode=None))
@@ -248,6 +261,8 @@ def test_per_row_settings_where_one_number_is_needed():
                                        "one per row for temperature"):
     SamplingParams(temperature=[0.5, 0.7]).require_uniform("jspec bench")
   assert SamplingParams(0.5).require_uniform("x").temperature == 0.5
+  with pytest.raises(ValueError, match=r"unknown sampling settings \['temprature'\]"):
+    SamplingParams.of_rows([dict(temprature=0.5)])
 
 
 def test_mode_per_row():

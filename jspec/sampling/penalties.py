@@ -67,16 +67,12 @@ def start_history(sampling: SamplingParams, prompt: Array, lengths: Array,
   return History.of_prompt(prompt, lengths, vocab_size) if sampling.needs_history else None
 
 
-def _per_row(value, x: Array) -> Array:
-  return per_row(jnp.asarray(value, jnp.float32), x)
-
-
 def _penalized(x: Array, seen: Array, count: Array, sp: SamplingParams) -> Array:
   """x with the penalties of tokens `seen` (prompt or output) and generated `count` times."""
-  r = _per_row(sp.repetition_penalty, x)
+  setting = lambda value: per_row(jnp.asarray(value, jnp.float32), x)  # one, or one per row
+  r = setting(sp.repetition_penalty)
   x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
-  return (x - _per_row(sp.presence_penalty, x) * (count > 0)
-          - _per_row(sp.frequency_penalty, x) * count)
+  return x - setting(sp.presence_penalty) * (count > 0) - setting(sp.frequency_penalty) * count
 
 
 def penalize(logits: Array, history: History | None, sp: SamplingParams,

@@ -23,7 +23,7 @@ T = TypeVar("T")
 class Mode(NamedTuple):
   """Which branches of sampling a program needs, when the settings are known while tracing."""
 
-  greedy: bool  # temperature 0: argmax and greedy verification, nothing else
+  greedy: bool  # temperature 0 (every row): argmax and greedy verification, nothing else
   filtered: bool  # top-k or top-p on: the threshold search runs
   min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
   penalized: bool = False  # a repetition, presence or frequency penalty on (sampling.penalties)
@@ -154,6 +154,17 @@ class SamplingParams:
       check(name, np.isfinite(values[name]),
             "must be a finite number (0 = off; positive discourages repeats)")
     return self
+
+  @classmethod
+  def of_rows(cls, rows, **kw) -> "SamplingParams":
+    """Settings per row from one dict of settings per prompt (absent keys: the defaults), e.g.
+    `SamplingParams.of_rows([dict(), dict(temperature=0.7, top_p=0.9)])`."""
+    rows = list(rows)
+    unknown = {key for row in rows for key in row} - set(_FIELDS)
+    if unknown:
+      raise ValueError(f"unknown sampling settings {sorted(unknown)}; the settings are {_FIELDS}")
+    return cls(**{name: [row.get(name, getattr(GREEDY, name)) for row in rows]
+                  for name in _FIELDS}, **kw)
 
   def as_arrays(self) -> "SamplingParams":
     """The settings as jax arrays of fixed dtypes (top_k int32, the rest float32), the mode kept:

@@ -156,8 +156,8 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
                                          taps=drafter.feature_layers)  # [B, N + 1, V]
   model_logits = target_logits
   # A node's law follows its path's tokens too (jspec.sampling.penalties).
-  if s.history is not None:  # no history: the penalties are statically off
-    target_logits = penalize(target_logits, s.history, sampling, tree_paths(tree))
+  paths = None if s.history is None else tree_paths(tree)  # no history: penalties off
+  target_logits = penalize(target_logits, s.history, sampling, paths)
   processed = processed_for(logprobs, target_logits, sampling)
   path, n_acc, nxt = verify_tree(k_verify, tree, target_logits, sampling,
                                  processed)  # [B, D], [B], [B]
