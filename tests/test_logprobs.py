@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jspec.drafting.model import ModelDrafter
 from jspec.generate import generate, generate_stream
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
@@ -17,6 +16,7 @@ from jspec.sampling.processing import SamplingParams, processed_logprobs
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_stream
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_stream)
+from tiny_drafters import perturbed_drafter
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -38,9 +38,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def drafter(params):
-  noise = init_params(CFG, jax.random.key(1), scale=0.3)
-  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.05 * b if a.ndim > 1 else a, params, noise),
-                      CFG)
+  return perturbed_drafter(params, CFG, 0.05)
 
 
 def teacher_forced(params, prompt, seq, kind, sampling) -> np.ndarray:

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from jspec.bench.profiling import CompileCounter
-from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate
 from jspec.models.config import Config
@@ -28,6 +27,7 @@ from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.draft import draft_fixed
 from jspec.tree.structure import Siblings, Tree
+from tiny_drafters import perturbed_drafter
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -50,9 +50,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def drafter(params):
-  noise = init_params(CFG, jax.random.key(1), scale=0.3)
-  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.05 * b if a.ndim > 1 else a, params, noise),
-                      CFG)
+  return perturbed_drafter(params, CFG, 0.05)
 
 
 def test_processing_per_row_is_each_rows_own():

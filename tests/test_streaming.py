@@ -18,6 +18,7 @@ from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_stream
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_stream)
+from tiny_drafters import perturbed_drafter
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
              num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -32,9 +33,7 @@ def params():
 
 @pytest.fixture(scope="module")
 def drafter(params):
-  noise = init_params(CFG, jax.random.key(1), scale=0.3)
-  return ModelDrafter(jax.tree.map(lambda a, b: a + 0.5 * b if a.ndim > 1 else a, params, noise),
-                      CFG)
+  return perturbed_drafter(params, CFG, 0.5)
 
 
 def joined(stream) -> tuple[list[list[int]], list[list[list[int]]]]:
