@@ -250,7 +250,7 @@ def test_loop_is_one_program(params):
     (dict(prompts=[[1]], sampling=SamplingParams(temperature=1.0, top_k=98)),
      "top_k=98 is more than the vocabulary's 97"),
     (dict(prompts=[[1]], sampling=SamplingParams(temperature=np.array([0.7, 0.0]))),
-     "temperature must be one number for the whole batch"),
+     r"temperature must be one number for the whole batch or one per row \(1, one per prompt"),
     (dict(prompts=[[1]], key=2**70), "does not fit a signed 64-bit integer"),
     (dict(prompts="Hello"), "prompts is one text"),
 ])

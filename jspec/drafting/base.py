@@ -232,7 +232,7 @@ class Drafter(abc.ABC):
                  sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
     """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in
     the full vocabulary. When `shape.greedy_variant`, greedy sampling drafts the temperature-0
-    variant.
+    variant (settings per row with greedy rows beside sampled ones: those rows alone).
     """
     B = last2.shape[0]
 

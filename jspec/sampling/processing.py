@@ -89,8 +89,8 @@ class SamplingParams:
   on or off) compiles another program; other changes (0.7 -> 0.9) do not. `mode=None` keeps one
   program for every setting (the switches decided inside it), as do values traced when the
   params are built, `dataclasses.replace` included. Pytree operations keep the mode they
-  flattened (values mapped to arrays or tracers keep it; mapped to new host numbers, it is read
-  again).
+  flattened (values mapped to jax arrays or tracers keep it; mapped to new host numbers, Python
+  or NumPy, it is read again).
 
   Each setting is one number for every row or one per row ([B]: a list, tuple or array). The
   mode then reads all rows (a branch is on when any row needs it); greedy rows beside sampled
@@ -238,7 +238,8 @@ def _setting(name: str, value, batch: int | None) -> np.ndarray:
 
 
 def _unflatten(mode: Mode | None, values) -> SamplingParams:
-  """Without __init__: arrays and tracers keep the flattened mode; Python numbers give theirs."""
+  """Without __init__: jax arrays and tracers keep the flattened mode; host numbers (Python or
+  NumPy, one or one per row) give theirs."""
   sp = object.__new__(SamplingParams)
   for name, value in zip(_FIELDS, values):
     object.__setattr__(sp, name, value)
