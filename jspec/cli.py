@@ -28,8 +28,6 @@ _TARGET_HELP = _MODEL_HELP.replace("the target model", "the target model the dra
 _PER_PROMPT = ("; each sampling flag takes one number, or one per --prompt, comma-separated "
                "(--temperature 0,0.7; a negative first value after '=': "
                "--presence-penalty=-0.5,0.5)")
-_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty")  # SamplingParams' seven settings
 
 
 def _per_prompt(number: type):
@@ -195,18 +193,17 @@ def _add_tree_arg(p: argparse.ArgumentParser) -> None:
 
 def _sampling(args):
   from jspec.sampling.processing import SamplingParams
-  per_row = [f for f in _SAMPLING_FLAGS if isinstance(getattr(args, f, None), tuple)]
-  if per_row and args.command != "generate":
-    raise ValueError(f"--{per_row[0].replace('_', '-')} takes one number in `jspec "
-                     f"{args.command}`; one per --prompt (comma-separated) is for `jspec "
-                     f"generate`")
-  batch = len(args.prompt) if args.command == "generate" else None
   sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=getattr(args, "min_p", 0.0),
                             repetition_penalty=getattr(args, "repetition_penalty", 1.0),
                             presence_penalty=getattr(args, "presence_penalty", 0.0),
                             frequency_penalty=getattr(args, "frequency_penalty", 0.0))
-  return sampling.validate(batch=batch)
+  per_row = sampling.settings_per_row
+  if per_row and args.command != "generate":
+    raise ValueError(f"--{per_row[0].replace('_', '-')} takes one number in `jspec "
+                     f"{args.command}`; one per --prompt (comma-separated) is for `jspec "
+                     f"generate`")
+  return sampling.validate(batch=len(args.prompt) if args.command == "generate" else None)
 
 
 def _penalty_tag(args) -> str:
@@ -920,8 +917,7 @@ def check_args(args) -> None:
   if hasattr(args, "temperature"):
     import numpy as np
     sampling = _sampling(args)
-    if getattr(args, "gamma", None) == "auto" and not all(
-        np.ndim(getattr(sampling, f)) == 0 for f in _SAMPLING_FLAGS):
+    if getattr(args, "gamma", None) == "auto" and sampling.settings_per_row:
       raise ValueError("--gamma auto calibrates under one setting, got sampling settings per "
                        "--prompt. Fix: --gamma N (a number)")
     greedy = np.asarray(sampling.temperature) == 0

@@ -39,10 +39,6 @@ ROWS = [dict(repetition_penalty=1.3),
 MAX_NEW = 12
 
 
-def per_row(rows, **kw) -> SamplingParams:
-  return SamplingParams.of_rows(rows, **kw)
-
-
 @pytest.fixture(scope="module")
 def params():
   return init_params(CFG, jax.random.key(0), scale=0.3)
@@ -58,7 +54,7 @@ def test_processing_per_row_is_each_rows_own():
   # must keep its whole vocabulary, not the candidates.
   rows = [dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
           dict(temperature=1.0), dict(temperature=0.9, min_p=0.1)]
-  sp = jax.tree.map(jnp.asarray, per_row(rows))
+  sp = jax.tree.map(jnp.asarray, SamplingParams.of_rows(rows))
   assert sp.mode == Mode(greedy=False, filtered=True, min_p=True)
   logits = 3 * jax.random.normal(jax.random.key(0), (4, 3, 600))  # [B, T, V]
   for x in (logits, logits[:, 0]):  # [B, T, V] and [B, V]
@@ -73,7 +69,7 @@ def test_processing_per_row_is_each_rows_own():
 def test_penalties_per_row_are_each_rows_own():
   rows = [dict(repetition_penalty=1.5), dict(presence_penalty=0.7, frequency_penalty=0.2),
           dict(repetition_penalty=0.8, frequency_penalty=1.0)]
-  sp = per_row(rows)
+  sp = SamplingParams.of_rows(rows)
   V = 11
   history = History.of_prompt(jnp.asarray([[1, 2, 3], [4, 4, 0], [5, 1, 9]]),
                               jnp.asarray([3, 2, 3]), V)
@@ -172,7 +168,7 @@ def run(engine, params, drafter, sampling, logprobs="sampled"):
 @pytest.mark.parametrize("engine", ["autoregressive", "chain", "ngram", "fixed:2-2-1",
                                     "rsd-s:2,3"])
 def test_each_row_runs_under_its_own_settings(params, drafter, engine):
-  got = run(engine, params, drafter, per_row(ROWS))
+  got = run(engine, params, drafter, SamplingParams.of_rows(ROWS))
   assert np.any(np.asarray(got.logprobs)[1:] != 0)
   for b, row in enumerate(ROWS):
     want = run(engine, params, drafter, SamplingParams(**row))
@@ -194,19 +190,19 @@ def test_the_tree_engine_hands_greedy_rows_to_a_fixed_tree(params, drafter, monk
 
   monkeypatch.setattr(shapes, "draft_fixed", spy)
   spec = TreeSpecConfig("fixed:3-1-1", max_new_tokens=5)  # a shape no other test traces
-  tree_speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, sampling=per_row(ROWS))
+  tree_speculative_generate(params, CFG, drafter, PROMPTS, spec=spec, sampling=SamplingParams.of_rows(ROWS))
   assert handed and all(handed)
 
 
 def test_decided_inside_the_program_gives_the_same_rows(params, drafter):
-  want = run("chain", params, drafter, per_row(ROWS))
-  got = run("chain", params, drafter, per_row(ROWS, mode=None))
+  want = run("chain", params, drafter, SamplingParams.of_rows(ROWS))
+  got = run("chain", params, drafter, SamplingParams.of_rows(ROWS, mode=None))
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
 
 
 def test_new_values_per_row_reuse_the_program(params):
   def call(rows):
-    return generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=per_row(rows), key=1).tokens
+    return generate(params, CFG, PROMPTS, max_new_tokens=4, sampling=SamplingParams.of_rows(rows), key=1).tokens
 
   jax.block_until_ready(call(ROWS))
   changed = [dict(r, temperature=r.get("temperature", 0) and r["temperature"] + 1,
@@ -264,10 +260,10 @@ def test_per_row_settings_where_one_number_is_needed():
 
 
 def test_mode_per_row():
-  assert per_row(ROWS).mode == Mode(greedy=False, filtered=True, min_p=True, penalized=True,
+  assert SamplingParams.of_rows(ROWS).mode == Mode(greedy=False, filtered=True, min_p=True, penalized=True,
                                     greedy_rows=True)
-  assert per_row([{}, {}]).mode == Mode(greedy=True, filtered=False)  # every row greedy
-  sp = per_row(ROWS)
+  assert SamplingParams.of_rows([{}, {}]).mode == Mode(greedy=True, filtered=False)  # every row greedy
+  sp = SamplingParams.of_rows(ROWS)
   np.testing.assert_array_equal(sp.is_greedy, [True, False, False])
   # replace reads the mode again: no row greedy now
   assert not dataclasses.replace(sp, temperature=[0.5, 0.9, 1.2]).mode.greedy_rows

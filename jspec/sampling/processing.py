@@ -173,13 +173,17 @@ class SamplingParams:
                                               jnp.int32 if n == "top_k" else jnp.float32)
                                   for n in _FIELDS])
 
+  @property
+  def settings_per_row(self) -> list[str]:
+    """The names of the settings given one per row (empty: one number each)."""
+    return [n for n in _FIELDS if np.ndim(getattr(self, n))]
+
   def require_uniform(self, who: str) -> "SamplingParams":
     """self, when every setting is one number for the whole batch; a clear error for settings
     per row where `who` (a benchmark comparing settings, a calibration) takes one of each."""
-    per_row_fields = [n for n in _FIELDS if np.ndim(getattr(self, n))]
-    if per_row_fields:
+    if self.settings_per_row:
       raise ValueError(f"{who} takes one number per sampling setting, got one per row for "
-                       f"{', '.join(per_row_fields)}. Fix: run it once per setting.")
+                       f"{', '.join(self.settings_per_row)}. Fix: run it once per setting.")
     return self
 
   @property
