@@ -18,7 +18,7 @@ import numpy as np
 
 from jspec.bench.speed import Method, bench_interleaved
 from jspec.bench.profiling import machine_info
-from jspec.cli import _dataset_prompts as dataset_prompts
+from jspec.cli.records import dataset_prompts
 from jspec.drafting.registry import load_drafter
 from jspec.model import load
 from jspec.sampling.processing import SamplingParams

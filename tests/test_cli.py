@@ -532,9 +532,9 @@ def test_a_second_run_compiles_nothing(tiny_model, tmp_path):
 
 def test_precision_flag_covers_the_whole_command(tiny_model, monkeypatch):
   import jax
-  import jspec.cli
+  import jspec.cli.generate
   seen = []
-  monkeypatch.setattr(jspec.cli, "cmd_generate",
+  monkeypatch.setattr(jspec.cli.generate, "cmd_generate",
                       lambda args: seen.append(jax.config.jax_default_matmul_precision) or 0)
   for flag, want in (("exact", "highest"), ("fast", None)):
     with jax.default_matmul_precision(None):  # no global setting (conftest: accelerators)
@@ -617,21 +617,21 @@ def test_train_eagle_refuses_flags_of_the_other_network(capsys, tmp_path):
 def test_train_eagle_help_names_the_networks_defaults(capsys):
   """The network flags are unset unless given (so another network's flags are told apart from
   defaults); their help names the dataclass default that then applies."""
-  from jspec.cli import _NETWORK_FLAGS
+  from jspec.cli.options import NETWORK_FLAGS
   from jspec.train.confu import ConFuLoss, ConFuRecipe
   from jspec.train.eagle import EagleLoss
   from jspec.train.eagle3 import Eagle3Loss
   owner = {"cls_weight": EagleLoss, "unroll": EagleLoss, "noise": EagleLoss,
            "ttt_steps": Eagle3Loss, "ttt_decay": Eagle3Loss, "anchors": ConFuLoss,
            "experts": ConFuRecipe, "expert_top_k": ConFuRecipe, "soft_tokens": ConFuRecipe}
-  assert set(owner) == set(_NETWORK_FLAGS)
+  assert set(owner) == set(NETWORK_FLAGS)
   with pytest.raises(SystemExit):
     main(["train-eagle", "--help"])
   text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]  # past the usage
   for name, cls in owner.items():
     flag = "--" + name.replace("_", "-")
     shown = text.split(flag + " ", 1)[1].split(" --", 1)[0]
-    default = getattr(cls, _NETWORK_FLAGS[name][1])
+    default = getattr(cls, NETWORK_FLAGS[name][1])
     assert f"(default: {default})" in shown, (flag, shown, default)
   from jspec.train.trainer import TrainConfig
   assert f"(default: {TrainConfig.warmup_steps}, at most --steps)" in text  # --warmup-steps

@@ -399,10 +399,10 @@ def test_cli_flags(tmp_path, capsys):
   assert "repetition_penalty must be a finite number > 0" in capsys.readouterr().err
   # bench / bench-tau default output names carry the penalties a run used.
   import argparse
-  from jspec.cli import _penalty_tag
-  assert _penalty_tag(argparse.Namespace(repetition_penalty=1.2, presence_penalty=0.0,
+  from jspec.cli.options import penalty_tag
+  assert penalty_tag(argparse.Namespace(repetition_penalty=1.2, presence_penalty=0.0,
                                          frequency_penalty=0.5)) == "_rep1.2_freq0.5"
-  assert _penalty_tag(argparse.Namespace(repetition_penalty=1.0, presence_penalty=0.0,
+  assert penalty_tag(argparse.Namespace(repetition_penalty=1.0, presence_penalty=0.0,
                                          frequency_penalty=0.0)) == ""
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench.round_split import round_split_s
@@ -89,7 +87,7 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
     cache_size = budgeted_slots(kv, drafter, max_gamma + 1)
     context = min(context, kv.full_row)
   split = round_split_s(model.params, model.cfg, drafter, max_gamma,
-                        jax.tree.map(jnp.asarray, sampling), context=context,
+                        sampling.as_arrays(), context=context,
                         cache_size=cache_size)
   draft_step_s = (split["draft_layers"] + split["draft_head"]) / max_gamma
   ar_step_s = split["ar_step"]

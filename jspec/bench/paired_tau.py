@@ -159,7 +159,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   C = len(contexts)
   padded = list(contexts) + [contexts[0]] * (-C % batch)
   tokens, lengths = pad_prompts(padded, cfg.vocab_size, bucket)
-  sampling_arrays = jax.tree.map(jnp.asarray, sampling)
+  sampling_arrays = sampling.as_arrays()
   base = jax.random.key(seed)
   n_acc = np.zeros((len(shapes), len(padded), rounds), np.int32)
   bar = tqdm(total=len(shapes) * len(padded) // batch, desc="paired tau", disable=not progress)

@@ -487,7 +487,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     median = sorted(len(p) for p in prompts)[len(prompts) // 2]
     _, size = plan_cache(model.cfg, [median], max_new_tokens, reserve=gamma + 1)
     spec["round_components_s"], spec["verify_forward_s"] = round_components_s(
-        model, named.drafter, gamma, median, size, sampling=jax.tree.map(jnp.asarray, sampling))
+        model, named.drafter, gamma, median, size, sampling=sampling.as_arrays())
     # What the loop adds per round beyond drafting and the verification forward: relative to all
     # of the round's model work, and relative to the verification forward alone.
     extra = spec["round_s"] - spec["round_components_s"]
@@ -495,7 +495,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     spec["engine_overhead_vs_verify"] = extra / spec["verify_forward_s"]
     if isinstance(named.drafter, ModelDrafter):  # where the round's time goes, piece by piece
       spec["round_split_s"] = round_split_s(
-          model.params, model.cfg, named.drafter, gamma, jax.tree.map(jnp.asarray, sampling),
+          model.params, model.cfg, named.drafter, gamma, sampling.as_arrays(),
           context=median, cache_size=size)
 
   if compare_transformers:
