@@ -37,7 +37,11 @@ def test_mode_is_read_off_the_values():
   assert SamplingParams(0.7).mode == Mode(greedy=False, filtered=False)
   assert SamplingParams(0.7, top_k=5).mode == Mode(greedy=False, filtered=True)
   assert SamplingParams(0.7, top_p=0.9).mode == Mode(greedy=False, filtered=True)
-  assert SamplingParams(np.float32(0.0), jnp.asarray(3)).mode == Mode(greedy=True, filtered=True)
+  # filters change only sampled rows: greedy with top-k is greedy's own program
+  assert SamplingParams(np.float32(0.0), jnp.asarray(3)).mode == Mode(greedy=True, filtered=False)
+  assert SamplingParams([0.0, 0.7], top_k=[5, 0], min_p=[0.1, 0.0]).mode == Mode(
+      greedy=False, filtered=False, greedy_rows=True)
+  assert SamplingParams([0.0, 0.7], top_k=[5, 3]).mode == Mode(False, True, greedy_rows=True)
   # a copy with new values gets their mode, never the old one's: read again, or None
   assert dataclasses.replace(SamplingParams(0.7), temperature=0.0).mode.greedy
   assert dataclasses.replace(SamplingParams(), temperature=jnp.asarray([0.0, 0.7])).mode == Mode(

@@ -24,8 +24,8 @@ class Mode(NamedTuple):
   """Which branches of sampling a program needs, when the settings are known while tracing."""
 
   greedy: bool  # temperature 0 (every row): argmax and greedy verification, nothing else
-  filtered: bool  # top-k or top-p on: the threshold search runs
-  min_p: bool = False  # min-p on: tokens below min_p times the most likely one's probability go
+  filtered: bool  # top-k or top-p on (a sampled row): the threshold search runs
+  min_p: bool = False  # min-p on (a sampled row): tokens below min_p x the top probability go
   penalized: bool = False  # a repetition, presence or frequency penalty on (sampling.penalties)
   # Rows at temperature 0 beside sampled rows (settings given per row): each greedy/sampled choice
   # is made row by row inside the program (both sides computed, `switch`); greedy is then False.
@@ -56,16 +56,26 @@ def _concrete(value) -> np.ndarray | None:
     return None
 
 
+def _on_a_sampled_row(on: np.ndarray, temperature: np.ndarray) -> bool:
+  """Whether a row at temperature > 0 has `on` (any row's, when the rows given differ in number:
+  validate refuses those settings with the lengths named)."""
+  try:
+    return bool(np.any(on & (temperature != 0)))
+  except ValueError:
+    return bool(np.any(on))
+
+
 def _mode_of(values) -> Mode | None:
   """The mode the settings (in _FIELDS' order; each a number or one per row) give, or None when
-  any is not known on the host. A branch is on when any row needs it."""
+  any is not known on the host. A branch is on when any row needs it: the filters when a sampled
+  row has one (a greedy row's argmax is the same with or without), the penalties on any row."""
   if any(v is None for v in values):
     return None
   t, k, p, m, r, a, f = values
   greedy_rows = bool(np.any(t == 0))
   greedy = bool(np.all(t == 0))
-  return Mode(greedy=greedy, filtered=bool(np.any(k > 0) or np.any(p < 1)),
-              min_p=bool(np.any(m > 0)),
+  return Mode(greedy=greedy, filtered=_on_a_sampled_row((k > 0) | (p < 1), t),
+              min_p=_on_a_sampled_row(m > 0, t),
               penalized=bool(np.any(r != 1) or np.any(a != 0) or np.any(f != 0)),
               greedy_rows=greedy_rows and not greedy)
 
@@ -198,13 +208,14 @@ class SamplingParams:
   def filters_on(self) -> bool | Array:
     if self.mode is not None:
       return self.mode.filtered
-    return jnp.any((jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1))
+    return jnp.any(((jnp.asarray(self.top_k) > 0) | (jnp.asarray(self.top_p) < 1))
+                   & (jnp.asarray(self.temperature) != 0))
 
   @property
   def min_p_on(self) -> bool | Array:
     if self.mode is not None:
       return self.mode.min_p
-    return jnp.any(jnp.asarray(self.min_p) > 0)
+    return jnp.any((jnp.asarray(self.min_p) > 0) & (jnp.asarray(self.temperature) != 0))
 
   @property
   def penalized(self) -> bool | Array:
