@@ -259,6 +259,16 @@ def test_per_row_settings_where_one_number_is_needed():
     SamplingParams.of_rows([dict(temprature=0.5)])
 
 
+def test_params_per_row_compare_and_hash_by_their_numbers():
+  a = SamplingParams([0.5, 0.7], top_k=5)
+  same = SamplingParams(np.array([0.5, 0.7]), top_k=np.int64(5))
+  assert a == same and hash(a) == hash(same) and {a: "row settings"}[same] == "row settings"
+  assert a != SamplingParams([0.5, 0.8], top_k=5) and a != SamplingParams([0.5, 0.7])
+  assert SamplingParams(0.5) != SamplingParams([0.5])  # one number is not one row's
+  assert SamplingParams(1) == SamplingParams(1.0) == SamplingParams(jnp.float32(1.0))
+  assert SamplingParams() != SamplingParams(mode=None)  # another program
+
+
 def test_mode_per_row():
   assert SamplingParams.of_rows(ROWS).mode == Mode(greedy=False, filtered=True, min_p=True, penalized=True,
                                     greedy_rows=True)

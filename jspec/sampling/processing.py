@@ -131,6 +131,25 @@ class SamplingParams:
     # A Mode passed in (dataclasses.replace passes the old one) is read again from the values.
     object.__setattr__(self, "mode", _mode_of([_concrete(getattr(self, n)) for n in _FIELDS]))
 
+  def _compared(self) -> tuple:
+    """What == and hash() read: the mode and each setting's numbers where this host holds them
+    (1 and 1.0 alike, a list and an array of the same numbers alike), else the setting's identity
+    (a tracer, an array other hosts hold). Settings per row are arrays, whose own == answers
+    element by element and which cannot be hashed."""
+    def key(value):
+      numbers = _concrete(value)
+      return (("id", id(value)) if numbers is None
+              else (numbers.shape, tuple(numbers.reshape(-1).tolist())))
+    return (self.mode,) + tuple(key(getattr(self, n)) for n in _FIELDS)
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, SamplingParams):
+      return NotImplemented
+    return self._compared() == other._compared()
+
+  def __hash__(self) -> int:
+    return hash(self._compared())
+
   def validate(self, vocab_size: int | None = None, batch: int | None = None
                ) -> "SamplingParams":
     """Check concrete values on the host (top_k against `vocab_size` when given; settings given
