@@ -401,9 +401,9 @@ def test_cli_flags(tmp_path, capsys):
   import argparse
   from jspec.cli.options import penalty_tag
   assert penalty_tag(argparse.Namespace(repetition_penalty=1.2, presence_penalty=0.0,
-                                         frequency_penalty=0.5)) == "_rep1.2_freq0.5"
+                                        frequency_penalty=0.5)) == "_rep1.2_freq0.5"
   assert penalty_tag(argparse.Namespace(repetition_penalty=1.0, presence_penalty=0.0,
-                                         frequency_penalty=0.0)) == ""
+                                        frequency_penalty=0.0)) == ""
 
 
 # ---------------------------------------------------------------------------- drafters

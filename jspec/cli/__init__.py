@@ -1,7 +1,8 @@
 """The `jspec` command: generate text and benchmark decoding.
 
 One module per group of commands (generate, bench, train), the flags they share (options), the
-checks run before anything loads (checks) and the parser that ties them together (parser)."""
+checks run before anything loads (checks), what commands stamp on their records (records) and the
+parser that ties them together (parser); `python -m jspec.cli` runs main (__main__)."""
 
 from __future__ import annotations
 

@@ -48,14 +48,14 @@ def cmd_bench(args) -> int:
   for d in drafters:  # nor run probe masks or windows beside its verification block
     check_extra_positions_target(model.params, d.drafter)
   gamma, choice = resolve_gamma(args, model, [d.drafter for d in drafters], prompts[0], sampling,
-                                 kv=kv, draft_kv=draft_kv)
+                                kv=kv, draft_kv=draft_kv)
   if drafters:
     note_eviction_cadence(kv, max([gamma] + [t.max_depth for t in trees]
-                                   + [d.drafter.own_tree.max_depth for d in drafters
-                                      if d.drafter.own_tree is not None]))
+                                  + [d.drafter.own_tree.max_depth for d in drafters
+                                     if d.drafter.own_tree is not None]))
   if kv is not None and not (args.no_transformers and args.no_overhead):
     progress("under --kv-budget every jspec run evicts; transformers (no such cache) and the "
-              "engine-overhead baseline (a full cache) are not run")
+             "engine-overhead baseline (a full cache) are not run")
   records = speed.run_bench(model, args.model, args.dataset, prompts,
                             max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
                             drafters=drafters, gamma=gamma, trees=trees,

