@@ -202,10 +202,16 @@ def on_mesh(params: Params, cfg: Config, b: Batch, mesh: Mesh | None
   """Host-side, for a run on `mesh` (None: as given): the model's placement, checked against the
   batch; params placed by their layout (a no-op when `jspec.model.load(..., mesh=)` placed them);
   the prompts split over `dp`."""
+  params, tokens, lengths, placement = rows_on_mesh(params, cfg, b.tokens, b.lengths, mesh)
+  return params, dataclasses.replace(b, tokens=tokens, lengths=lengths), placement
+
+
+def rows_on_mesh(params: Params, cfg: Config, tokens: Array, lengths: Array, mesh: Mesh | None
+                 ) -> tuple[Params, Array, Array, Placement | None]:
+  """on_mesh for rows of tokens [B, T] and their lengths [B] alone (no sampling, no key)."""
   if mesh is None:
-    return params, b, None
+    return params, tokens, lengths, None
   placement = model_placement(cfg, mesh)
-  placement.check_batch(b.tokens.shape[0])
-  b = dataclasses.replace(b, tokens=placement.put_batch(b.tokens),
-                          lengths=placement.put_batch(b.lengths))
-  return place_params(params, cfg, placement), b, placement
+  placement.check_batch(tokens.shape[0])
+  return (place_params(params, cfg, placement), placement.put_batch(tokens),
+          placement.put_batch(lengths), placement)

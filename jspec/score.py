@@ -18,14 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import Batch, as_prompt_list, is_int, on_mesh, pad_prompts, prng_key, prompt_bucket
+from jspec.decode import as_prompt_list, is_int, pad_prompts, prompt_bucket, rows_on_mesh
 from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import chunked_scores
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params, attention_slots
 from jspec.models.numerics import engine_jit
-from jspec.sampling.processing import GREEDY
 from jspec.sharding import Mesh, Placement, traced_under_placement
 
 Array = jax.Array
@@ -113,8 +112,7 @@ def score(params: Params, cfg: Config, sequences: Sequence[Sequence[int]], *, ch
                      f"score a shorter window of it")
   bucket = prompt_bucket(longest)
   tokens, lengths = pad_prompts(rows, cfg.vocab_size, bucket)
-  b = Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), key=prng_key(0),
-            sampling=GREEDY, stop_ids=(), cache_size=bucket)
-  params, b, placement = on_mesh(params, cfg, b, mesh)
-  return _score_jit(params, cfg, b.tokens, b.lengths, chunk=min(int(chunk), bucket), kv=kv,
+  params, tokens, lengths, placement = rows_on_mesh(params, cfg, jnp.asarray(tokens),
+                                                    jnp.asarray(lengths), mesh)
+  return _score_jit(params, cfg, tokens, lengths, chunk=min(int(chunk), bucket), kv=kv,
                     precision=precision, placement=placement)
