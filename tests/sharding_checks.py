@@ -436,44 +436,17 @@ def check_streams():
   same(stream.output, want, "tree streamed dp=1 tp=8")
 
 
-def check_logprobs():
-  """Token log-probabilities over a vocabulary split by tp (a logsumexp, a processed-logprob
-  filter and a gather across shards) are one device's, for every engine."""
+def check_penalties_and_logprobs():
+  """Repetition / presence / frequency penalties (the history's [B, V] counts, the path tokens'
+  gather and scatter) and token log-probabilities (a logsumexp, a processed-logprob filter and a
+  gather across shards) over a vocabulary split by tp give one device's tokens and log-probs,
+  every engine; so do settings given per row (greedy rows beside sampled ones) with the rows
+  split by dp; and so does scoring text, with a full cache and under a budget."""
   target, draft = models()
+  drafter = ModelDrafter(draft, DRAFT)
   close = lambda a, b, what: np.testing.assert_allclose(np.asarray(a.logprobs),
                                                         np.asarray(b.logprobs), atol=1e-4,
                                                         err_msg=what)
-  for kind, sp, key in (("model", SAMPLED, 5), ("sampled", FILTERED, 7)):
-    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
-                    logprobs=kind)
-    got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
-                   logprobs=kind, mesh=make_mesh(2, 4))
-    same(got, want, f"generate logprobs={kind}")
-    close(got, want, f"generate logprobs={kind}")
-  drafter = ModelDrafter(draft, DRAFT)
-  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12, logprobs="sampled"),
-                     speculative_generate),
-                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12, logprobs="model"),
-                     tree_speculative_generate)):
-    want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=NUCLEUS, key=3)
-    got = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=NUCLEUS, key=3,
-              mesh=make_mesh(1, 8))
-    same(got, want, f"{run.__name__} logprobs")
-    close(got, want, f"{run.__name__} logprobs")
-    assert np.any(np.asarray(want.logprobs) < 0)
-  # Scoring text (jspec.score), with a full cache and under a budget, over a split vocabulary.
-  for kv in (None, KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1)):
-    want = score(target, TARGET, PROMPTS, chunk=4, kv=kv)
-    got = score(target, TARGET, PROMPTS, chunk=4, kv=kv, mesh=make_mesh(2, 4))
-    close(got, want, f"score kv={kv}")
-
-
-def check_penalties():
-  """Repetition / presence / frequency penalties over a vocabulary split by tp (the history's
-  [B, V] counts, the path tokens' gather and scatter) give one device's tokens, every engine;
-  so do settings given per row (greedy rows beside sampled ones) with the rows split by dp."""
-  target, draft = models()
-  drafter = ModelDrafter(draft, DRAFT)
   greedy = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
   sampled = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.2,
                            presence_penalty=0.5)
@@ -481,28 +454,40 @@ def check_penalties():
   rows = SamplingParams(temperature=np.arange(B) % 3 * 0.5, top_k=np.arange(B) % 2 * 20,
                         repetition_penalty=1 + np.arange(B) % 4 * 0.1)
   assert rows.mode.greedy_rows
-  for sp, key in ((greedy, 0), (sampled, 5), (rows, 6)):
-    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
+  for sp, key, logprobs in ((greedy, 0, None), (sampled, 5, "sampled"), (rows, 6, "model")):
+    want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
+                    logprobs=logprobs)
     assert want.sequences() != generate(target, TARGET, PROMPTS, max_new_tokens=10,
                                         key=key).sequences()
     for dp, tp in ((2, 4), (1, 8)):
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
-                     mesh=make_mesh(dp, tp))
+                     logprobs=logprobs, mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
-  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12), speculative_generate),
-                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12), tree_speculative_generate)):
+      if logprobs:
+        close(got, want, f"generate dp={dp} tp={tp} logprobs={logprobs}")
+  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12, logprobs="sampled"),
+                     speculative_generate),
+                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12, logprobs="model"),
+                     tree_speculative_generate)):
     ar = generate(target, TARGET, PROMPTS, max_new_tokens=12, sampling=greedy)
     for sp in (greedy, sampled, rows):
       want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3)
       if sp is greedy:
         same(want, ar, f"{run.__name__} == generate")
+      else:
+        assert np.any(np.asarray(want.logprobs) < 0)
       got = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3,
                 mesh=make_mesh(2, 4))
       same(got, want, f"{run.__name__} {sp}")
+      close(got, want, f"{run.__name__} logprobs={spec.logprobs} {sp}")
+  for kv in (None, KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1)):
+    want = score(target, TARGET, PROMPTS, chunk=4, kv=kv)
+    got = score(target, TARGET, PROMPTS, chunk=4, kv=kv, mesh=make_mesh(2, 4))
+    close(got, want, f"score kv={kv}")
 
 
 GROUPS = {"generate": check_generate, "streams": check_streams, "chains": check_chains,
-          "trees": check_trees, "logprobs": check_logprobs, "penalties": check_penalties,
+          "trees": check_trees, "penalties": check_penalties_and_logprobs,
           "compiles": check_compiles_once, "communication": check_communication,
           "rounds": check_round_communication,
           "budget": check_budget_communication,
