@@ -448,7 +448,7 @@ def check_penalties_and_logprobs():
                                                         np.asarray(b.logprobs), atol=1e-4,
                                                         err_msg=what)
   greedy = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5)
-  sampled = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.2,
+  sampled = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, repetition_penalty=1.2,
                            presence_penalty=0.5)
   B = len(PROMPTS)
   rows = SamplingParams(temperature=np.arange(B) % 3 * 0.5, top_k=np.arange(B) % 2 * 20,

@@ -259,6 +259,17 @@ def test_per_row_settings_where_one_number_is_needed():
     SamplingParams.of_rows([dict(temprature=0.5)])
 
 
+def test_a_greedy_rows_processing_does_not_depend_on_its_neighbours():
+  # A filter on a greedy row changes nothing (its argmax), and the mode turns filters on only for
+  # sampled rows: so a greedy row is never filtered, alone or beside a row whose filter is on
+  # (specinfer / rsd trees draw a greedy row's children from this law).
+  logits = jax.random.normal(jax.random.key(3), (2, 50)) * 3
+  alone = processed_logprobs(logits[:1], SamplingParams(0.0, top_k=2, min_p=0.5))
+  beside = processed_logprobs(logits, SamplingParams([0.0, 0.9], top_k=[2, 3], min_p=[0.5, 0.0]))
+  np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(beside[0]))
+  assert np.isfinite(np.asarray(beside[0])).all() and np.isfinite(np.asarray(beside[1])).sum() == 3
+
+
 def test_params_per_row_compare_and_hash_by_their_numbers():
   a = SamplingParams([0.5, 0.7], top_k=5)
   same = SamplingParams(np.array([0.5, 0.7]), top_k=np.int64(5))

@@ -328,18 +328,22 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   -inf.
 
   Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
-  returns the temperature-1e-6 distribution; callers treat greedy separately with argmax. The
+  returns the temperature-1e-6 distribution, unfiltered (a greedy row's argmax is the same either
+  way, and a tree that draws a greedy row's children from this law must not see its neighbours'
+  settings through the mode); callers treat greedy separately with argmax. The
   filters' threshold search is skipped when both are off (`switch` on `sp.filters_on`). min-p
   keeps x >= max(x) + log(min_p) of the scaled logits x: a ratio to the most likely token, which
   renormalising after top-k and top-p leaves as it was, so its order among them matters only in
   that it keeps fewer (a shorter prefix of the sorted tokens) or more, never others.
   """
+  greedy = jnp.asarray(sp.temperature, jnp.float32) == 0  # one bool, or one per row
   temperature = per_row(jnp.asarray(sp.temperature, jnp.float32), logits)
   x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-  k = jnp.asarray(sp.top_k, jnp.int32)
-  top_p = jnp.asarray(sp.top_p, jnp.float32)
+  k = jnp.where(greedy, 0, jnp.asarray(sp.top_k, jnp.int32))
+  top_p = jnp.where(greedy, 1.0, jnp.asarray(sp.top_p, jnp.float32))
+  min_p = jnp.where(greedy, 0.0, jnp.asarray(sp.min_p, jnp.float32))
   filtered = switch(sp.filters_on, lambda: _top_k_top_p(x, k, top_p), lambda: x)
-  filtered = switch(sp.min_p_on, lambda: _min_p(filtered, x, sp.min_p), lambda: filtered)
+  filtered = switch(sp.min_p_on, lambda: _min_p(filtered, x, min_p), lambda: filtered)
   return jax.nn.log_softmax(filtered, axis=-1)
 
 
