@@ -465,12 +465,14 @@ def check_penalties_and_logprobs():
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
       if logprobs:
         close(got, want, f"generate dp={dp} tp={tp} logprobs={logprobs}")
-  for spec, run in ((SpecConfig(gamma=3, max_new_tokens=12, logprobs="sampled"),
-                     speculative_generate),
-                    (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12, logprobs="model"),
-                     tree_speculative_generate)):
-    ar = generate(target, TARGET, PROMPTS, max_new_tokens=12, sampling=greedy)
-    for sp in (greedy, sampled, rows):
+  # The rows' settings (greedy rows beside sampled ones, each filtered or not) in both engines;
+  # the chain also all rows sampled, the tree all greedy (the same tokens as generate's).
+  ar = generate(target, TARGET, PROMPTS, max_new_tokens=12, sampling=greedy)
+  for spec, run, settings in ((SpecConfig(gamma=3, max_new_tokens=12, logprobs="sampled"),
+                               speculative_generate, (sampled, rows)),
+                              (TreeSpecConfig("fixed:3-2-1", max_new_tokens=12, logprobs="model"),
+                               tree_speculative_generate, (greedy, rows))):
+    for sp in settings:
       want = run(target, TARGET, drafter, PROMPTS, spec=spec, sampling=sp, key=3)
       if sp is greedy:
         same(want, ar, f"{run.__name__} == generate")

@@ -155,8 +155,14 @@ def close_pair(tiny_pair):
                                            noise), TINY)
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLINGS))
-@pytest.mark.parametrize("method", list(SAMPLED_TREES))
+# top-k and top-p together with a sampled tree (SpecInfer) and a without-replacement one (RSD-S),
+# whose residual renormalises over the filtered support; the other methods run top-k alone (a
+# static mode with the filters on, as both together are).
+LOSSLESS_CASES = [(method, name) for method in SAMPLED_TREES for name in sorted(SAMPLINGS)
+                  if name != "t1-topk-topp" or method in ("specinfer", "rsd-s")]
+
+
+@pytest.mark.parametrize("method, name", LOSSLESS_CASES)
 def test_sampling_is_lossless(close_pair, method, name):
   target, drafter = close_pair
   sp = SAMPLINGS[name]

@@ -37,11 +37,18 @@ def per_prompt(number: type):
   return parse
 
 
+def add_target_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+  p.add_argument("--model", "--target", dest="model", default="default", help=help)
+
+
+def add_weights_arg(p: argparse.ArgumentParser, help: str | None = None) -> None:
+  p.add_argument("--weights", "--dtype", dest="dtype", default="float32", choices=sorted(DTYPES),
+                 help=help)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--model", "--target", dest="model", default="default", help=MODEL_HELP)
-  p.add_argument("--weights", "--dtype", dest="dtype", default="float32",
-                 choices=sorted(DTYPES),
-                 help="weight format of the target and of model drafters: float32 (on CPU "
+  add_target_arg(p)
+  add_weights_arg(p, help="weight format of the target and of model drafters: float32 (on CPU "
                       "through jspec's native float32 kernel, compiled on first use), "
                       "float32-xla (XLA's dot), bfloat16, int8 (int8 per output channel, "
                       "activations int8 per token in each matmul, run by jspec's native kernel on "

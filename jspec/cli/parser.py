@@ -7,12 +7,11 @@ import functools
 from pathlib import Path
 
 from jspec.cli import bench, generate, train
-from jspec.cli.options import (MODEL_HELP, PER_PROMPT, TARGET_HELP, WARMUP_HELP, add_data_args,
+from jspec.cli.options import (PER_PROMPT, TARGET_HELP, WARMUP_HELP, add_data_args,
                                add_gamma_arg, add_kv_args, add_model_args, add_scan_arg,
-                               add_tree_arg)
+                               add_target_arg, add_tree_arg, add_weights_arg)
 from jspec.drafting.registry import drafter_help
 from jspec.io.datastore import MAX_ORDER
-from jspec.io.load import DTYPES
 from jspec.tree.shapes import TREE_HELP
 
 # The --help description: the first line of jspec/cli/__init__.py's docstring (keep them equal).
@@ -91,9 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
   b.set_defaults(fn=bench.cmd_bench)
   sc = sub.add_parser("score", help="score text: each text's log-probability and perplexity under "
                                      "the model, with a full cache or under a KV budget")
-  sc.add_argument("--model", "--target", dest="model", default="default", help=MODEL_HELP)
-  sc.add_argument("--weights", "--dtype", dest="dtype", default="float32",
-                  choices=sorted(DTYPES))
+  add_target_arg(sc)
+  add_weights_arg(sc)
   sc.add_argument("--text", action="append", default=[], help="a text to score; repeat for more")
   sc.add_argument("--file", action="append", default=[], type=Path,
                   help="a UTF-8 text file to score as one text; repeat for more")
@@ -105,9 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real "
                                       "text (passkey, multi-key, variable tracking; KL vs the "
                                       "full cache)")
-  v.add_argument("--model", "--target", dest="model", default="default", help=MODEL_HELP)
-  v.add_argument("--weights", "--dtype", dest="dtype", default="float32",
-                 choices=sorted(DTYPES))
+  add_target_arg(v)
+  add_weights_arg(v)
   add_scan_arg(v)
   v.add_argument("--methods", default="full,keydiff,streaming,h2o,tova,snapkv,h2o+caote,"
                                       "tova+caote,snapkv+caote",
@@ -191,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
   add_kv_args(a)
   a.set_defaults(fn=bench.cmd_bench_tau)
   t = sub.add_parser("train-drafter", help="distill a draft model from the target's own responses")
-  t.add_argument("--model", "--target", dest="model", default="default", help=TARGET_HELP)
+  add_target_arg(t, TARGET_HELP)
   t.add_argument("--out", type=Path, required=True,
                  help="output directory: data/, work/ (checkpoints) and drafter/ (the HF model); "
                       "rerunning the same command resumes")
@@ -223,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the target's hidden states; EAGLE-3: over three "
                                          "layers', with training-time test) on distillation "
                                          "data")
-  g.add_argument("--model", "--target", dest="model", default="default", help=TARGET_HELP)
+  add_target_arg(g, TARGET_HELP)
   g.add_argument("--network", choices=["eagle", "eagle3", "confu"], default="eagle",
                  help="eagle: EAGLE-1 (final hidden state, feature regression + KL); eagle3: "
                       "EAGLE-3 (layers 2, L/2, L-3 fused, token prediction only, own head); "
@@ -270,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.set_defaults(fn=train.cmd_train_eagle)
   e = sub.add_parser("eval-drafter", help="drafters' acceptance on held-out distillation data "
                                           "(teacher-forced, no decode)")
-  e.add_argument("--model", "--target", dest="model", default="default", help=TARGET_HELP)
+  add_target_arg(e, TARGET_HELP)
   e.add_argument("--drafters", required=True, help="comma-separated: " + drafter_help())
   e.add_argument("--data", action="append", metavar="DIR[:SHARDS|:A-B]", required=True,
                  help="held-out distillation data (repeatable); :A-B reads shards A..B-1")
@@ -280,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
   e.set_defaults(fn=train.cmd_eval_drafter)
   d = sub.add_parser("distill-data", help="generate distillation data: the target's responses to "
                                           "ShareGPT prompts with its top-k log-probs (resumable)")
-  d.add_argument("--model", "--target", dest="model", default="default", help=TARGET_HELP)
+  add_target_arg(d, TARGET_HELP)
   d.add_argument("--out", type=Path, required=True, help="data directory; rerun to resume")
   add_data_args(d)
   d.add_argument("--prompt-offset", type=int, default=0,
@@ -289,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
   d.set_defaults(fn=train.cmd_distill_data)
   v = sub.add_parser("trim-vocab", help="give a drafter a VocabTrim head (the M ids the target "
                                         "generates most)")
-  v.add_argument("--model", "--target", dest="model", default="default", help=TARGET_HELP)
+  add_target_arg(v, TARGET_HELP)
   v.add_argument("--drafter", required=True,
                  help="the drafter to trim: a drafter directory, a .gguf file or a model name "
                       "(as --model); the trimmed one is written to --out")
@@ -302,8 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
   v.set_defaults(fn=train.cmd_trim_vocab)
   s = sub.add_parser("build-datastore", help="build an n-gram datastore for retrieval drafting "
                                              "(--drafter rest:FILE)")
-  s.add_argument("--model", "--target", dest="model", default="default",
-                 help=TARGET_HELP + " (only its tokenizer is read)")
+  add_target_arg(s, TARGET_HELP + " (only its tokenizer is read)")
   s.add_argument("--from", dest="sources", action="append", metavar="SOURCE",
                  help="'sharegpt' (default: ShareGPT's answers, conversations overlapping an "
                       "evaluation prompt left out), a directory of `jspec distill-data` (the "

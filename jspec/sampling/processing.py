@@ -336,7 +336,7 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   renormalising after top-k and top-p leaves as it was, so its order among them matters only in
   that it keeps fewer (a shorter prefix of the sorted tokens) or more, never others.
   """
-  greedy = jnp.asarray(sp.temperature, jnp.float32) == 0  # one bool, or one per row
+  greedy = sp.is_greedy  # static where the mode says; else one bool, or one per row
   temperature = per_row(jnp.asarray(sp.temperature, jnp.float32), logits)
   x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
   k = jnp.where(greedy, 0, jnp.asarray(sp.top_k, jnp.int32))
