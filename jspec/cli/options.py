@@ -49,11 +49,11 @@ def add_weights_arg(p: argparse.ArgumentParser, help: str | None = None) -> None
 def add_model_args(p: argparse.ArgumentParser) -> None:
   add_target_arg(p)
   add_weights_arg(p, help="weight format of the target and of model drafters: float32 (on CPU "
-                      "through jspec's native float32 kernel, compiled on first use), "
-                      "float32-xla (XLA's dot), bfloat16, int8 (int8 per output channel, "
-                      "activations int8 per token in each matmul, run by jspec's native kernel on "
-                      "CPU; fastest on CPU), int8-xla (the same numbers through XLA's int8 dot), "
-                      "or q4 (4-bit layers, CPU)")
+                          "through jspec's native float32 kernel, compiled on first use), "
+                          "float32-xla (XLA's dot), bfloat16, int8 (int8 per output channel, "
+                          "activations int8 per token in each matmul, run by jspec's native "
+                          "kernel on CPU; fastest on CPU), int8-xla (the same numbers through "
+                          "XLA's int8 dot), or q4 (4-bit layers, CPU)")
   p.add_argument("--drafter-weights", default=None, choices=sorted(DTYPES),
                  help="weight format of model drafters when it differs from --weights (e.g. an "
                       "int8 target with a q4 drafter: the drafter only proposes, so its format "
