@@ -148,15 +148,17 @@ SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_b
               "under_a_kv_budget", "test_scan_layers")
 
 
-# Files that take a worker longest (seconds of one worker in a full run on 2 cores, session 53),
-# sent to the workers first (addopts has --no-loadscope-reorder, which keeps this order; xdist's
-# own order, by number of tests, started the notebooks last and left one core idle for minutes).
-LONGEST_FILES = ("test_kv.py", "test_notebooks_more.py", "test_sharding.py", "test_cli.py",
-                 "test_notebooks.py", "test_tree_engine.py", "test_quant.py", "test_logprobs.py",
-                 "test_penalties.py", "test_sharding_spec.py", "test_tree_verify.py",
-                 "test_per_row_sampling.py", "test_train.py", "test_native.py", "test_drafters.py",
-                 "test_paired_tau.py", "test_speculative.py", "test_confu.py", "test_ngram.py",
-                 "test_scan_layers.py", "test_default_model.py", "test_probe.py", "test_eagle3.py")
+# Files that take a worker longest (seconds of one worker in a full run on 2 cores, session 53,
+# after its trims), sent to the workers first (addopts has --no-loadscope-reorder, which keeps this
+# order; xdist's own order, by number of tests, started the notebooks last and left one core idle
+# for minutes).
+LONGEST_FILES = ("test_kv.py", "test_sharding.py", "test_notebooks.py", "test_cli.py",
+                 "test_quant.py", "test_notebooks_more.py", "test_tree_engine.py",
+                 "test_logprobs.py", "test_penalties.py", "test_per_row_sampling.py",
+                 "test_tree_verify.py", "test_sharding_spec.py", "test_train.py", "test_confu.py",
+                 "test_paired_tau.py", "test_native.py", "test_ngram.py", "test_drafters.py",
+                 "test_speculative.py", "test_probe.py", "test_default_model.py",
+                 "test_scan_layers.py", "test_eagle3.py")
 
 
 def _longest_first(item) -> int:
