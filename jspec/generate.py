@@ -25,7 +25,7 @@ from jspec.sampling.logprobs import check_logprobs, processed_for, token_logprob
 from jspec.sampling.penalties import History, penalize
 from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sharding import Mesh, Placement, traced_under_placement
-from jspec.streaming import Segmented, TokenStream, view
+from jspec.streaming import Segmented, TokenStream, stream_program, view
 
 Array = jax.Array
 
@@ -209,10 +209,10 @@ def generate_tokens(params: Params, cfg: Config, prompt: Array, prompt_lengths: 
 _LOOP_STATICS = ("max_new_tokens", "stop_ids", "record_top_k", "logprobs", "kv", "placement")
 _generate_jit = engine_jit(generate_tokens, static_argnums=(1,),
                            static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
-_start_jit = engine_jit(decode_start, static_argnums=(1,),
+_start_jit = engine_jit(stream_program(decode_start), static_argnums=(1,),
                         static_argnames=_LOOP_STATICS + ("cache_size", "cache_dtype"))
-_resume_jit = engine_jit(decode_segment, static_argnums=(1,), static_argnames=_LOOP_STATICS,
-                         donate_argnums=(2,))
+_resume_jit = engine_jit(stream_program(decode_segment), static_argnums=(1,),
+                         static_argnames=_LOOP_STATICS, donate_argnums=(2,))
 
 
 def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,

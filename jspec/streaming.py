@@ -12,6 +12,7 @@ the tokens are equal (tests/test_streaming.py). A segment costs one dispatch and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator
 
 import jax
@@ -37,6 +38,23 @@ class Segmented:
   resume: Callable[[Any, Array], tuple[Any, tuple[Array, Array, Array]]]
   finish: Callable[[Any], Any]
   max_new_tokens: int
+
+
+def stream_program(engine: Callable) -> Callable:
+  """An engine's start or segment program (taking `placement=`) whose returned state, on a mesh,
+  is pinned row-wise (`Placement.pin_rows`). Left to itself XLA gives each program's outputs
+  shardings of its own (the start's `done` and `lengths` replicated, a segment's split over dp),
+  so the second segment, reading a segment's state, compiled the segment program again."""
+
+  @functools.wraps(engine)
+  def run(*args, placement=None, **kwargs):
+    out = engine(*args, placement=placement, **kwargs)
+    if placement is None:
+      return out
+    state = out[0] if isinstance(out, tuple) else out  # a segment: (state, view)
+    return placement.pin_rows(out, state.lengths.shape[0])
+
+  return run
 
 
 def view(state) -> tuple[Array, Array, Array]:

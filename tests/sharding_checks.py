@@ -63,23 +63,27 @@ def same(a, b, what):
 
 def check_generate():
   target, _ = models()
-  for sp, key in ((GREEDY, 0), (SAMPLED, 5), (FILTERED, 7)):
+  # Greedy on every mesh; each sampled setting on one mesh splitting rows, one the vocabulary.
+  for sp, key, meshes in ((GREEDY, 0, MESHES), (SAMPLED, 5, ((8, 1), (2, 4))),
+                          (FILTERED, 7, ((1, 8), (4, 2)))):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
-    for dp, tp in MESHES:
+    for dp, tp in meshes:
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
   # Few candidates (8 of 256: each of tp's shards gives its top 8): top-k 5 always fits in them,
   # top-k 40 never (the bisection runs), a hot nucleus sometimes; the tokens stay those of the
   # 256-candidate runs on one device.
-  few = (SamplingParams(temperature=0.8, top_k=5, top_p=0.9), FILTERED, NUCLEUS)
+  # The bisection case on tp=4 and tp=8, the others on one of them.
+  few = {SamplingParams(temperature=0.8, top_k=5, top_p=0.9): ((2, 4),),
+         FILTERED: ((2, 4), (1, 8)), NUCLEUS: ((1, 8),)}
   want = {sp: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9)
           for sp in few}
   processing.CANDIDATES = 8
   jax.clear_caches()  # the constant is read when a program is traced
   try:
-    for sp in few:
-      for dp, tp in (None, None), (2, 4), (1, 8):
+    for sp, meshes in few.items():
+      for dp, tp in ((None, None),) + meshes:
         got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9,
                        mesh=None if dp is None else make_mesh(dp, tp))
         same(got, want[sp], f"generate, 8 candidates, dp={dp} tp={tp} {sp}")
@@ -403,7 +407,15 @@ def check_stacked_layers():
 
 def check_streams():
   """Streamed runs on a mesh (state sharded as the whole run's, read between segments) make the
-  tokens the whole run makes on one device."""
+  tokens the whole run makes on one device, and compile each segment program once (the start's
+  state and a segment's were sharded apart: the second segment compiled the program again)."""
+  with CompileCounter() as counter:
+    streams()
+  segments = [name for name in counter.programs if "segment" in name]
+  assert len(segments) == len(set(segments)) == 3, counter.programs
+
+
+def streams():
   target, draft = models()
   want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=SAMPLED, key=5)
   stream = generate_stream(target, TARGET, PROMPTS, max_new_tokens=10, sampling=SAMPLED, key=5,
@@ -418,9 +430,10 @@ def check_streams():
                                        sampling=SAMPLED, key=3, mesh=make_mesh(4, 2))
   assert [sum(parts, []) for parts in zip(*stream)] == want.sequences()
   same(stream.output, want, "chain streamed dp=4 tp=2")
-  # A row halted by the reader (a stop string) on a mesh: the others run on unchanged.
+  # A row halted by the reader (a stop string) on a mesh: the others run on unchanged (the same
+  # programs: a halt is state the reader sets between segments).
   stream = speculative_generate_stream(target, TARGET, drafter, PROMPTS, spec=spec,
-                                       sampling=SAMPLED, key=3, mesh=make_mesh(2, 4))
+                                       sampling=SAMPLED, key=3, mesh=make_mesh(4, 2))
   for i, _ in enumerate(stream):
     if i == 0:
       stream.halt([2, 5])

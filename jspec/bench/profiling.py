@@ -19,12 +19,13 @@ _active: list["CompileCounter"] = []
 _registered = False
 
 
-def _listener(name: str, duration: float, **_) -> None:
+def _listener(name: str, duration: float, fun_name: str = "?", **_) -> None:
   for counter in _active:
     if name.startswith("/jax/core/compile/"):
       counter.seconds += duration
     if name == _BACKEND_COMPILE:
       counter.compiles += 1
+      counter.programs.append(fun_name)
 
 
 def _hit_listener(name: str, **_) -> None:
@@ -35,10 +36,12 @@ def _hit_listener(name: str, **_) -> None:
 
 class CompileCounter:
   """Context manager counting the XLA programs requested inside its block (`compiles`: built, or
-  loaded from JAX's persistent compilation cache, `cache_hits` of them) and their seconds."""
+  loaded from JAX's persistent compilation cache, `cache_hits` of them) and their seconds;
+  `programs`: their names, as JAX logs them ("jit(decode_segment)")."""
 
   def __init__(self):
     self.compiles = 0
+    self.programs: list[str] = []
     self.cache_hits = 0
     self.seconds = 0.0
 

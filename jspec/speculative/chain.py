@@ -32,7 +32,7 @@ from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slo
                                     check_shared_cache, eviction_cut, going, initial_state,
                                     run_or_segment)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
-from jspec.streaming import TokenStream, view
+from jspec.streaming import TokenStream, stream_program, view
 
 Array = jax.Array
 
@@ -214,8 +214,9 @@ def speculative_generate_tokens(params: Params, cfg: Config, drafter: Drafter, p
 _STATICS = dict(static_argnums=(1,), keyed_by_class=(2,),
                 static_argnames=("spec", "cache_size", "kv", "placement"))
 _spec_jit = engine_jit(speculative_generate_tokens, **_STATICS)
-_start_jit = engine_jit(speculative_start, **_STATICS)
-_resume_jit = engine_jit(speculative_segment, donate_argnums=(3,), **_STATICS)
+_start_jit = engine_jit(stream_program(speculative_start), **_STATICS)
+_resume_jit = engine_jit(stream_program(speculative_segment), donate_argnums=(3,),
+                         **_STATICS)
 
 
 def speculative_generate(params: Params, cfg: Config, drafter: Drafter,

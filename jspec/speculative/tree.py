@@ -44,7 +44,7 @@ from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slo
                                     check_drafter, check_shared_cache, check_tree_target,
                                     eviction_cut, going, initial_state, run_or_segment)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
-from jspec.streaming import TokenStream, view
+from jspec.streaming import TokenStream, stream_program, view
 from jspec.tree.shapes import TREE_HELP, TreeShape, parse_tree
 from jspec.tree.structure import Tree, ancestor_mask, take
 from jspec.tree.structure import positions as node_positions
@@ -293,8 +293,8 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
 _STATICS = dict(static_argnums=(1,), keyed_by_class=(2,),
                 static_argnames=("spec", "cache_size", "kv", "placement"))
 _tree_jit = engine_jit(tree_speculative_generate_tokens, **_STATICS)
-_start_jit = engine_jit(tree_start, **_STATICS)
-_resume_jit = engine_jit(tree_segment, donate_argnums=(3,), **_STATICS)
+_start_jit = engine_jit(stream_program(tree_start), **_STATICS)
+_resume_jit = engine_jit(stream_program(tree_segment), donate_argnums=(3,), **_STATICS)
 
 
 def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
