@@ -199,7 +199,7 @@ def test_missing_model(capsys, tmp_path):
 
 def test_bench_speculative_records(tiny_model, tmp_path):
   out = tmp_path / "spec.json"
-  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "1",
                "--max-new-tokens", "9", "--drafter", "self", "--gamma", "3", "--no-transformers",
                "--json", str(out)]) == 0
   ar, spec = json.loads(out.read_text())
@@ -318,7 +318,7 @@ def test_bench_under_a_kv_budget(tiny_model, tmp_path, capsys):
   policies; transformers and the overhead baseline, which have no budget, are left out with a
   line saying so; a cadence that stops rounds at every eviction gets a note."""
   out = tmp_path / "bench.json"
-  assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "2",
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "1",
                "--max-new-tokens", "12", "--drafters", "mtp:2,self", "--gamma", "2",
                "--kv-budget", "24", "--kv-chunk", "8", "--kv-policy", "tova",
                "--kv-evict-every", "2", "--json", str(out)]) == 0
@@ -418,7 +418,7 @@ def test_bench_tree_records(tiny_model, tmp_path):
   speculative runs and no overhead baseline; chain:D runs the chain through the tree engine at the
   same node budget as a tree."""
   out = tmp_path / "tree.json"
-  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "2",
+  assert main(["bench", "--model", str(tiny_model), "--dataset", "mt-bench", "--num-prompts", "1",
                "--max-new-tokens", "9", "--drafters", "self", "--gamma", "2", "--no-ttft",
                "--tree", "rsd-s:2,2,chain:2", "--no-transformers", "--json", str(out)]) == 0
   ar, spec, tree, chain = json.loads(out.read_text())
