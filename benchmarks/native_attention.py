@@ -1,5 +1,5 @@
 """jspec's native decoding attention (`jspec.native.attention`) against XLA's masked attention
-(`jspec.models.llama.masked_attention`), side by side, at the real pair's shapes.
+(`jspec.models.attention.masked_attention`), side by side, at the real pair's shapes.
 
 Qwen2.5-Coder-1.5B (12 query heads, 2 KV heads, head dim 128) at 1 token (a decode step) and 5
 (a gamma-4 verification block); the 0.5B drafter (14 / 2 / 64) at 1 and 2 tokens. Each program
@@ -23,7 +23,7 @@ import numpy as np
 from jspec import native
 from jspec.bench.profiling import save_script_record
 from jspec.bench.round_split import best_seconds
-from jspec.models.llama import masked_attention
+from jspec.models.attention import masked_attention
 
 SHAPES = {"target_step": (1, 12, 2, 128), "target_verify_g4": (5, 12, 2, 128),
           "drafter_step": (1, 14, 2, 64), "drafter_last2": (2, 14, 2, 64)}

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jspec.bench.profiling import save_script_record
 from jspec.model import load
-from jspec.models import llama, quant
+from jspec.models import attention, llama, quant
 from jspec.models.cache import KVCache
 from jspec.models.numerics import COMPILER_OPTIONS
 
@@ -37,7 +37,7 @@ def decode_program(cfg, steps: int, scan: bool):
     x = quant.take_rows(p.embed, token)  # [1, 1, E]
     cos, sin = llama.rope_tables(cfg, position)
     slots = cache.lengths[:, None]
-    attend = llama.attention_fn(cfg, cache.lengths, cache.size, None, 1, quant.attention_kernel(p))
+    attend = attention.attention_fn(cfg, cache.lengths, cache.size, None, 1, quant.attention_kernel(p))
 
     def body(carry, layer):
       x, k_all, v_all, i = carry

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from jspec.decode import PAD, is_stop, on_mesh, prefill, prepare_batch, trimmed_rows
 from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import budgeted_step, chunked_prefill
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, attention_slots, forward
+from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.first_token import first_token
 from jspec.sampling.logprobs import check_logprobs, processed_for, token_logprobs

@@ -21,9 +21,10 @@ import numpy as np
 from jspec.decode import as_prompt_list, is_int, pad_prompts, prompt_bucket, rows_on_mesh
 from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import chunked_scores
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, attention_slots
+from jspec.models.llama import Params
 from jspec.models.numerics import engine_jit
 from jspec.sharding import Mesh, Placement, traced_under_placement
 

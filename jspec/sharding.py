@@ -164,20 +164,6 @@ class Placement:
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, self.batch_sharding(x.ndim), lambda i: x[i])
 
-  def pin_rows(self, tree: Any, batch: int) -> Any:
-    """Inside jit: every leaf whose axis 0 is the batch (size `batch`) split over the batch rule,
-    every other one replicated; KV caches left as their engine pinned them (their layouts)."""
-    from jspec.models.cache import KVCache  # jspec.models.cache imports this module
-
-    def pin(leaf):
-      if isinstance(leaf, KVCache):
-        return leaf
-      axes = ("batch",) if leaf.ndim and leaf.shape[0] == batch else (None,) * min(leaf.ndim, 1)
-      spec = self.rules.spec(axes + (None,) * (leaf.ndim - len(axes)), self.mesh)
-      return jax.lax.with_sharding_constraint(leaf, NamedSharding(self.mesh, spec))
-
-    return jax.tree.map(pin, tree, is_leaf=lambda x: isinstance(x, KVCache))
-
   def replicated(self, tree: Any) -> Any:
     """Inside jit: every leaf whole on every device (outputs every process can read)."""
     return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, PartitionSpec()))

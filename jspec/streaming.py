@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.decode import is_int
+from jspec.models.cache import KVCache
 
 Array = jax.Array
 
@@ -42,17 +43,27 @@ class Segmented:
 
 def stream_program(engine: Callable) -> Callable:
   """An engine's start or segment program (taking `placement=`) whose returned state, on a mesh,
-  is pinned row-wise (`Placement.pin_rows`). Left to itself XLA gives each program's outputs
-  shardings of its own (the start's `done` and `lengths` replicated, a segment's split over dp),
-  so the second segment, reading a segment's state, compiled the segment program again."""
+  is pinned row by row: every array whose axis 0 is the batch split over the batch rule, the
+  others replicated, the KV caches as their engine pinned them. Left to itself XLA gives each
+  program's outputs shardings of its own (the start's `done` and `lengths` replicated, a
+  segment's split over dp), so the second segment, reading a segment's state, compiled the
+  segment program again."""
 
   @functools.wraps(engine)
   def run(*args, placement=None, **kwargs):
     out = engine(*args, placement=placement, **kwargs)
     if placement is None:
       return out
-    state = out[0] if isinstance(out, tuple) else out  # a segment: (state, view)
-    return placement.pin_rows(out, state.lengths.shape[0])
+    batch = (out[0] if isinstance(out, tuple) else out).lengths.shape[0]  # a segment: (state, view)
+
+    def pin(leaf):
+      if isinstance(leaf, KVCache):
+        return leaf
+      if leaf.ndim and leaf.shape[0] == batch:
+        return jax.lax.with_sharding_constraint(leaf, placement.batch_sharding(leaf.ndim))
+      return placement.replicated(leaf)
+
+    return jax.tree.map(pin, out, is_leaf=lambda x: isinstance(x, KVCache))
 
   return run
 

@@ -72,7 +72,7 @@ def test_taps_are_the_residual_stream_entering_the_layers(target):
   # order asked).
   x = target.embed[seq]
   cos, sin = rope_tables(TARGET, positions)
-  from jspec.models.llama import attention_fn
+  from jspec.models.attention import attention_fn
   attend = attention_fn(TARGET, cache.lengths, cache.size, None, 5)
   slots = jnp.arange(5)[None]
   want, k, v = {}, cache.k, cache.v

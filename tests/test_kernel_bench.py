@@ -12,7 +12,7 @@ import pytest
 
 from jspec.bench import kernel as kernel_bench
 from jspec.cli import main
-from jspec.models import llama
+from jspec.models import attention
 
 TINY = [kernel_bench.KernelShape("t", B=3, S=128, T=16, H=6, K=2, D=32)]
 FAST = {"repeats": 1, "warmup": 0}
@@ -80,7 +80,8 @@ def _zeros(q, *args, **kwargs):
 
 def _reads_every_slot(q, k, v, lengths, mask, **kwargs):
   """The model's XLA attention straight on the NaN-poisoned cache: 0 * NaN leaks."""
-  return llama.masked_attention(q, k, v, llama.attention_mask(lengths, k.shape[1], mask, q.shape[1]))
+  return attention.masked_attention(q, k, v, attention.attention_mask(lengths, k.shape[1], mask,
+                                                                      q.shape[1]))
 
 
 @pytest.mark.parametrize("wrong", [_zeros, _reads_every_slot])

@@ -17,10 +17,10 @@ from jspec.kv.evict import (compact, evict, evict_when_full, keep_scores, mass_w
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.kv.scores import caote, keydiff
+from jspec.models.attention import attention_mass, masked_attention
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import (attention_mass, forward, forward_at, init_params,
-                                masked_attention)
+from jspec.models.llama import forward, forward_at, init_params
 from jspec.sampling.processing import GREEDY, SamplingParams
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -11,9 +11,9 @@ from jspec import native
 from jspec.drafting.model import ModelDrafter
 from jspec.io.load import QUANTIZED, int8_kernel
 from jspec.models import quant
+from jspec.models.attention import masked_attention
 from jspec.models.cache import KVCache
-from jspec.models.llama import (forward, init_params, masked_attention, native_float_params,
-                                 quantize_params)
+from jspec.models.llama import forward, init_params, native_float_params, quantize_params
 from tests.test_quant import PROJECTIONS, PROMPTS, WIDE, _chain_matches_generate
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
@@ -512,7 +512,7 @@ def test_native_attention_reads_a_traced_layer():
   with pytest.raises(Exception, match="0 <= layer < L"):
     jax.block_until_ready(traced(q, k, v, visible, jnp.int32(3)))
   # The decoder's static layer is checked before the custom_vjp traces it, under jit too.
-  from jspec.models.llama import visible_attention
+  from jspec.models.attention import visible_attention
   attend = visible_attention(visible, "native")
   with pytest.raises(ValueError, match=r"layer 3 is out of \[0, 3\)"):
     jax.jit(lambda q, k, v: attend(q, k, v, 3))(q, k, v)

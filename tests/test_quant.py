@@ -13,9 +13,10 @@ import pytest
 from jspec.drafting.model import ModelDrafter
 from jspec.generate import generate
 from jspec.models import quant
+from jspec.models.attention import masked_attention
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import forward, init_params, masked_attention, quantize_params
+from jspec.models.llama import forward, init_params, quantize_params
 from jspec.models.numerics import engine_jit
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate

@@ -11,9 +11,10 @@ from jspec.bench.profiling import CompileCounter
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.model import Model
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import attention_slots, forward_rows, init_params
+from jspec.models.llama import forward_rows, init_params
 from jspec.score import score
 
 CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,

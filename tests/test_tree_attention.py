@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from jspec.bench.kernel import random_tree_masks
-from jspec.models import llama
+from jspec.models import attention
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 
 BACKEND_BLOCK_K = {"gpu": 32, "tpu": 128}  # small GPU blocks: the window straddles up to 3 blocks
 # eager jnp compiles every primitive per shape, which would dominate run time: jit once instead
 reference = jax.jit(tree_attention_reference)
-model_attention = jax.jit(lambda q, k, v, lengths, mask: llama.masked_attention(
-    q, k, v, llama.attention_mask(lengths, k.shape[1], mask, q.shape[1])))
+model_attention = jax.jit(lambda q, k, v, lengths, mask: attention.masked_attention(
+    q, k, v, attention.attention_mask(lengths, k.shape[1], mask, q.shape[1])))
 # (D, H, K, T): every pair of head_dim, GQA ratio (G=1, G=3) and tree size appears at least once
 TREE_CASES = [(64, 6, 2, 8), (64, 4, 4, 32), (64, 6, 2, 64),
               (128, 4, 4, 8), (128, 6, 2, 32), (128, 4, 4, 64)]
@@ -99,7 +99,7 @@ def test_stacked_cache_layer(backend):
 
 
 def test_reference_is_the_models_attention():
-  """The reference equals llama.masked_attention under llama.attention_mask (finite caches)."""
+  """The reference equals attention.masked_attention under attention.attention_mask (finite caches)."""
   B, S, H, K, D, T = 3, 96, 6, 2, 64, 16
   q, k, v, lengths, mask = make_inputs(B, S, H, K, D, T, 32, seed=4)
   k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)

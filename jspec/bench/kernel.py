@@ -3,7 +3,7 @@ below; the key-similarity kernel of KV eviction at the end).
 
 Each shape is timed three ways on the same inputs: the kernel, the pure-jnp reference
 (`tree_attention_reference`, jitted) and the XLA attention the model runs otherwise
-(`llama.masked_attention` under a precomputed `llama.attention_mask`, as `attention_fn` builds it
+(`attention.masked_attention` under a precomputed `attention.attention_mask`, as `attention_fn` builds it
 once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random
 draft trees, and NaN in every cache slot at or past lengths + T, so a kernel that reads a slot it
 should skip is caught rather than timed.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.models import llama
+from jspec.models import attention
 from jspec.models.numerics import precision_label
 from jspec.pallas.key_similarity import key_similarity, key_similarity_reference, slice_size
 from jspec.pallas.tree_attention import BlockSizes, tree_attention, tree_attention_reference
@@ -77,7 +77,7 @@ TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
 # Jitted once at import: the reference and the model's attention core (mask precomputed, as the
 # model computes it once per forward for all layers).
 _reference = jax.jit(tree_attention_reference)
-_xla_attention = jax.jit(llama.masked_attention)
+_xla_attention = jax.jit(attention.masked_attention)
 
 
 def select_shapes(names: Optional[str], small: bool) -> list[KernelShape]:
@@ -224,7 +224,7 @@ def bench_tree_attention(shapes: Sequence[KernelShape], dtype: str = "bfloat16",
     used = jnp.arange(shape.S)[None, :] < (lengths + shape.T)[:, None]  # [B, S]
     k0 = jnp.where(used[:, :, None, None], k, 0).astype(k.dtype)  # [B, S, K, D]
     v0 = jnp.where(used[:, :, None, None], v, 0).astype(v.dtype)
-    full_mask = llama.attention_mask(lengths, shape.S, masks, shape.T)  # [B, T, S]
+    full_mask = attention.attention_mask(lengths, shape.S, masks, shape.T)  # [B, T, S]
     xla_args = (q, k0, v0, full_mask)
 
     errors = []

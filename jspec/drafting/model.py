@@ -15,9 +15,10 @@ from jspec.drafting.frontier import KVFrontierFeeder
 from jspec.kv.evict import evict_when_full
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
-from jspec.models.llama import Params, attention_slots, first_layers, forward, forward_at
+from jspec.models.llama import Params, first_layers, forward, forward_at
 from jspec.models.vocab_trim import check_keep_ids
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take

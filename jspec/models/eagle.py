@@ -16,11 +16,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.models.attention import attention_fn, visible_attention
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config, layers_copyable
-from jspec.models.llama import (LayerParams, Params, attention_fn, decoder_layer, init_params,
-                                layer_list, rms_norm, rope_tables, visible_attention)
+from jspec.models.llama import (LayerParams, Params, decoder_layer, init_params, layer_list,
+                                rms_norm, rope_tables)
 
 Array = jax.Array
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward.
+"""The Llama-family decoder (Llama 2/3, Qwen2, Qwen3): params, layout and a pure forward (its
+attention, every form of it, in jspec.models.attention).
 
 Two layouts of the same weights, one forward. Unrolled, each layer owns its arrays and the layer
 loop is unrolled (the Pallas tree attention needs it: it takes a static layer). `stack_layers`
@@ -19,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec import native
 from jspec.models import quant
 from jspec.models.cache import KVCache
 from jspec.models.config import Config, rope_frequencies
-from jspec.models.numerics import engine_jit
+from jspec.models.attention import (attention_fn, attention_mask, recording_mass,
+                                    visible_attention)
+from jspec.models.numerics import engine_jit, row_sum
 from jspec.sharding import ArraySpec, Placement, is_spec, rows_split
 
 Array = jax.Array
@@ -174,23 +176,6 @@ def unstack_layers(params: Params) -> Params:
   return dataclasses.replace(params, layers=layer_list(params))
 
 
-def row_sum(x: Array) -> Array:
-  """Sum over the last axis [..., N] -> [..., 1] in one fixed order whatever the leading shape:
-  zero-padded to a power of two, then pairwise halving. XLA's reductions pick their order by
-  shape, so a token's sum could differ in its last bit between a one-token step and a
-  verification block. The padding makes the order also independent of N when the tail is zeros:
-  a softmax over a cache of 320 slots sums its 150 visible ones exactly as one over 256 slots
-  does (the first halvings only add zeros), so a bigger cache does not change a single bit."""
-  n = x.shape[-1]
-  width = 1 << (n - 1).bit_length()  # the power of two >= n
-  if width != n:
-    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
-  while x.shape[-1] > 1:
-    half = x.shape[-1] // 2
-    x = x[..., :half] + x[..., half:]
-  return x
-
-
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   x32 = x.astype(jnp.float32)
   x32 = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + eps)
@@ -211,149 +196,6 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
-
-
-def attention_mask(lengths: Array, size: int, mask: Optional[Array], T: int) -> Array:
-  """Which cache slots each new token sees: [B, T, S] bool.
-
-  Slots below `lengths[b]` are the committed prefix (visible to all new tokens); slot
-  `lengths[b] + u` holds new token u, visible to new token t iff mask[b, t, u] (causal if None).
-  """
-  B = lengths.shape[0]
-  slot = jnp.arange(size)[None, None, :]  # [1, 1, S]
-  rel = slot - lengths[:, None, None]  # [B, 1, S]: index among the new tokens
-  if mask is None:
-    t = jnp.arange(T)[None, :, None]
-    in_block = (rel >= 0) & (rel <= t)
-  else:
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, T - 1), (B, T, size))
-    in_block = (rel >= 0) & (rel < T) & jnp.take_along_axis(mask, idx, axis=2)
-  return (rel < 0) | in_block
-
-
-def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool = False) -> Array:
-  """GQA attention. q [B, T, H, D]; k, v [B, S, K, D]; mask [B, T, S] → [B, T, H, D].
-
-  per_token: attend one query token at a time (a loop over T of the T = 1 computation), so each
-  token's output is bit-identical to what a one-token forward computes. XLA's float dots round
-  differently for different row counts; int8 weights re-quantize every activation, which turns
-  those last-bit differences into whole quantization steps, and greedy speculative decoding
-  would then drift from autoregressive decoding.
-  """
-  if per_token and q.shape[1] > 1:
-    one = lambda qm: masked_attention(qm[0][:, None], k, v, qm[1][:, None], True)[:, 0]
-    return jnp.moveaxis(jax.lax.map(one, (jnp.moveaxis(q, 1, 0), jnp.moveaxis(mask, 1, 0))), 0, 1)
-  B, T, H, D = q.shape
-  K = k.shape[2]
-  q = q.reshape(B, T, K, H // K, D)
-  if per_token:
-    # q . k as products summed in row_sum's order: XLA:CPU's dot picks its accumulation order by
-    # the number of cache slots on some CPUs (AVX2 without AVX-512: a 64-slot and a 128-slot cache
-    # scored a token differently), and a token must score alike over any cache size.
-    terms = (jnp.moveaxis(q, 1, 3)[:, :, :, :, None].astype(jnp.float32)
-             * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32))  # [B, K, G, T, S, D]
-    scores = row_sum(terms)[..., 0]  # [B, K, G, T, S]
-  else:
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (D ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  if per_token:  # the softmax's sum in row_sum's fixed order too
-    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    probs = (e / row_sum(e)).astype(v.dtype)
-  else:
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(B, T, H, D)
-
-
-# The tree-attention kernel reads the cache in blocks of at least this many slots.
-KERNEL_SLOTS = 16
-
-
-def attention_slots(cfg: Config, slots: int) -> int:
-  """Cache slots to allocate for at least `slots` entries: a whole number of the attention
-  kernel's smallest block under Pallas attention (a KV budget's slots are the user's numbers:
-  budget + chunk, a verification block), as many as asked under XLA's."""
-  if cfg.attention_impl == "xla":
-    return slots
-  return -(-slots // KERNEL_SLOTS) * KERNEL_SLOTS
-
-
-def attention_fn(cfg: Config, lengths: Array, size: int, mask: Optional[Array], T: int,
-                 kernel: Optional[str] = None) -> Callable:
-  """attend(q [B, T, H, D], k_all, v_all [L, B, S, K, D], layer) for cfg.attention_impl.
-
-  "xla": masked softmax over the whole cache in jnp. "pallas" / "pallas-interpret": the tree
-  attention kernel reading the stacked cache in place (interpreted on CPU). No fallback between
-  them: a kernel that cannot run raises. `kernel`: the attention the weights need
-  (`quant.attention_kernel`: int8 weights re-quantize activations, so each token must score the
-  same bits in any block); see `visible_attention`.
-  """
-  if cfg.attention_impl == "xla":
-    full_mask = attention_mask(lengths, size, mask, T)  # [B, T, S]
-    return visible_attention(full_mask, kernel)
-  if kernel:
-    raise ValueError(f"int8 weights run with attention_impl='xla' only, as do float32 weights "
-                     f"on jspec's CPU kernels (the tree attention kernel is not yet "
-                     f"token-invariant), got {cfg.attention_impl!r}. Fix: attention_impl='xla', "
-                     f"or load float32 weights with --weights float32-xla")
-  from jspec.pallas.tree_attention import BlockSizes, tree_attention
-  block_k = next((b for b in (128, 64, 32, KERNEL_SLOTS) if size % b == 0), None)
-  if block_k is None:
-    raise ValueError(f"attention_impl={cfg.attention_impl!r} needs a KV cache whose size is a "
-                     f"multiple of {KERNEL_SLOTS}, got {size}; allocate a multiple of 128 slots")
-  blocks = BlockSizes(block_k=block_k)
-  interpret = cfg.attention_impl == "pallas-interpret"
-  return lambda q, k_all, v_all, i: tree_attention(q, k_all, v_all, lengths, mask, layer=i,
-                                                   block_sizes=blocks, interpret=interpret)
-
-
-def visible_attention(visible: Array, kernel: Optional[str] = None) -> Callable:
-  """attend(q, k_all, v_all, layer) where each new token sees exactly the cache slots `visible`
-  [B, T, S] marks. None (plain float weights): XLA's attention. int8 weights need a token's bits
-  independent of the block and cache around it: with `kernel="xla"` XLA attends one token at a
-  time with fixed-order sums (`masked_attention(per_token=True)`); with "native" (int8, q4 and
-  float32 weights on jspec's CPU kernels), jspec's CPU kernel (`jspec.native.attention`:
-  fixed-order sums over the visible slots, every token at once)."""
-  if kernel == "native":
-    return lambda q, k_all, v_all, i: _native_attention(q, k_all, v_all, visible,
-                                                        _known_layer(i, k_all.shape[0]))
-  return lambda q, k_all, v_all, i: masked_attention(q, k_all[i].astype(q.dtype),
-                                                     v_all[i].astype(q.dtype), visible,
-                                                     kernel is not None)
-
-
-def _known_layer(i: int | Array, L: int) -> int | Array:
-  """i, checked against the L layers where it is a Python int (inside the custom_vjp it is traced,
-  and the kernel could only fail the call)."""
-  if isinstance(i, int) and not 0 <= i < L:
-    raise ValueError(f"layer {i} is out of [0, {L})")
-  return i
-
-
-@jax.custom_vjp
-def _native_attention(q: Array, k_all: Array, v_all: Array, visible: Array,
-                      layer: int | Array) -> Array:
-  """jspec's CPU attention kernel at a static or traced layer, differentiable: its gradients are
-  XLA's masked attention's (a model loaded for decoding can also be trained or probed for
-  gradients)."""
-  return native.attention(q, k_all, v_all, visible, layer)
-
-
-def _native_attention_fwd(q, k_all, v_all, visible, layer):
-  return native.attention(q, k_all, v_all, visible, layer), (q, k_all, v_all, visible, layer)
-
-
-def _native_attention_bwd(res, dout):
-  q, k_all, v_all, visible, layer = res
-  _, vjp = jax.vjp(lambda q, k, v: masked_attention(q, k, v, visible), q, k_all[layer],
-                   v_all[layer])
-  dq, dk, dv = vjp(dout)
-  return (dq, jnp.zeros_like(k_all).at[layer].set(dk), jnp.zeros_like(v_all).at[layer].set(dv),
-          None, None)
-
-
-_native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
 def write_rows_batched(cache: Array, layer: int | Array, slots: Array, new: Array) -> Array:
@@ -483,7 +325,7 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           "attention-score eviction needs the attention probabilities, which only "
           f"attention_impl='xla' gives (got {cfg.attention_impl!r}), and a cache with a mass "
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
-    attend, masses = _recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
+    attend, masses = recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
                                      mass_weights, cfg.kv_repeats)
   tapped = dict.fromkeys(taps)  # the layers to tap, filled by _decoder
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended,
@@ -553,36 +395,6 @@ def forward_layers(params: Params, cfg: Config, tokens: Array, positions: Array,
   attend = attention_fn(cfg, cache.lengths, cache.size, None, T, quant.attention_kernel(params))
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, layers=layers)
   return lm_head(params, hidden), cache
-
-
-def attention_mass(q: Array, k: Array, visible: Array, weights: Array, repeats: int = 1) -> Array:
-  """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
-  of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
-  visible [B, T, S]. weights [B, T, J] give [B, S, K, J]. repeats: KV heads stored that many
-  times in a row (Config.kv_repeats): each copy gets the mean over the original head's query
-  heads, so every copy scores, and evicts, as the one head would."""
-  B, T, H, D = q.shape
-  K = k.shape[2]
-  scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * (D ** -0.5)
-  probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
-  spec = "bkgts,bt->bsk" if weights.ndim == 2 else "bkgts,btj->bskj"
-  mass = jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)  # [B, S, K(, J)]
-  if repeats > 1:
-    grouped = mass.reshape(B, -1, K // repeats, repeats, *mass.shape[3:]).mean(axis=3)
-    mass = jnp.repeat(grouped, repeats, axis=2)
-  return mass
-
-
-def _recording_mass(attend: Callable, visible: Array, weights: Array, repeats: int = 1):
-  """attend as given, also appending each layer's `attention_mass` to the returned list."""
-  masses = []
-
-  def attend_and_record(q, k_all, v_all, i):
-    masses.append(attention_mass(q, k_all[i], visible, weights, repeats))
-    return attend(q, k_all, v_all, i)
-
-  return attend_and_record, masses
 
 
 def _decoder(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,

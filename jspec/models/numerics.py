@@ -11,9 +11,9 @@ boundary, one whole quantization step. Four things make the bits program-indepen
 - matmuls of int8 weights are int8 x int8 -> int32 (exact) with per-token activation scales
   (`quant.einsum`); attention sums over a token's visible slots in an order nothing else changes
   (`jspec.native.attention` on CPU; with XLA's int8 dot, one query token at a time,
-  `llama.masked_attention(per_token=True)`);
+  `attention.masked_attention(per_token=True)`);
 - sums over a row run in one fixed order that zeros appended to the row do not change
-  (`llama.row_sum`: RMSNorm, the softmax, and q . k, whose XLA dot picked its order by the cache
+  (`row_sum`: RMSNorm, the softmax, and q . k, whose XLA dot picked its order by the cache
   size on an AVX2 CPU), so a softmax over a 320-slot cache equals one over 256 slots;
 - int8 scales have 17 significant bits (`quant.exact_product_scale`), so a code times its scale
   is exact in float32 and rounds alike whether XLA:CPU fuses it into a following add as an FMA
@@ -44,9 +44,29 @@ import contextlib
 import functools
 
 import jax
+import jax.numpy as jnp
+
+Array = jax.Array
 
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 PRECISIONS = ("fast", "exact")
+
+
+def row_sum(x: Array) -> Array:
+  """Sum over the last axis [..., N] -> [..., 1] in one fixed order whatever the leading shape:
+  zero-padded to a power of two, then pairwise halving. XLA's reductions pick their order by
+  shape, so a token's sum could differ in its last bit between a one-token step and a
+  verification block. The padding makes the order also independent of N when the tail is zeros:
+  a softmax over a cache of 320 slots sums its 150 visible ones exactly as one over 256 slots
+  does (the first halvings only add zeros), so a bigger cache does not change a single bit."""
+  n = x.shape[-1]
+  width = 1 << (n - 1).bit_length()  # the power of two >= n
+  if width != n:
+    x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x
 
 
 def precision_label() -> str:

@@ -71,7 +71,7 @@ def tree_attention_reference(q: Array, k: Array, v: Array, lengths: Array,
   S, K = k.shape[1], k.shape[2]
   lengths = lengths.astype(jnp.int32)
   slots = jnp.broadcast_to(jnp.arange(S), (B, S))  # [B, S]
-  visible = visibility(slots, lengths, tree_mask, T)  # [B, T, S], as llama.attention_mask
+  visible = visibility(slots, lengths, tree_mask, T)  # [B, T, S], as attention.attention_mask
   # Slots at or past lengths + T are never visible and may hold anything (NaN): keep them out of
   # the value contraction too, where 0 * NaN would leak.
   used = jnp.arange(S)[None, :] < (lengths + T)[:, None]  # [B, S]

@@ -16,9 +16,10 @@ from jspec.drafting.base import Drafter, DraftState, Features
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
 from jspec.models import quant
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, attention_slots, forward
+from jspec.models.llama import Params, forward
 from jspec.sampling.first_token import first_token
 from jspec.sampling.logprobs import token_logprobs
 from jspec.sampling.penalties import History
