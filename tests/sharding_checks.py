@@ -72,9 +72,8 @@ def check_generate():
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
   # Few candidates (8 of 256: each of tp's shards gives its top 8): top-k 5 always fits in them,
-  # top-k 40 never (the bisection runs), a hot nucleus sometimes; the tokens stay those of the
-  # 256-candidate runs on one device.
-  # The bisection case on tp=4 and tp=8, the others on one of them.
+  # top-k 40 never (the bisection runs: on tp=4 and tp=8), a hot nucleus sometimes; the tokens
+  # stay those of the 256-candidate runs on one device.
   few = {SamplingParams(temperature=0.8, top_k=5, top_p=0.9): ((2, 4),),
          FILTERED: ((2, 4), (1, 8)), NUCLEUS: ((1, 8),)}
   want = {sp: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9)
