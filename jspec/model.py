@@ -196,7 +196,8 @@ def load(name_or_path: str | Path = DEFAULT, dtype: str = "float32",
   (float32, int8, q4 on CPU without a mesh; `stacks_by_default`), unrolled otherwise. Model
   drafters loaded for a stacked target are stacked too. On XLA's CPU dot (float32-xla, bfloat16,
   a mesh of CPU devices) a stacked decoder runs 2-3x slower a token than an unrolled one (the
-  default model, 4 prompts x 24 greedy tokens, one device: 9.0 s vs 3.4 s once compiled)."""
+  default model, 4 prompts x 24 greedy tokens, one device: 9.0 s vs 3.4 s once compiled): XLA:CPU
+  copies each layer's weight slice out before its dot reads it (benchmarks/scan_slice_copy.py)."""
   mesh = mesh_from(mesh)
   if scan_layers is None:
     scan_layers = stacks_by_default(dtype, mesh)
