@@ -37,7 +37,8 @@ def decode_program(cfg, steps: int, scan: bool):
     x = quant.take_rows(p.embed, token)  # [1, 1, E]
     cos, sin = llama.rope_tables(cfg, position)
     slots = cache.lengths[:, None]
-    attend = attention.attention_fn(cfg, cache.lengths, cache.size, None, 1, quant.attention_kernel(p))
+    attend = attention.attention_fn(cfg, cache.lengths, cache.size, None, 1,
+                                    quant.attention_kernel(p))
 
     def body(carry, layer):
       x, k_all, v_all, i = carry

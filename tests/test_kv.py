@@ -625,8 +625,9 @@ def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tr
   and trees. A chain that verified past the point where autoregressive decoding evicts (no
   eviction cut) passes the 3-token test above; it fails this one, and so does a tree engine
   without its cut (session 53, by mutation, 20,000 draws: chi2 3,304 on 353 dof for the keydiff
-  chain, 6,402 on 373 for the h2o RSD-C tree; unmutated 326 and 419; the bound is dof + 6 sd). `draft_budget`: the drafter's
-  own cache evicts too (draft_kv, KeyDiff): its q must stay what it drew from as it drops entries.
+  chain, 6,402 on 373 for the h2o RSD-C tree; unmutated 326 and 419; the bound is dof + 6 sd).
+  `draft_budget`: the drafter's own cache evicts too (draft_kv, KeyDiff): its q must stay what it
+  drew from as it drops entries.
   """
   import itertools
   from test_speculative import chi_square

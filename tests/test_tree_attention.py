@@ -99,7 +99,8 @@ def test_stacked_cache_layer(backend):
 
 
 def test_reference_is_the_models_attention():
-  """The reference equals attention.masked_attention under attention.attention_mask (finite caches)."""
+  """The reference equals attention.masked_attention under attention.attention_mask (finite
+  caches)."""
   B, S, H, K, D, T = 3, 96, 6, 2, 64, 16
   q, k, v, lengths, mask = make_inputs(B, S, H, K, D, T, 32, seed=4)
   k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)

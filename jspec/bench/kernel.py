@@ -3,8 +3,8 @@ below; the key-similarity kernel of KV eviction at the end).
 
 Each shape is timed three ways on the same inputs: the kernel, the pure-jnp reference
 (`tree_attention_reference`, jitted) and the XLA attention the model runs otherwise
-(`attention.masked_attention` under a precomputed `attention.attention_mask`, as `attention_fn` builds it
-once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random
+(`attention.masked_attention` under a precomputed `attention.attention_mask`, as `attention_fn`
+builds it once per forward). Inputs are what a tree-verification step sees: ragged committed lengths, random
 draft trees, and NaN in every cache slot at or past lengths + T, so a kernel that reads a slot it
 should skip is caught rather than timed.
 

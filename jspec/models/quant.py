@@ -362,9 +362,9 @@ def _is_weight(x) -> bool:
 
 
 def attention_kernel(tree) -> Optional[str]:
-  """The attention the pytree's weights need (`attention.attention_fn`): "native" (jspec's CPU kernel,
-  fixed-order sums) for weights on the native kernels, "xla" (XLA's, one token at a time) for
-  int8 weights on XLA's dot, None (XLA's masked attention) for plain float weights."""
+  """The attention the pytree's weights need (`attention.attention_fn`): "native" (jspec's CPU
+  kernel, fixed-order sums) for weights on the native kernels, "xla" (XLA's, one token at a time)
+  for int8 weights on XLA's dot, None (XLA's masked attention) for plain float weights."""
   w = next((x for x in jax.tree.leaves(tree, is_leaf=_is_weight) if _is_weight(x)), None)
   if isinstance(w, DenseWeight):
     return "native"
