@@ -6,6 +6,9 @@ share of repeated 4-grams in each answer).
 
   python benchmarks/penalties.py --methods none,ngram,default --json benchmarks/penalties_cpu.json
 
+`--tree SHAPE` drafts token trees of that shape (a tree string, e.g. fixed:3-2-1) instead of
+chains.
+
 One prompt at a time, each program compiled before timing; the settings alternate prompt by
 prompt, best of `--repeats` each.
 """
@@ -29,10 +32,11 @@ SETTINGS = {
 }
 
 
-def timed(model, prompt, n, drafter, sampling):
+def timed(model, prompt, n, drafter, sampling, tree=None):
   start = time.perf_counter()
   out = jax.block_until_ready(model.generate_ids([prompt], max_new_tokens=n, drafter=drafter,
-                                                 sampling=sampling, key=1))
+                                                 sampling=sampling, key=1,
+                                                 tree=None if drafter is None else tree))
   return time.perf_counter() - start, out
 
 
@@ -52,6 +56,8 @@ def main() -> None:
   ap.add_argument("--draft-penalties", action="store_true",
                   help="also run each speculative method with its drafter proposing under the "
                        "penalties (Drafter.with_draft_penalties), as method+dp")
+  ap.add_argument("--tree", default=None, help="draft trees of this shape (e.g. fixed:3-2-1) "
+                                               "instead of chains")
   args = ap.parse_args()
   if args.methods.split(",")[0] != "none":
     ap.error("--methods must start with none: speculative runs are compared with its tokens")
@@ -73,14 +79,14 @@ def main() -> None:
   for method, drafter in runs:
     for p in prompts:  # compile every bucket's programs
       for name in names:
-        timed(model, p, n, drafter, SETTINGS[name])
+        timed(model, p, n, drafter, SETTINGS[name], args.tree)
     seconds, tokens, identical = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), {}
     repeats, grams, rounds = dict.fromkeys(names, 0), dict.fromkeys(names, 0), {}
     for i, p in enumerate(prompts):
       best = {}
       for _ in range(args.repeats):
         for name in names:
-          s, out = timed(model, p, n, drafter, SETTINGS[name])
+          s, out = timed(model, p, n, drafter, SETTINGS[name], args.tree)
           if name not in best or s < best[name][0]:
             best[name] = (s, out)
       for name in names:
@@ -110,6 +116,7 @@ def main() -> None:
       rows.append(row)
       print(row, flush=True)
   save_script_record({"model": model.source, "weights": args.weights, "dataset": args.dataset,
+                      "tree": args.tree,
                       "prompts": len(prompts), "max_new_tokens": n,
                       "settings": {k: {f: float(getattr(v, f)) for f in (
                           "repetition_penalty", "presence_penalty", "frequency_penalty")}

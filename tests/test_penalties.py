@@ -295,13 +295,14 @@ def sampled_codes(params, drafter, engine: str, seed: int = 0) -> np.ndarray:
   return tokens[:, 0] * 256 + tokens[:, 1] * 16 + tokens[:, 2]
 
 
-@pytest.mark.parametrize("engine", ["chain", "chain-draft-penalties", "rsd-c:2-2"])
+@pytest.mark.parametrize("engine", ["chain", "chain-draft-penalties", "rsd-c:2-2-draft-penalties"])
 def test_sampling_with_penalties_is_lossless(close_pair, engine):
-  """Chains and trees; "chain-draft-penalties": the drafter proposing under the penalties too (its
-  q the law it drew from, penalized for its own earlier drafts)."""
+  """Chains and trees; "-draft-penalties": the drafter proposing under the penalties too (its q
+  the law it drew from, penalized for its own earlier drafts: a tree node's children for the
+  node's path). The verification of a tree drafted unpenalized is the same code as this one's."""
   target, drafter = close_pair
-  if engine == "chain-draft-penalties":
-    engine, drafter = "chain", drafter.with_draft_penalties()
+  if engine.endswith("-draft-penalties"):
+    engine, drafter = engine.removesuffix("-draft-penalties"), drafter.with_draft_penalties()
   probs = exact(target)
   stat, dof, ok = chi_square(sampled_codes(target, drafter, engine), probs)
   assert ok, (engine, stat, dof)
@@ -407,11 +408,12 @@ def test_cli_flags(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- drafters
-@pytest.mark.parametrize("trimmed", [False, True])
-def test_a_drafter_proposes_under_the_penalties(target, trimmed):
-  """The target as its own drafter, penalizing each draft for the text and the drafts before it,
-  proposes exactly the penalized target's greedy tokens: every draft accepted. A VocabTrim head
-  (here keeping every id, permuted) is penalized in the full vocabulary and mapped back."""
+@pytest.mark.parametrize("engine, trimmed", [("chain", False), ("chain", True), ("tree", True)])
+def test_a_drafter_proposes_under_the_penalties(target, engine, trimmed):
+  """The target as its own drafter, penalizing each draft for the text and the drafts before it
+  (a tree's: each frontier node's path), proposes exactly the penalized target's greedy tokens:
+  every draft of a chain, every top path of a tree accepted. A VocabTrim head (here keeping every
+  id, permuted) is penalized in the full vocabulary and mapped back."""
   from jspec.drafting.model import trimmed_drafter
   from jspec.models.vocab_trim import trim_head
   sp = PENALTIES["all"]
@@ -419,14 +421,20 @@ def test_a_drafter_proposes_under_the_penalties(target, trimmed):
   if trimmed:
     keep = np.random.default_rng(3).permutation(TARGET.vocab_size)
     drafter = trimmed_drafter(trim_head(target, keep), TARGET, keep).with_draft_penalties()
-  spec = SpecConfig(gamma=4, max_new_tokens=21)
+  if engine == "chain":  # 1 + 4 rounds of 5 tokens
+    run = lambda d: speculative_generate(target, TARGET, d, PROMPTS, sampling=sp,
+                                         spec=SpecConfig(gamma=4, max_new_tokens=21))
+  else:  # 1 + 5 rounds of 4 tokens
+    run = lambda d: tree_speculative_generate(target, TARGET, d, PROMPTS, sampling=sp,
+                                              spec=TreeSpecConfig("fixed:2-2-1",
+                                                                  max_new_tokens=21))
+  full = 5.0 if engine == "chain" else 4.0
   want = generate(target, TARGET, PROMPTS, max_new_tokens=21, sampling=sp).sequences()
-  out = speculative_generate(target, TARGET, drafter, PROMPTS, sampling=sp, spec=spec)
-  assert out.sequences() == want and out.block_efficiency == 5.0
-  # Off (a draft model's default): the same drafter proposes the unpenalized chain.
-  out = speculative_generate(target, TARGET, drafter.with_draft_penalties(False), PROMPTS,
-                             sampling=sp, spec=spec)
-  assert out.sequences() == want and out.block_efficiency < 4.5
+  out = run(drafter)
+  assert out.sequences() == want and out.block_efficiency == full
+  # Off (a draft model's default): the same drafter proposes the unpenalized drafts.
+  out = run(drafter.with_draft_penalties(False))
+  assert out.sequences() == want and out.block_efficiency < full - 0.5
 
 
 def two_layers():
@@ -437,8 +445,8 @@ def two_layers():
 
 def test_draft_penalties_setting():
   """On for the target as its own drafter and layer skipping, off for draft models and probing;
-  the n-gram lookup passes it to its fallback; a drafter that does not draw from logits refuses
-  it."""
+  the n-gram lookup passes it to its fallback (and reads it back from there); a drafter that does
+  not draw from logits refuses it."""
   from jspec.drafting.probe import probe_drafter
   from jspec.drafting.skip import skip_drafter
   params = init_params(TINY, jax.random.key(0))
@@ -447,8 +455,10 @@ def test_draft_penalties_setting():
   assert not probe_drafter(params, TINY, 2).draft_penalties
   model = ModelDrafter(params, TINY)
   assert not model.draft_penalties
-  assert ngram_drafter(TINY.vocab_size, fallback=model).with_draft_penalties().fallback \
-      .draft_penalties
+  hybrid = ngram_drafter(TINY.vocab_size, fallback=model)
+  assert not hybrid.draft_penalties and not ngram_drafter(TINY.vocab_size).draft_penalties
+  assert hybrid.with_draft_penalties().fallback.draft_penalties
+  assert hybrid.with_draft_penalties().draft_penalties  # what a tree's frontiers read
   with pytest.raises(ValueError, match="does not draw its drafts from logits"):
     ngram_drafter(TINY.vocab_size).with_draft_penalties()
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.models.vocab_trim import full_vocab_logits, to_full_vocab
-from jspec.sampling.penalties import History, chain_draft_penalty
+from jspec.sampling.penalties import History, chain_draft_penalty, tree_draft_penalty
 from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
 from jspec.sharding import Placement
 from jspec.tree.structure import Tree
@@ -147,6 +147,9 @@ class Drafter(abc.ABC):
   # ngram+X: the lookup may leave this drafter out of a chain round it matched in full; the
   # drafter then reads that round's tokens afterwards with `catch_up`.
   catches_up: bool = False
+  # Whether it proposes under the target's penalties (`with_draft_penalties`; a field of the
+  # drafters that draw from logits).
+  draft_penalties: bool = False
 
   @property
   def target_cfg(self):
@@ -229,15 +232,21 @@ class Drafter(abc.ABC):
     return self
 
   def draft_tree(self, state: DraftState, last2: Array, seq_len: Array, key: Array,
-                 sampling: SamplingParams, shape) -> tuple[Tree, DraftState]:
+                 sampling: SamplingParams, shape, *,
+                 penalty_history: History | None = None) -> tuple[Tree, DraftState]:
     """Grow a tree of `shape` (jspec.tree.shapes) below the last known token. Tokens and q are in
     the full vocabulary. When `shape.greedy_variant`, greedy sampling drafts the temperature-0
     variant (settings per row with greedy rows beside sampled ones: those rows alone).
+    penalty_history: as `propose`'s; a drafter asked to propose under the penalties scores each
+    frontier node's children for the text and the node's path (`tree_draft_penalty`).
     """
     B = last2.shape[0]
+    penalty = tree_draft_penalty(penalty_history, sampling) if self.draft_penalties else None
 
     def run(greedy: bool | Array) -> tuple[Tree, DraftState]:
       feeder = self.tree_feeder(state, last2, seq_len)
+      if penalty is not None:
+        feeder = _PenalizedFeeder(feeder, penalty)
       tree = shape.draft(key, feeder, B, self.vocab_size, sampling, greedy=greedy)
       return tree, feeder.result(tree, shape.reindexes)
 
@@ -249,6 +258,20 @@ class Drafter(abc.ABC):
     # Greedy rows beside sampled ones (settings per row): one tree, each row drafted its own way
     # (the drafter's state is laid out [L, B, ...]: not a per-row select).
     return run(greedy)
+
+
+class _PenalizedFeeder:
+  """A TreeFeeder whose frontier logits are penalized (`tree_draft_penalty`): the children of a
+  node are drawn from the law the target verifies them under."""
+
+  def __init__(self, feeder: TreeFeeder, penalty: Callable):
+    self.feeder, self.penalty = feeder, penalty
+
+  def __call__(self, tree: Tree, frontier: Array) -> Array:
+    return self.penalty(self.feeder(tree, frontier), tree, frontier)
+
+  def result(self, tree: Tree, reindexed: bool) -> DraftState:
+    return self.feeder.result(tree, reindexed)
 
 
 class HeadDrafter(Drafter):
@@ -279,13 +302,14 @@ class HeadDrafter(Drafter):
         :, self.keep_ids]
 
 
-def penalty_kwargs(drafter: Drafter, history: History | None) -> dict:
+def penalty_kwargs(drafter: Drafter, history: History | None, tree: bool = False) -> dict:
   """{"penalty_history": history} for a drafter whose propose (propose_shared, if it drafts in the
-  target's cache) takes it; {} without a history, or for a drafter written before penalties (its
-  own signature), which then proposes unpenalized: the output is the same."""
+  target's cache; draft_tree for a tree) takes it; {} without a history, or for a drafter written
+  before penalties (its own signature), which then proposes unpenalized: the output is the same."""
   if history is None:
     return {}
-  method = drafter.propose_shared if drafter.shares_target_cache else drafter.propose
+  method = (drafter.draft_tree if tree else
+            drafter.propose_shared if drafter.shares_target_cache else drafter.propose)
   takes = "penalty_history" in inspect.signature(method).parameters
   return dict(penalty_history=history) if takes else {}
 

@@ -200,7 +200,8 @@ class LookaheadDrafter(Drafter):
                        f"got tree {shape}. Fix: drop --tree / tree=.")
 
   def draft_tree(self, state: LookaheadState, last2: Array, seq_len: Array, key: Array,
-                 sampling: SamplingParams, shape) -> tuple[Tree, LookaheadState]:
+                 sampling: SamplingParams, shape, *,
+                 penalty_history=None) -> tuple[Tree, LookaheadState]:
     self.check_tree(shape)
     grams, valid = candidates(state, last2[:, 1])
     return pool_tree(grams[:, :shape.candidates], valid[:, :shape.candidates],

@@ -213,6 +213,12 @@ class NgramDrafter(Drafter):
   def shares_target_cache(self) -> bool:
     return self.fallback is not None and self.fallback.shares_target_cache
 
+  @property
+  def draft_penalties(self) -> bool:
+    """The fallback's setting: in a tree the lookup's one-token guesses stay what they are under
+    any penalty, so the penalty at a frontier (`Drafter.draft_tree`) reaches the fallback's."""
+    return self.fallback is not None and self.fallback.draft_penalties
+
   def propose_shared(self, state: NgramState, cache, last2: Array, seq_len: Array, key: Array,
                      sampling: SamplingParams, gamma: int, pick: Pick | None = None, *,
                      penalty_history=None):

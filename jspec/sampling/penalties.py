@@ -16,8 +16,9 @@ node its root-to-node path. `penalize` takes those tokens (`paths`), so the targ
 at every position is the one autoregressive decoding would use after that prefix, and greedy and
 lossless sampled verification stay exact. Drafters propose without penalties unless asked
 (`Drafter.with_draft_penalties`: `chain_draft_penalty` in their chain loop, counting their own
-earlier drafts; on by default for the target as its own drafter and for layer skipping): that
-changes how often they are accepted, never what is emitted. The history counts text, not cache
+earlier drafts; `tree_draft_penalty` at each tree frontier, counting each node's path; on by
+default for the target as its own drafter and for layer skipping): that changes how often they
+are accepted, never what is emitted. The history counts text, not cache
 entries: a KV budget's evictions do not change it.
 """
 
@@ -145,15 +146,28 @@ def chain_paths(drafts: Array) -> Array:
   return jnp.where(before[None], drafts[:, None, :], -1)
 
 
-def tree_paths(tree: Tree) -> Array:
-  """[B, N + 1, D] for a tree block [root, nodes] (D = tree.max_depth): the root follows nothing
-  new, node n the tokens of its path, itself back to the root's child (-1 padded; an invalid
-  node: all -1)."""
-  B, N = tree.tokens.shape
-  node = jnp.where(tree.valid, jnp.arange(N, dtype=jnp.int32), -1)  # [B, N]
+def node_paths(tree: Tree, node: Array) -> Array:
+  """[B, W, D] for nodes [B, W] of a tree (D = tree.max_depth): each node's path, itself back to
+  the root's child (-1 padded; the root, -1, has an empty path)."""
   columns = []
   for _ in range(tree.max_depth):
     columns.append(jnp.where(node >= 0, take(tree.tokens, node), -1))
     node = parent_of(tree, node)
-  nodes = jnp.stack(columns, axis=-1).astype(jnp.int32)  # [B, N, D]
+  return jnp.stack(columns, axis=-1).astype(jnp.int32)
+
+
+def tree_paths(tree: Tree) -> Array:
+  """[B, N + 1, D] for a tree block [root, nodes] (D = tree.max_depth): the root follows nothing
+  new, node n the tokens of its path (`node_paths`; an invalid node: all -1)."""
+  B, N = tree.tokens.shape
+  nodes = node_paths(tree, jnp.where(tree.valid, jnp.arange(N, dtype=jnp.int32), -1))
   return jnp.concatenate([jnp.full((B, 1, tree.max_depth), -1, jnp.int32), nodes], axis=1)
+
+
+def tree_draft_penalty(history: History | None, sp: SamplingParams):
+  """For a tree drafter's frontier (jspec.tree.draft's next_logits): penalty(logits [B, W, V],
+  tree, frontier [B, W]) -> each frontier node's children's logits penalized for the history and
+  the node's path, the law the target verifies them under; None without a history."""
+  if history is None:
+    return None
+  return lambda logits, tree, frontier: penalize(logits, history, sp, node_paths(tree, frontier))

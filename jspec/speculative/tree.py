@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import is_int, on_mesh, prepare_batch
-from jspec.drafting.base import DraftState, Drafter, Features, place_drafter
+from jspec.drafting.base import DraftState, Drafter, Features, penalty_kwargs, place_drafter
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy, check_kv
@@ -137,7 +137,8 @@ def tree_round(params: Params, cfg: Config, drafter: Drafter, s: SpecState, k_dr
   `kv` the target cache's lengths already count its entries, and attention-score policies get each
   query's attention mass apart: cache.mass [L, B, S, K, N + 1]). logprobs: the kind reported
   (jspec.sampling.logprobs), so that "sampled" shares the verifier's processed logits."""
-  tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape)
+  tree, drafted = drafter.draft_tree(s.draft, s.last2, s.seq_len, k_draft, sampling, shape,
+                                     **penalty_kwargs(drafter, s.history, tree=True))
   # Verify [root, node_1 .. node_N] in one forward; the cache holds everything before the root.
   block = jnp.concatenate([s.last2[:, 1:], tree.tokens], axis=1)  # [B, N + 1]
   start = s.seq_len - 1
