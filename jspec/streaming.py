@@ -7,6 +7,10 @@ update in place). The host reads each segment's new tokens while the next one ru
 carries the PRNG key, so a streamed run draws exactly what the whole run draws: greedy or sampled,
 the tokens are equal (tests/test_streaming.py). A segment costs one dispatch and a copy of the
 [B, N] token buffer; measured against the whole run in benchmarks/streaming.py.
+
+Under jax.distributed every process iterates the same stream in lockstep (each read gathers the
+rows other processes' devices hold: a collective all of them join) and reads every row; a row
+halted must be halted by every process.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.decode import is_int
 from jspec.models.cache import KVCache
@@ -84,9 +90,6 @@ class TokenStream:
     if not is_int(every) or every < 1:
       raise ValueError(f"every (loop iterations between reads) must be an integer >= 1, got "
                        f"{every!r}")
-    if jax.process_count() > 1:
-      raise ValueError("streaming reads every row on this host; with several processes run the "
-                       "whole program (generate, speculative_generate) instead")
     self._run, self._every, self._owners = run, int(every), owners
     self._halted: np.ndarray | None = None  # [B] rows the reader has stopped (`halt`)
     self.output = None
@@ -115,7 +118,7 @@ class TokenStream:
     sent = np.zeros(state.lengths.shape, np.int32)
     self._halted = np.zeros(state.lengths.shape, bool)
     applied = self._halted.copy()  # halted rows already marked done in the state
-    current = jax.device_get(view(state))  # the first token (before the state is donated)
+    current = jax.device_get(readable(view(state)))  # the first token (before it is donated)
     pending = None if current[2].all() else run.resume(state, every)
     while True:
       tokens, lengths, done = current
@@ -125,15 +128,36 @@ class TokenStream:
       if any(new):
         yield new
       if (done | self._halted).all():
-        self.output = run.finish(state if pending is None else pending[0])
+        self.output = readable(run.finish(state if pending is None else pending[0]))
         return
       state, segment = pending
       if (self._halted & ~applied).any():  # newly stopped rows: done from the next segment on
         applied = self._halted.copy()  # done stays set in the state: sent to the device once
-        state = dataclasses.replace(state, done=state.done | jax.device_put(
-            applied, state.done.sharding))
+        halted = jax.make_array_from_callback(applied.shape, state.done.sharding,
+                                              lambda i, a=applied: a[i])
+        state = dataclasses.replace(state, done=state.done | halted)
       pending = run.resume(state, every)  # queued behind this segment, read meanwhile
-      current = jax.device_get(segment)
+      current = jax.device_get(readable(segment))
+
+
+def readable(tree):
+  """tree with every array that spans devices of other processes (jax.distributed) and is not
+  whole on each made whole on every device of its mesh, so that this process can read it; as it
+  is in one process. Every process must call it (a collective)."""
+  if jax.process_count() == 1:
+    return tree
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+      return _replicator(x.sharding.mesh)(x)
+    return x
+
+  return jax.tree.map(one, tree)
+
+
+@functools.cache
+def _replicator(mesh) -> Callable:
+  return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def _unshared(state, owners):

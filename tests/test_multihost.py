@@ -1,6 +1,7 @@
 """Multi-host through JAX's own runtime: two processes on localhost (jax.distributed, CPU devices,
 gloo collectives), one (dp=2, tp=2) mesh over both processes' devices. Every process reads the
-sharded run's tokens, and they equal what one device computes (tests/multihost_worker.py)."""
+sharded run's tokens, whole or streamed (a row halted by both), and they equal what one device
+computes (tests/multihost_worker.py)."""
 
 import json
 import os
@@ -34,9 +35,10 @@ def test_two_processes_give_the_single_process_tokens():
   finally:
     for p in procs:
       p.kill()
-  assert [len(o) for o in outs] == [4, 4], outs
+  assert [len(o) for o in outs] == [7, 7], outs
   for records in zip(*outs):
     assert len({r["run"] for r in records}) == 1
     for r in records:
       assert r["sharded"] == r["local"], r["run"]
     assert records[0]["sharded"] == records[1]["sharded"], records[0]["run"]
+    assert records[0].get("halted") == records[1].get("halted")
