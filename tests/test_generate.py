@@ -9,15 +9,14 @@ import pytest
 from jspec.decode import PAD, prompt_bucket
 from jspec.generate import generate, generate_tokens
 from jspec.models.cache import KVCache
-from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
 from jspec.bench.programs import lower_decode
 from jspec.sampling import processing
 from jspec.sampling.processing import SamplingParams, processed_logprobs
+from tiny_models import SMALL
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CFG = SMALL
 
 
 @pytest.fixture(scope="module")

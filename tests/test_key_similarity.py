@@ -9,9 +9,9 @@ import pytest
 
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
-from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.pallas.key_similarity import key_similarity, key_similarity_reference
+from tiny_models import SMALL_512
 
 
 def nan_padded_keys(L, B, S, K, D, lengths, dtype=jnp.float32, seed=0):
@@ -100,8 +100,7 @@ def test_a_host_without_the_kernel_names_it_and_the_setting():
 
 @pytest.mark.parametrize("impl", ["pallas-interpret", pytest.param("pallas", marks=needs_kernel)])
 def test_keydiff_eviction_with_the_kernel_equals_the_jnp_scores(impl):
-  cfg = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+  cfg = SMALL_512
   params = init_params(cfg, jax.random.key(0), scale=0.3)
   prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 60)]
   outs = [generate(params, cfg, [prompt], max_new_tokens=8,

@@ -22,9 +22,9 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward, forward_at, init_params
 from jspec.sampling.processing import GREEDY, SamplingParams
+from tiny_models import SMALL_512
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+CFG = SMALL_512
 
 
 @pytest.fixture(scope="module")

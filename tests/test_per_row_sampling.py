@@ -16,7 +16,6 @@ import pytest
 from jspec.bench.profiling import CompileCounter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate
-from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.penalties import History, penalize, tree_paths
 from jspec.drafting.base import sample_with_probs
@@ -28,9 +27,9 @@ from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.draft import draft_fixed
 from jspec.tree.structure import Siblings, Tree
 from tiny_drafters import perturbed_drafter
+from tiny_models import SMALL
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CFG = SMALL
 PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30], [7, 7, 7, 12]]
 # Row 0 greedy (with a penalty), rows 1 and 2 sampled with different filters and penalties.
 ROWS = [dict(repetition_penalty=1.3),

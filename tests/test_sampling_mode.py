@@ -15,14 +15,13 @@ from jspec.bench.programs import lower_decode
 from jspec.drafting.model import ModelDrafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate
-from jspec.models.config import Config
 from jspec.models.llama import init_params
 from jspec.sampling.processing import Mode, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig
+from tiny_models import SMALL
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CFG = SMALL
 DRAFT_CFG = dataclasses.replace(CFG, num_layers=1)
 PROMPTS = [[5, 6, 7, 5, 6], [9, 3]]
 

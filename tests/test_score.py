@@ -16,9 +16,9 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import forward_rows, init_params
 from jspec.score import score
+from tiny_models import SMALL
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CFG = SMALL
 ROWS = [list(np.random.default_rng(0).integers(0, 97, 45)), [5, 17, 3], [8] * 20]
 
 

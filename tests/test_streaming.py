@@ -19,9 +19,9 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_stream)
 from tiny_drafters import perturbed_drafter
+from tiny_models import SMALL
 
-CFG = Config(arch="llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+CFG = SMALL
 PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 1, 30]]
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9)
 
