@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jspec.decode import is_int
 from jspec.models.cache import KVCache
+from jspec.sharding import to_host
 
 Array = jax.Array
 
@@ -142,14 +142,17 @@ class TokenStream:
 
 def readable(tree):
   """tree with every array that spans devices of other processes (jax.distributed) and is not
-  whole on each made whole on every device of its mesh, so that this process can read it; as it
-  is in one process. Every process must call it (a collective)."""
+  whole on each made whole on every device of its mesh (an array without a mesh: gathered to a
+  host copy), so that this process can read it; as it is in one process. Every process must call
+  it (a collective)."""
   if jax.process_count() == 1:
     return tree
 
   def one(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-      return _replicator(x.sharding.mesh)(x)
+      if isinstance(x.sharding, NamedSharding):
+        return _replicator(x.sharding.mesh)(x)
+      return to_host(x)
     return x
 
   return jax.tree.map(one, tree)

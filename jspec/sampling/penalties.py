@@ -18,8 +18,8 @@ lossless sampled verification stay exact. Drafters propose without penalties unl
 (`Drafter.with_draft_penalties`: `chain_draft_penalty` in their chain loop, counting their own
 earlier drafts; `tree_draft_penalty` at each tree frontier, counting each node's path; on by
 default for the target as its own drafter and for layer skipping): that changes how often they
-are accepted, never what is emitted. The history counts text, not cache
-entries: a KV budget's evictions do not change it.
+are accepted, never what is emitted. The history counts text, not cache entries: a KV budget's
+evictions do not change it.
 """
 
 from __future__ import annotations
