@@ -98,7 +98,8 @@ class TokenStream:
     """Stop generating for these rows (indices; e.g. a stop string appeared in their text): they
     are marked done in the state of the next segment dispatched, and the run ends once every row
     is done or halted. Until then a halted row may gain up to two segments' tokens (the one being
-    read and the one queued behind it), which `output` keeps and the iteration still yields."""
+    read and the one queued behind it), which `output` keeps and the iteration still yields.
+    Under jax.distributed every process must halt the same rows at the same point."""
     if self._halted is None or self.output is not None:
       raise RuntimeError("halt() stops rows of a run while it is iterated: "
                          + ("start iterating first" if self._halted is None else
