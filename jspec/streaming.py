@@ -145,18 +145,21 @@ def readable(tree):
   """tree with every array that spans devices of other processes (jax.distributed) and is not
   whole on each made whole on every device of its mesh (an array without a mesh: gathered to a
   host copy), so that this process can read it; as it is in one process. Every process must call
-  it (a collective)."""
+  it (a collective: one a mesh, whatever the number of arrays)."""
   if jax.process_count() == 1:
     return tree
-
-  def one(x):
+  leaves, treedef = jax.tree.flatten(tree)
+  by_mesh = {}  # mesh -> indices of the leaves to make whole on it
+  for i, x in enumerate(leaves):
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
       if isinstance(x.sharding, NamedSharding):
-        return _replicator(x.sharding.mesh)(x)
-      return to_host(x)
-    return x
-
-  return jax.tree.map(one, tree)
+        by_mesh.setdefault(x.sharding.mesh, []).append(i)
+      else:
+        leaves[i] = to_host(x)
+  for mesh, indices in by_mesh.items():
+    for i, whole in zip(indices, _replicator(mesh)([leaves[i] for i in indices])):
+      leaves[i] = whole
+  return jax.tree.unflatten(treedef, leaves)
 
 
 @functools.cache

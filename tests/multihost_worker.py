@@ -50,10 +50,10 @@ def streamed(stream, halt_first_row: bool = False):
   """(each row's yielded pieces joined, the stream's output); halt_first_row: row 0 halted after
   the first piece, as a reader that found a stop string would (every process halts it)."""
   rows = [[] for _ in PROMPTS]
-  for new in stream:
+  for i, new in enumerate(stream):
     for row, piece in zip(rows, new):
       row.extend(piece)
-    if halt_first_row:
+    if halt_first_row and i == 0:
       stream.halt([0])
   return rows, stream.output.sequences()
 
