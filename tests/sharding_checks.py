@@ -63,19 +63,20 @@ def same(a, b, what):
 
 def check_generate():
   target, _ = models()
-  # Greedy on every mesh; each sampled setting on one mesh splitting rows, one the vocabulary.
+  # Greedy on every mesh; sampled on one splitting the rows alone and one splitting both,
+  # filtered on one splitting the vocabulary 8 ways (check_trees filters on (4, 2)).
   for sp, key, meshes in ((GREEDY, 0, MESHES), (SAMPLED, 5, ((8, 1), (2, 4))),
-                          (FILTERED, 7, ((1, 8), (4, 2)))):
+                          (FILTERED, 7, ((1, 8),))):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key)
     for dp, tp in meshes:
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")
   # Few candidates (8 of 256: each of tp's shards gives its top 8): top-k 5 always fits in them,
-  # top-k 40 never (the bisection runs: on tp=4 and tp=8), a hot nucleus sometimes; the tokens
-  # stay those of the 256-candidate runs on one device.
-  few = {SamplingParams(temperature=0.8, top_k=5, top_p=0.9): ((2, 4),),
-         FILTERED: ((2, 4), (1, 8)), NUCLEUS: ((1, 8),)}
+  # top-k 40 never (the bisection runs, here on tp=4), a hot nucleus sometimes; the tokens stay
+  # those of the 256-candidate runs on one device.
+  few = {SamplingParams(temperature=0.8, top_k=5, top_p=0.9): ((2, 4),), FILTERED: ((2, 4),),
+         NUCLEUS: ((1, 8),)}
   want = {sp: generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=9)
           for sp in few}
   processing.CANDIDATES = 8
@@ -90,10 +91,11 @@ def check_generate():
     processing.CANDIDATES = 256
     jax.clear_caches()
   # A KV budget (chunked prefill, eviction scored per layer, row and KV head) on a mesh too.
-  for policy in (KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1),
-                 KVPolicy("h2o", budget=8, sinks=2, chunk=4, evict_every=1)):
+  for policy, meshes in ((KVPolicy("keydiff", budget=8, sinks=2, chunk=4, evict_every=1),
+                          ((2, 2),)),
+                         (KVPolicy("h2o", budget=8, sinks=2, chunk=4, evict_every=1), ((1, 4),))):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy)
-    for dp, tp in ((2, 2), (1, 4)):
+    for dp, tp in meshes:
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, kv=policy,
                      mesh=make_mesh(dp, tp))
       same(got, want, f"generate kv={policy.method} dp={dp} tp={tp}")
@@ -101,7 +103,7 @@ def check_generate():
 
 def check_chains():
   target, draft = models()
-  drafters = {"model": ModelDrafter(draft, DRAFT), "ngram": ngram_drafter(256),
+  drafters = {"model": ModelDrafter(draft, DRAFT),  # (the lookup alone: as its hybrid's)
               "ngram+model": ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)),
               "skip": skip_drafter(target, TARGET, (1,)), "mtp": probe_drafter(target, TARGET, 3),
               "lookahead": lookahead_drafter(target, TARGET)}
@@ -128,7 +130,6 @@ def check_trees():
   fixed = TreeSpecConfig("fixed:3-2-1", max_new_tokens=12)
   dynamic = TreeSpecConfig("dynamic:6", max_new_tokens=12)  # pruned to a node budget each round
   runs = (("model", ModelDrafter(draft, DRAFT), fixed, GREEDY, 0, ((2, 4), (1, 8))),
-          ("model", ModelDrafter(draft, DRAFT), fixed, SAMPLED, 11, ((2, 4),)),
           ("model", ModelDrafter(draft, DRAFT), dynamic, FILTERED, 13, ((4, 2),)),
           ("ngram+model", ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)), fixed, GREEDY,
            0, ((8, 1),)),
@@ -355,7 +356,7 @@ def check_repeated_kv_heads():
   collectives."""
   target, _ = models()
   want = generate(target, TARGET, PROMPTS, max_new_tokens=10)
-  for dp, tp in ((1, 8), (2, 4)):
+  for dp, tp in ((2, 4),):  # each KV head twice (tp=8 repeats it 4 times: the same code)
     mesh = make_mesh(dp, tp)
     params, cfg = repeat_kv_heads(target, TARGET, kv_repeats(TARGET, mesh))
     assert cfg.num_kv_heads == tp
@@ -466,12 +467,14 @@ def check_penalties_and_logprobs():
   rows = SamplingParams(temperature=np.arange(B) % 3 * 0.5, top_k=np.arange(B) % 2 * 20,
                         repetition_penalty=1 + np.arange(B) % 4 * 0.1)
   assert rows.mode.greedy_rows
-  for sp, key, logprobs in ((greedy, 0, None), (sampled, 5, "sampled"), (rows, 6, "model")):
+  for sp, key, logprobs, meshes in ((greedy, 0, None, ((1, 8),)),
+                                    (sampled, 5, "sampled", ((2, 4),)),
+                                    (rows, 6, "model", ((2, 4),))):
     want = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                     logprobs=logprobs)
     assert want.sequences() != generate(target, TARGET, PROMPTS, max_new_tokens=10,
                                         key=key).sequences()
-    for dp, tp in ((2, 4), (1, 8)):
+    for dp, tp in meshes:
       got = generate(target, TARGET, PROMPTS, max_new_tokens=10, sampling=sp, key=key,
                      logprobs=logprobs, mesh=make_mesh(dp, tp))
       same(got, want, f"generate dp={dp} tp={tp} {sp}")

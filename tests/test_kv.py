@@ -264,6 +264,9 @@ def test_budget_that_never_binds_equals_plain_generation(params):
   np.testing.assert_allclose(budgeted.top_logprobs, plain.top_logprobs, rtol=1e-4, atol=1e-4)
 
 
+_forward_at = jax.jit(forward_at, static_argnums=1)  # eager, each op compiled for every shape
+
+
 def streaming_reference(params, prompt, n_new, policy):
   """Greedy decoding over an uncompressed cache (slot = position) where each token sees only the
   positions StreamingLLM under `policy` would still hold, evicting after every prefill chunk and
@@ -277,8 +280,8 @@ def streaming_reference(params, prompt, n_new, policy):
     visible = np.zeros((1, len(tokens), size), bool)
     for t, p in enumerate(positions):
       visible[0, t, kept + positions[: t + 1]] = True
-    logits, cache = forward_at(params, CFG, jnp.asarray([tokens]), jnp.asarray([positions]),
-                               cache, jnp.asarray([positions]), jnp.asarray(visible))
+    logits, cache = _forward_at(params, CFG, jnp.asarray([tokens]), jnp.asarray([positions]),
+                                cache, jnp.asarray([positions]), jnp.asarray(visible))
     return logits[0, -1]
 
   def shrink():
@@ -615,9 +618,12 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   assert ok, (stat, dof)
 
 
+# The two the cut mutations fail (the keydiff chain, the h2o RSD-C tree), and the drafter's own
+# budget under each engine and policy. (A SpecInfer tree and an h2o chain without it went for the
+# suite's time: the cut is the engines', whatever the tree's sibling rule.)
 @pytest.mark.parametrize("method,tree,draft_budget", [
-    ("keydiff", None, None), ("h2o", None, None), ("h2o", "rsd-c:2-2", None),
-    ("keydiff", "specinfer:3-1", None), ("h2o", None, 5), ("keydiff", "rsd-c:2-2", 5)])
+    ("keydiff", None, None), ("h2o", "rsd-c:2-2", None), ("h2o", None, 5),
+    ("keydiff", "rsd-c:2-2", 5)])
 def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tree, draft_budget):
   """Rounds that span an eviction: a drafter close to the target (accepting most of 3 drafts) and
   4 tokens (the budget binds within the rounds, not only at the first token) on an 8-token
@@ -710,7 +716,6 @@ def training_free(kind: str, params):
   skip = lambda layers: skip_drafter(params, CFG, layers)
   makers = {"mtp": lambda: probe_drafter(params, CFG, 3),
             "ngram+mtp": lambda: ngram_drafter(V, fallback=probe_drafter(params, CFG, 3)),
-            "skip": lambda: skip((1,)),
             "skip-stop": lambda: skip((0,)).with_stop(0.3),
             "ngram+skip": lambda: ngram_drafter(V, fallback=skip((1,))),
             "lookahead": lambda: lookahead_drafter(params, CFG, 3, 4, 2)}
@@ -721,13 +726,13 @@ def training_free(kind: str, params):
 REPEATING_ROWS = [[5, 17, 3, 44] * 10, [8, 1, 30], [8, 1] * 12 + [30, 31, 32]]
 
 
+# Each drafter once, the probing one (and its n-gram hybrid) in both engines; the attention-scored
+# policies where riders could count (mtp-chain-h2o is the control's counterpart, below).
 @pytest.mark.parametrize("kind,engine,method,evict_every", [
     ("mtp", "chain", "h2o", 1), ("mtp", "tree", "snapkv+caote", 4),
     ("ngram+mtp", "chain", "keydiff", 2), ("ngram+mtp", "tree", "tova", 4),
-    ("confu", "chain", "h2o+caote", 2), ("confu", "tree", "keydiff", 1),
-    ("lookahead", "tree", "h2o", 4), ("lookahead", "chain", "streaming", 1),
-    ("skip", "chain", "tova", 2), ("skip-stop", "chain", "keydiff", 1),
-    ("ngram+skip", "chain", "h2o+caote", 4)])
+    ("confu", "tree", "h2o+caote", 1), ("lookahead", "tree", "h2o", 4),
+    ("skip-stop", "chain", "keydiff", 1), ("ngram+skip", "chain", "h2o+caote", 4)])
 def test_training_free_drafters_equal_greedy_autoregressive_under_the_same_budget(
     params, kind, engine, method, evict_every):
   """Probe masks, ConFu's contemplate and soft tokens and a lookahead window ride in the

@@ -220,7 +220,8 @@ class _DraftsCalledSampled(_Seeded):
     return dataclasses.replace(tree, siblings=Siblings.IID), state
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "control", "chain-t0.7-minp"])
+# The chain at t1 with top-k and top-p went for the suite's time (the tree and the control run it).
+@pytest.mark.parametrize("kind", ["tree", "control", "chain-t0.7-minp"])
 def test_sampled_lookahead_follows_the_target_distribution(kind):
   target = init_params(TINY, jax.random.key(10), scale=0.8)
   sp = SamplingParams(temperature=1.0, top_k=8, top_p=0.9)

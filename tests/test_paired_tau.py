@@ -52,7 +52,8 @@ def test_greedy_rounds_under_a_budget_equal_the_budgeted_engines_first_round(tar
   shape = parse_tree("rsd-c:3-2-1")
   kv = KVPolicy(method, budget=10, sinks=2, chunk=4, evict_every=every)
   draft_kv = kv if method == "keydiff" else None
-  contexts = [[(7 * i + 3 * j) % 64 for j in range(14 + i)] for i in range(6)]  # 14..19 > 10
+  # 17..22 tokens: past the budget of 10, and one prompt bucket (24): one program each engine.
+  contexts = [[(7 * i + 3 * j) % 64 for j in range(17 + i)] for i in range(6)]
   res = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=2,
                    batch=3, progress=False, kv=kv, draft_kv=draft_kv)
   n = res.n_acc[0]  # [C, R]

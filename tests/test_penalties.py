@@ -28,6 +28,7 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_tokens)
 from jspec.tree.structure import Siblings, Tree
+from tiny_models import causal_logits
 from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_PROMPT, chi_square,
                               noised_drafter)
 
@@ -137,21 +138,16 @@ def target():
   return init_params(TARGET, jax.random.key(0), scale=0.3)
 
 
-_forward_rows = jax.jit(forward_rows, static_argnums=1)
-
-
-def causal_logits(params, cfg, text: list[int], width: int = 48) -> np.ndarray:
-  """The model's logits [len(text), V] over `text` by one causal forward (padded to `width`, which
-  positions before the padding do not see: one compiled program)."""
-  ids = jnp.asarray([list(text) + [0] * (width - len(text))])
-  return np.asarray(_forward_rows(params, cfg, ids)[0][0, :len(text)], np.float64)
+def host_logits(params, cfg, text: list[int]) -> np.ndarray:
+  """causal_logits on the host in float64, padded to 48 (every text here: one program)."""
+  return np.asarray(causal_logits(params, cfg, text, width=48), np.float64)
 
 
 def host_greedy(params, cfg, prompt, steps, sp):
   """Greedy decoding with the penalties, one full forward per token on the host's text."""
   text = list(prompt)
   for _ in range(steps):
-    x = reference(causal_logits(params, cfg, text)[-1], prompt, text[len(prompt):], sp)
+    x = reference(host_logits(params, cfg, text)[-1], prompt, text[len(prompt):], sp)
     text.append(int(np.argmax(x)))
   return text[len(prompt):]
 
@@ -247,7 +243,7 @@ def exact_distribution(params, sp: SamplingParams, prompt=TINY_PROMPT) -> np.nda
   prefix, then processed (temperature, top-p) by jspec's tested processed_logprobs."""
   V = TINY.vocab_size
   rows = jnp.asarray([prompt + list(p) for p in itertools.product(range(V), repeat=2)])
-  logits = np.asarray(_forward_rows(params, TINY, rows)[0], np.float64)
+  logits = np.asarray(jax.jit(forward_rows, static_argnums=1)(params, TINY, rows)[0], np.float64)
   P = len(prompt)
   pairs = list(itertools.product(range(V), repeat=2))
   penalized = np.stack([[reference(logits[a * V + b, P - 1 + t], prompt, (a, b)[:t], sp)
@@ -333,7 +329,7 @@ def test_logprobs_under_penalties(target, drafter):
                    logprobs="model")
   assert out.sequences() == model.sequences()
   for b, (prompt, toks) in enumerate(zip(prompts, out.sequences())):
-    x = causal_logits(target, TARGET, prompt + toks)
+    x = host_logits(target, TARGET, prompt + toks)
     for j, tok in enumerate(toks):
       pen = reference(x[len(prompt) - 1 + j], prompt, toks[:j], sp)
       want = np.asarray(processed_logprobs(jnp.asarray(pen, jnp.float32), sp))[tok]

@@ -14,9 +14,9 @@ from jspec.model import Model
 from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import forward_rows, init_params
+from jspec.models.llama import init_params
 from jspec.score import score
-from tiny_models import SMALL
+from tiny_models import SMALL, causal_logits
 
 CFG = SMALL
 ROWS = [list(np.random.default_rng(0).integers(0, 97, 45)), [5, 17, 3], [8] * 20]
@@ -28,8 +28,7 @@ def params():
 
 
 def teacher_forced(params, row) -> np.ndarray:
-  logits, _ = forward_rows(params, CFG, jnp.asarray([row], jnp.int32))
-  lps = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+  lps = np.asarray(jax.nn.log_softmax(causal_logits(params, CFG, row), axis=-1))
   return np.concatenate([[0.0], lps[np.arange(len(row) - 1), row[1:]]])
 
 

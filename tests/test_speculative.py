@@ -200,7 +200,6 @@ def tiny_pair():
 SAMPLINGS = {
     "t1": SamplingParams(temperature=1.0),
     "t0.7-topk": SamplingParams(temperature=0.7, top_k=5),
-    "topp": SamplingParams(temperature=1.0, top_p=0.8),
     "topp-minp": SamplingParams(temperature=1.0, top_p=0.95, min_p=0.2),
 }
 
