@@ -103,7 +103,7 @@ def check_generate():
 
 def check_chains():
   target, draft = models()
-  drafters = {"model": ModelDrafter(draft, DRAFT),  # (the lookup alone: as its hybrid's)
+  drafters = {"model": ModelDrafter(draft, DRAFT),  # (the lookup alone shards as in its hybrid)
               "ngram+model": ngram_drafter(256, fallback=ModelDrafter(draft, DRAFT)),
               "skip": skip_drafter(target, TARGET, (1,)), "mtp": probe_drafter(target, TARGET, 3),
               "lookahead": lookahead_drafter(target, TARGET)}

@@ -6,6 +6,7 @@ decoding makes; a zero projection is its EAGLE-3 drafter; output stays exactly t
 trains, saves, loads and is evaluated like EAGLE-3's; bad input is refused."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +151,9 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
   _, taps, _ = forward(target, TARGET, seq, jnp.arange(len(SEQ))[None],
                        KVCache.init(TARGET, 1, len(SEQ)), taps=drafter.feature_layers)
   params = ConFuParams(drafter.params, drafter.contemplate)
-  for j in (2, 6):
+
+  @functools.partial(jax.jit, static_argnums=0)  # (op by op: 509 programs)
+  def passes_and_drafts(j, params, drafter, target, taps):
     batch = {"target": target, "embed": drafter.embed, "tokens": seq, "feats": taps,
              "anchors": jnp.asarray([[j]])}
     passes = confu_passes(params, drafter.cfg, TARGET, batch, steps)
@@ -160,6 +163,10 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
     _, q, _ = drafter.propose(state, None, jnp.asarray([j + 2]), jax.random.key(0),
                               SamplingParams(temperature=1.0), steps, pick=force)
     plain = ttt_logits(drafter.params, drafter.cfg, drafter.embed, seq, taps, steps)
+    return passes, q, plain
+
+  for j in (2, 6):
+    passes, q, plain = passes_and_drafts(j, params, drafter, target, taps)
     for s in range(steps):
       np.testing.assert_allclose(q[0, s], jax.nn.softmax(passes[s][0, j]), atol=3e-5,
                                  err_msg=f"chain after pair {j}, draft {s + 1}")

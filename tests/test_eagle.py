@@ -11,7 +11,7 @@ import pytest
 
 from jspec.generate import generate
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params
+from jspec.models.llama import init_params
 from jspec.sampling.processing import GREEDY
 from jspec.drafting.base import Features
 from jspec.drafting.feature import eagle_drafter
@@ -19,6 +19,7 @@ from jspec.models.eagle import eagle_forward, head_logits, init_eagle
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from tests.test_speculative import (assert_one_program, PROMPTS, SAMPLINGS, TARGET, TINY, chi_square,
                                     exact_distribution, sample_sequences)
+from tiny_models import jitted_forward
 
 
 def noisy_eagle(target_params, cfg, key=3, amount=0.3, keep_ids=None):
@@ -43,16 +44,21 @@ def drafter(target):
 
 def target_hidden(params, cfg, seq):
   n = len(seq)
-  _, hidden, _ = forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
-                         KVCache.init(cfg, 1, n))
+  _, hidden, _ = jitted_forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
+                                KVCache.init(cfg, 1, n))
   return hidden  # [1, n, E]
 
 
 def teacher_forced(drafter, seq, feats):
   """f̂ of every pair (feats[j], seq[j + 1]) from scratch: [1, n - 1, E]."""
-  n = len(seq)
+  return _teacher_forced(drafter, jnp.asarray([seq]), feats)
+
+
+@jax.jit
+def _teacher_forced(drafter, seq, feats):  # (op by op, each shape compiled every op)
+  n = seq.shape[1]
   cache = KVCache.init(drafter.cfg, 1, n)
-  pred, _ = eagle_forward(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq[1:]]),
+  pred, _ = eagle_forward(drafter.params, drafter.cfg, drafter.embed, seq[:, 1:],
                           feats[:, : n - 1], jnp.arange(n - 1)[None], cache)
   return pred
 

@@ -4,6 +4,7 @@ from-scratch teacher-forced pass (target features fused for known positions, its
 past them), speculative output stays exactly the target's (greedy chains and trees, sampled
 distribution), one compiled program."""
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +17,14 @@ from jspec.generate import generate
 from jspec.models import eagle3
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import decoder_layer, forward, init_params, rope_tables
+from jspec.models.llama import decoder_layer, init_params, rope_tables
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from tests.test_eagle import drafter_init, drafter_update, greedy_propose
 from tests.test_speculative import assert_one_program, PROMPTS, SAMPLINGS, chi_square, exact_distribution, \
     sample_sequences
+from tiny_models import jitted_forward
 
 # Four layers: the taps are layers 1, 2, 3 (2, L/2, L-3 coincide on so few).
 TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4,
@@ -67,7 +69,7 @@ def test_taps_are_the_residual_stream_entering_the_layers(target):
   seq = jnp.asarray([[5, 17, 3, 44, 2]])
   positions = jnp.arange(5)[None]
   cache = KVCache.init(TARGET, 1, 8)
-  _, hidden, _ = forward(target, TARGET, seq, positions, cache, taps=(3, 1))
+  _, hidden, _ = jitted_forward(target, TARGET, seq, positions, cache, taps=(3, 1))
   # By hand: the embedding through the layers, the stream kept before layers 3 and 1 (in the
   # order asked).
   x = target.embed[seq]
@@ -85,16 +87,21 @@ def test_taps_are_the_residual_stream_entering_the_layers(target):
 
 def target_taps(params, cfg, seq, taps):
   n = len(seq)
-  _, hidden, _ = forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
-                         KVCache.init(cfg, 1, n), taps=taps)
+  _, hidden, _ = jitted_forward(params, cfg, jnp.asarray([seq]), jnp.arange(n)[None],
+                                KVCache.init(cfg, 1, n), taps=taps)
   return hidden  # [1, n, 3E]
 
 
 def teacher_forced(drafter, seq, feats):
   """h of every pair (feats[j], seq[j + 1]) from scratch, feats already fused: [1, n - 1, E]."""
-  n = len(seq)
+  return _teacher_forced(drafter, jnp.asarray([seq]), feats)
+
+
+@jax.jit
+def _teacher_forced(drafter, seq, feats):  # (op by op, each shape compiled every op)
+  n = seq.shape[1]
   cache = KVCache.init(drafter.cfg, 1, n)
-  h, _ = eagle3.eagle3_forward(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq[1:]]),
+  h, _ = eagle3.eagle3_forward(drafter.params, drafter.cfg, drafter.embed, seq[:, 1:],
                                feats[:, : n - 1], jnp.arange(n - 1)[None], cache)
   return h
 
@@ -202,15 +209,20 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
   seq = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]
   steps = 4
   taps = target_taps(target, TARGET, seq, drafter.feature_layers)
-  passes = ttt_logits(drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq]), taps, steps)
-  for j in (0, 6):
-    P = j + 1  # prompt t_0 .. t_j: pairs 0 .. j hold target features
+  passes = jax.jit(ttt_logits, static_argnums=(1, 5))(  # (op by op: ~300 programs)
+      drafter.params, drafter.cfg, drafter.embed, jnp.asarray([seq]), taps, steps)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def forced_drafts(P, drafter, taps):
     state = drafter.init(jnp.asarray([seq[:P]]), jnp.asarray([P]), 32, Features(
         hidden=taps[:, :P], tokens=jnp.asarray([seq[1:P + 1]]), start=jnp.asarray([0])))
     truth = jnp.asarray(seq[P + 1: P + 1 + steps])
     force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs)
-    _, q, _ = drafter.propose(state, None, jnp.asarray([P + 1]), jax.random.key(0),
-                              SamplingParams(temperature=1.0), steps, pick=force)
+    return drafter.propose(state, None, jnp.asarray([P + 1]), jax.random.key(0),
+                           SamplingParams(temperature=1.0), steps, pick=force)[1]
+
+  for j in (0, 6):
+    q = forced_drafts(j + 1, drafter, taps)  # prompt t_0 .. t_j: pairs 0 .. j hold features
     for s in range(steps):
       np.testing.assert_allclose(q[0, s], jax.nn.softmax(passes[s][0, j]), atol=2e-5,
                                  err_msg=f"chain after pair {j}, draft {s + 1}")

@@ -18,7 +18,7 @@ from jspec.drafting.model import ModelDrafter, self_drafter
 from jspec.drafting.ngram import ngram_drafter
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
-from jspec.models.llama import forward_rows, init_params
+from jspec.models.llama import init_params
 from jspec.sampling import penalties
 from jspec.sampling.penalties import History, chain_paths, penalize, tree_paths
 from jspec.sampling.processing import Mode, SamplingParams, processed_logprobs
@@ -28,9 +28,9 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.speculative.tree import (TreeSpecConfig, tree_speculative_generate,
                                     tree_speculative_generate_tokens)
 from jspec.tree.structure import Siblings, Tree
-from tiny_models import causal_logits
 from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, TINY_PROMPT, chi_square,
                               noised_drafter)
+from tiny_models import causal_logits, teacher_forced_rows
 
 PENALTIES = {
     "repetition": SamplingParams(repetition_penalty=1.6),
@@ -243,7 +243,7 @@ def exact_distribution(params, sp: SamplingParams, prompt=TINY_PROMPT) -> np.nda
   prefix, then processed (temperature, top-p) by jspec's tested processed_logprobs."""
   V = TINY.vocab_size
   rows = jnp.asarray([prompt + list(p) for p in itertools.product(range(V), repeat=2)])
-  logits = np.asarray(jax.jit(forward_rows, static_argnums=1)(params, TINY, rows)[0], np.float64)
+  logits = np.asarray(teacher_forced_rows(params, TINY, rows)[0], np.float64)
   P = len(prompt)
   pairs = list(itertools.product(range(V), repeat=2))
   penalized = np.stack([[reference(logits[a * V + b, P - 1 + t], prompt, (a, b)[:t], sp)

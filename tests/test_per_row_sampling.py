@@ -55,10 +55,11 @@ def test_processing_per_row_is_each_rows_own():
   sp = jax.tree.map(jnp.asarray, SamplingParams.of_rows(rows))
   assert sp.mode == Mode(greedy=False, filtered=True, min_p=True)
   logits = 3 * jax.random.normal(jax.random.key(0), (4, 3, 600))  # [B, T, V]
+  process = jax.jit(processed_logprobs)  # (op by op: 253 programs)
   for x in (logits, logits[:, 0]):  # [B, T, V] and [B, V]
-    got = np.asarray(processed_logprobs(x, sp))
+    got = np.asarray(process(x, sp))
     for b, row in enumerate(rows):
-      want = np.asarray(processed_logprobs(x[b:b + 1], SamplingParams(**row)))[0]
+      want = np.asarray(process(x[b:b + 1], SamplingParams(**row)))[0]
       np.testing.assert_array_equal(np.isinf(got[b]), np.isinf(want), err_msg=f"row {b}")
       np.testing.assert_allclose(got[b], want, rtol=1e-6, err_msg=f"row {b}")  # x / t: an ulp
   assert np.all(np.isfinite(got[2]))  # filters off: every token kept

@@ -16,7 +16,7 @@ from jspec.drafting.probe import EMA_RATE, ProbeDrafter, probe_drafter
 from jspec.generate import generate
 from jspec.kv.policy import KVPolicy
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params, lm_head
+from jspec.models.llama import init_params, lm_head
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_loop
 from jspec.speculative.probing import causal, probe_layout
@@ -25,6 +25,7 @@ from test_ngram import REPEATING
 from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution, own_program,
                               sample_sequences)
 from test_tree_engine import sample_codes
+from tiny_models import jitted_forward
 
 PROMPT_SET = PROMPTS[:2] + REPEATING[:2]
 
@@ -37,7 +38,8 @@ def target():
 def _prefilled(params):
   """A 32-slot cache holding a 5-token prefix."""
   cache = KVCache.init(TARGET, 1, 32)
-  _, _, cache = forward(params, TARGET, jnp.asarray([[3, 9, 4, 1, 7]]), jnp.arange(5)[None], cache)
+  _, _, cache = jitted_forward(params, TARGET, jnp.asarray([[3, 9, 4, 1, 7]]), jnp.arange(5)[None],
+                               cache)
   return cache.commit(5)
 
 
@@ -47,18 +49,18 @@ def test_masks_leave_the_block_exact_and_a_leak_is_caught(target):
   the masks' entries first (where the block's should be): block tokens then see them."""
   block, T, k = jnp.asarray([[5, 2, 8, 6]]), 4, 2
   positions = 5 + jnp.arange(T)[None]
-  plain, _, plain_cache = forward(target, TARGET, block, positions, _prefilled(target))
+  plain, _, plain_cache = jitted_forward(target, TARGET, block, positions, _prefilled(target))
   mask, pos = probe_layout(causal(1, T), positions, k)
   masks = jnp.full((1, T * k, TARGET.hidden_size), 0.05)
-  probed, _, cache = forward(target, TARGET, block, pos, _prefilled(target), mask,
-                             appended=masks, logits_indices=jnp.arange(T)[None])
+  probed, _, cache = jitted_forward(target, TARGET, block, pos, _prefilled(target), mask,
+                                    appended=masks, logits_indices=jnp.arange(T)[None])
   np.testing.assert_allclose(np.asarray(probed), np.asarray(plain), atol=1e-4)
   np.testing.assert_allclose(np.asarray(cache.k[:, :, :5 + T]),
                              np.asarray(plain_cache.k[:, :, :5 + T]), atol=1e-4)
   order = jnp.concatenate([jnp.arange(T, T * (1 + k)), jnp.arange(T)])  # masks, then the block
-  leaked, _, _ = forward(target, TARGET, jnp.zeros((1, 0), jnp.int32), pos[:, order],
-                         _prefilled(target), appended=jnp.concatenate(
-                             [masks, target.embed[block]], axis=1))
+  leaked, _, _ = jitted_forward(target, TARGET, jnp.zeros((1, 0), jnp.int32), pos[:, order],
+                                _prefilled(target), appended=jnp.concatenate(
+                                    [masks, target.embed[block]], axis=1))
   assert np.abs(np.asarray(leaked[:, T * k:]) - np.asarray(plain)).max() > 1e-3
 
 
@@ -77,8 +79,8 @@ def _masks_after(params, context, m, k, positions=None, cfg=TARGET):
   positions = list(range(L)) if positions is None else list(positions)
   positions += [positions[-1] + j for j in range(1, k + 1)]
   masks = jnp.broadcast_to(jnp.asarray(m, jnp.float32), (1, k, cfg.hidden_size))
-  _, hidden, _ = forward(params, cfg, jnp.asarray([context]), jnp.asarray([positions]),
-                         KVCache.init(cfg, 1, L + k), appended=masks)
+  _, hidden, _ = jitted_forward(params, cfg, jnp.asarray([context]), jnp.asarray([positions]),
+                                KVCache.init(cfg, 1, L + k), appended=masks)
   return lm_head(params, hidden[:, L:])
 
 
@@ -94,12 +96,12 @@ def test_masks_after_any_block_token_see_exactly_its_path(target, block_mask, po
   from jspec.speculative.probing import probe_hidden
   prefix, block, k = [3, 9, 4, 1, 7], [5, 2, 8, 6], 2
   cache = KVCache.init(TARGET, 1, 32)
-  _, _, cache = forward(target, TARGET, jnp.asarray([prefix]), jnp.arange(5)[None], cache)
+  _, _, cache = jitted_forward(target, TARGET, jnp.asarray([prefix]), jnp.arange(5)[None], cache)
   m = np.linspace(-0.1, 0.1, TARGET.hidden_size)
   mask, pos = probe_layout(jnp.asarray(block_mask)[None], 5 + jnp.asarray([positions]), k)
   masks = jnp.broadcast_to(jnp.asarray(m, jnp.float32), (1, 4 * k, TARGET.hidden_size))
-  _, hidden, _ = forward(target, TARGET, jnp.asarray([block]), pos, cache.commit(5), mask,
-                         appended=masks)
+  _, hidden, _ = jitted_forward(target, TARGET, jnp.asarray([block]), pos, cache.commit(5), mask,
+                                appended=masks)
   for end, path in ends.items():
     got = lm_head(target, probe_hidden(hidden, 4, k, jnp.asarray([end])))
     want = _masks_after(target, prefix + [block[i] for i in path], m, k)
@@ -170,8 +172,8 @@ def test_the_prefill_probes_after_each_prompts_last_token(target, engine):
     want = _masks_after(target, prompt, m, k)
     np.testing.assert_allclose(np.asarray(s.draft.logits[row]), np.asarray(want[0]), atol=2e-4)
     L = len(prompt)
-    _, _, alone = forward(target, TARGET, jnp.asarray([prompt]), jnp.arange(L)[None],
-                          KVCache.init(TARGET, 1, L))
+    _, _, alone = jitted_forward(target, TARGET, jnp.asarray([prompt]), jnp.arange(L)[None],
+                                 KVCache.init(TARGET, 1, L))
     np.testing.assert_allclose(np.asarray(s.cache.k[:, row, :L]), np.asarray(alone.k[:, 0]),
                                atol=1e-4)
   first = generate(target, TARGET, prompts, max_new_tokens=1).sequences()
