@@ -19,7 +19,7 @@ from jspec.drafting.feature import EagleDrafter
 from jspec.generate import generate
 from jspec.models.cache import KVCache
 from jspec.models.confu import contemplate_embeddings, init_contemplate
-from jspec.models.llama import forward as forward_eager, init_params
+from jspec.models.llama import init_params
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.probing import causal, prefill_layout, probe_layout
@@ -28,9 +28,9 @@ from jspec.train.confu import confu_passes, contemplate_taps as contemplate_taps
 from tests.test_eagle3 import TARGET, TINY, misreport_q, noisy_eagle3
 from tests.test_speculative import (PROMPTS, SAMPLINGS, assert_one_program, chi_square,
                                     exact_distribution, sample_sequences)
-
 # Jitted: op by op, the target's forwards here compiled several hundred small programs.
-forward = jax.jit(forward_eager, static_argnums=1, static_argnames=("taps",))
+from tiny_models import jitted_forward as forward
+
 contemplate_taps = jax.jit(contemplate_taps_eager, static_argnums=(1, 6))
 
 SEQ = [5, 17, 3, 44, 2, 9, 61, 30, 12, 8, 50, 7, 33]

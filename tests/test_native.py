@@ -15,6 +15,7 @@ from jspec.models.attention import masked_attention
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params, native_float_params, quantize_params
 from tests.test_quant import PROJECTIONS, PROMPTS, WIDE, _chain_matches_generate
+from tiny_models import jitted_forward
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -153,7 +154,7 @@ def test_native_forward_matches_xla_int8():
   logits = {}
   for kernel in quant.KERNELS:
     cache = KVCache.init(WIDE, 1, 32)
-    logits[kernel], _, _ = jax.jit(forward, static_argnums=1)(
+    logits[kernel], _, _ = jitted_forward(
         quantize_params(params, kernel), WIDE, tokens, positions, cache)
   np.testing.assert_allclose(np.asarray(logits["native"]), np.asarray(logits["xla"]),
                              rtol=1e-3, atol=1e-3 * float(jnp.abs(logits["xla"]).max()))
@@ -163,7 +164,7 @@ def test_the_program_calls_the_kernel():
   """No silent fallback: every quantized projection of a native model is the custom call, and
   no int8 dot is left to XLA."""
   params = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3), "native")
-  hlo = jax.jit(forward, static_argnums=1).lower(
+  hlo = jitted_forward.lower(
       params, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
   calls = hlo.count(f"@{native.INT8_LINEAR}")  # StableHLO
@@ -172,7 +173,7 @@ def test_the_program_calls_the_kernel():
   int8_dots = [line for line in hlo.splitlines() if "dot_general" in line and "xi8>" in line]
   assert not int8_dots, f"an int8 dot left to XLA: {int8_dots[0]}"
   xla = quantize_params(init_params(WIDE, jax.random.key(2), scale=0.3))
-  hlo = jax.jit(forward, static_argnums=1).lower(
+  hlo = jitted_forward.lower(
       xla, WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None],
       KVCache.init(WIDE, 1, 16)).as_text()
   assert native.INT8_LINEAR not in hlo and "xi8>" in hlo  # the check above can see an int8 dot
@@ -420,11 +421,11 @@ def test_the_float_program_calls_the_kernel():
   call, attention is jspec's, and no float dot is left to XLA."""
   params = native_float_params(init_params(WIDE, jax.random.key(2), scale=0.3))
   args = (WIDE, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None], KVCache.init(WIDE, 1, 16))
-  hlo = jax.jit(forward, static_argnums=1).lower(params, *args).as_text()
+  hlo = jitted_forward.lower(params, *args).as_text()
   assert hlo.count(f"@{native.F32_LINEAR}") >= 7 * WIDE.num_layers + 1
   assert hlo.count(f"@{native.ATTENTION}") == WIDE.num_layers
   assert "dot_general" not in hlo
-  plain = jax.jit(forward, static_argnums=1).lower(
+  plain = jitted_forward.lower(
       init_params(WIDE, jax.random.key(2)), *args).as_text()
   assert native.F32_LINEAR not in plain and "dot_general" in plain  # the check above can see one
 
@@ -458,7 +459,7 @@ def test_a_float_prefill_past_the_row_limit_runs_xla():
   limit = quant.NATIVE_F32_MAX_ROWS
 
   def hlo(T):
-    return jax.jit(forward, static_argnums=1).lower(
+    return jitted_forward.lower(
         params, WIDE, jnp.zeros((1, T), jnp.int32), jnp.arange(T)[None],
         KVCache.init(WIDE, 1, 2 * limit + 8)).as_text()
 
