@@ -28,6 +28,7 @@ from test_ngram import REPEATING
 from test_speculative import (PROMPTS, TARGET, TINY, assert_one_program, chi_square,
                               exact_distribution, own_program, sample_sequences)
 from test_tree_engine import sample_codes
+from tiny_models import jitted_forward
 
 PROMPT_SET = PROMPTS[:2] + REPEATING[:2]
 
@@ -74,16 +75,17 @@ def test_window_tokens_step_along_their_column_and_leave_the_block_exact(target,
   else:
     block_mask, positions = causal(1, T), 5 + jnp.arange(T)[None]
   cache = KVCache.init(TARGET, 1, 32)
-  _, _, cache = forward(target, TARGET, jnp.asarray([prefix]), jnp.arange(5)[None], cache)
+  _, _, cache = jitted_forward(target, TARGET, jnp.asarray([prefix]), jnp.arange(5)[None], cache)
   cache = cache.commit(5)
-  plain, _, plain_cache = forward(target, TARGET, jnp.asarray([block]), positions, cache,
-                                  block_mask)
+  plain, _, plain_cache = jitted_forward(target, TARGET, jnp.asarray([block]), positions, cache,
+                                         block_mask)
   visible, offsets = window_pattern(levels, width)
 
   def run(visible):
     mask, pos = window_layout(block_mask, positions, visible, offsets)
     tokens = jnp.asarray([block + list(window.reshape(-1))])
-    return forward(target, TARGET, tokens, pos, cache, mask, logits_indices=jnp.arange(T)[None])
+    return jitted_forward(target, TARGET, tokens, pos, cache, mask,
+                          logits_indices=jnp.arange(T)[None])
 
   logits, hidden, wide_cache = run(visible)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), atol=1e-4)

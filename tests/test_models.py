@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 import ggufutil  # noqa: E402
 from jspec.io.checkpoint import load_gguf, load_hf  # noqa: E402
 from jspec.models.cache import KVCache  # noqa: E402
-from jspec.models.llama import forward  # noqa: E402
+from tiny_models import jitted_forward  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -41,7 +41,7 @@ def full_forward(cfg, params, ids, cache_size=64):
   B, n = ids.shape
   cache = KVCache.init(cfg, B, cache_size)
   pos = jnp.broadcast_to(jnp.arange(n), (B, n))
-  logits, hidden, cache = forward(params, cfg, jnp.asarray(ids), pos, cache)
+  logits, hidden, cache = jitted_forward(params, cfg, jnp.asarray(ids), pos, cache)
   return np.asarray(logits), hidden, cache
 
 
@@ -57,18 +57,17 @@ def test_cached_decode_matches_full_forward(checkpoint):
   """Prefill 25 tokens, then feed the rest one by one (and a 3-token chunk) through the cache."""
   _, d, _, _, ids, want = checkpoint
   cfg, params = load_hf(d)
-  step = jax.jit(forward, static_argnums=1)
   cache = KVCache.init(cfg, 2, 64)
   P = 25
   pos = jnp.broadcast_to(jnp.arange(P), (2, P))
-  logits, _, cache = step(params, cfg, jnp.asarray(ids[:, :P]), pos, cache)
+  logits, _, cache = jitted_forward(params, cfg, jnp.asarray(ids[:, :P]), pos, cache)
   got = [np.asarray(logits)]
   cache = cache.commit(P)
   t = P
   while t < T:
     n = 3 if t == P else 1  # one multi-token chunk exercises the in-block causal mask
     pos = cache.lengths[:, None] + jnp.arange(n)
-    logits, _, cache = step(params, cfg, jnp.asarray(ids[:, t:t + n]), pos, cache)
+    logits, _, cache = jitted_forward(params, cfg, jnp.asarray(ids[:, t:t + n]), pos, cache)
     got.append(np.asarray(logits))
     cache = cache.commit(n)
     t += n
@@ -84,8 +83,9 @@ def test_uncommitted_entries_are_invisible(checkpoint):
   _, _, cache = full_forward(cfg, params, ids[:, :P])
   cache = cache.with_lengths(jnp.full((2,), P))
   junk = jnp.asarray(np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 4)))
-  _, _, cache = forward(params, cfg, junk, P + jnp.arange(4)[None].repeat(2, 0), cache)
-  logits, _, _ = forward(params, cfg, jnp.asarray(ids[:, P:P + 1]), jnp.full((2, 1), P), cache)
+  _, _, cache = jitted_forward(params, cfg, junk, P + jnp.arange(4)[None].repeat(2, 0), cache)
+  logits, _, _ = jitted_forward(params, cfg, jnp.asarray(ids[:, P:P + 1]), jnp.full((2, 1), P),
+                                cache)
   assert np.abs(np.asarray(logits)[:, 0] - want[:, P]).max() < 1e-4
 
 
@@ -140,7 +140,8 @@ def test_forward_jit_donates_cache(tmp_path):
   _, _, new = forward_jit(params, cfg, ids, jnp.arange(5)[None], cache)
   assert cache.k.is_deleted() and cache.v.is_deleted()  # donated: updated in place
   np.testing.assert_allclose(np.asarray(new.k), np.asarray(
-      forward(params, cfg, ids, jnp.arange(5)[None], KVCache.init(cfg, 1, 32))[2].k), atol=1e-6)
+      jitted_forward(params, cfg, ids, jnp.arange(5)[None], KVCache.init(cfg, 1, 32))[2].k),
+      atol=1e-6)
 
 
 def test_sharded_safetensors_checkpoint(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params
+from jspec.models.llama import init_params
 from jspec.bench.paired_tau import PairedResult, contexts_from_responses, paired_tau
 from jspec.kv.policy import KVPolicy
 from jspec.sampling.processing import GREEDY, SamplingParams
@@ -16,6 +16,7 @@ from jspec.drafting.model import ModelDrafter
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from jspec.tree.shapes import parse_tree
 from test_speculative import PROMPTS, TARGET, TINY, TINY_PROMPT, noised_drafter
+from tiny_models import jitted_forward
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,8 @@ def test_sampled_rounds_match_exact_acceptance():
   def probs(params, seqs):
     seqs = jnp.asarray(seqs)
     n = seqs.shape[1]
-    logits = forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
-                     KVCache.init(TINY, seqs.shape[0], n))[0][:, -1]
+    logits = jitted_forward(params, TINY, seqs, jnp.broadcast_to(jnp.arange(n), seqs.shape),
+                            KVCache.init(TINY, seqs.shape[0], n))[0][:, -1]
     return np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
 
   p1 = probs(target, [TINY_PROMPT])[0]  # [V]

@@ -100,18 +100,19 @@ def test_a_greedy_row_beside_sampled_ones_is_decided_greedily():
               siblings=Siblings.FIXED)
   both = jnp.stack([logits, logits], axis=1)  # [B, 2, V]
   seen = {"sample": set(), "sample_with_probs": set(), "verify": set(), "verify_tree": set()}
+  jitted = {f.__name__: jax.jit(f) for f in (sample, sample_with_probs, verify, verify_tree)}
   for seed in range(24):
     key = jax.random.key(seed)
-    tokens = sample(key, logits, sp)
+    tokens = jitted["sample"](key, logits, sp)
     assert int(tokens[0]) == 3
     seen["sample"].add(int(tokens[1]))
-    tokens, probs = sample_with_probs(key, logits, sp)
+    tokens, probs = jitted["sample_with_probs"](key, logits, sp)
     assert int(tokens[0]) == 3 and float(probs[0, 3]) == 1.0
     seen["sample_with_probs"].add(int(tokens[1]))
-    n, nxt = verify(key, drafts, q, both, sp)
+    n, nxt = jitted["verify"](key, drafts, q, both, sp)
     assert (int(n[0]), int(nxt[0])) == (0, 3)  # greedy rejects the tied second
     seen["verify"].add(int(n[1]))
-    path, n, nxt = verify_tree(key, tree, both, sp)
+    path, n, nxt = jitted["verify_tree"](key, tree, both, sp)
     assert (int(n[0]), int(nxt[0])) == (0, 3)
     seen["verify_tree"].add(int(n[1]))
   # the sampled row takes either side of the tie (the test would pass a sampled greedy row
@@ -131,11 +132,10 @@ def test_a_fixed_tree_drafts_greedy_rows_top_k_and_sampled_rows_their_draws():
 
   key, branching = jax.random.key(4), (3, 2)
   sp = SamplingParams(temperature=[0.0, 0.8, 0.0], top_k=[0, 6, 0])
-  mixed = draft_fixed(key, next_logits, B, V, branching, sp, Siblings.IID,
-                      greedy_rows=sp.is_greedy)
-  greedy = draft_fixed(key, next_logits, B, V, branching, SamplingParams(), Siblings.FIXED)
-  sampled = draft_fixed(key, next_logits, B, V, branching, SamplingParams(0.8, top_k=6),
-                        Siblings.IID)
+  draft = jax.jit(draft_fixed, static_argnums=(1, 2, 3, 4, 6))  # op by op: ~200 programs
+  mixed = draft(key, next_logits, B, V, branching, sp, Siblings.IID, greedy_rows=sp.is_greedy)
+  greedy = draft(key, next_logits, B, V, branching, SamplingParams(), Siblings.FIXED)
+  sampled = draft(key, next_logits, B, V, branching, SamplingParams(0.8, top_k=6), Siblings.IID)
   for b, want in ((0, greedy), (1, sampled), (2, greedy)):
     np.testing.assert_array_equal(mixed.tokens[b], want.tokens[b], err_msg=f"row {b}")
     np.testing.assert_array_equal(mixed.valid[b], want.valid[b], err_msg=f"row {b}")

@@ -14,17 +14,19 @@ from jspec.drafting.ngram import ngram_drafter
 from jspec.drafting.skip import (SkipDrafter, calibrated_layers, layer_influence, skip_drafter)
 from jspec.generate import generate
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, forward_layers, init_params
+from jspec.models.llama import forward_layers, init_params
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 from test_ngram import REPEATING
+from tiny_models import jitted_forward
 from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution, own_program,
                               sample_sequences)
 
 DEEP = dataclasses.replace(TARGET, num_layers=4)
 DEEP_TINY = dataclasses.replace(TINY, num_layers=3)
 PROMPT_SET = PROMPTS[:2] + REPEATING[:2]
+jitted_layers = jax.jit(forward_layers, static_argnums=(1, 5))  # keep: the layers, static
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +38,10 @@ def test_kept_layers_compute_what_a_model_of_those_layers_does(deep):
   keep = (0, 2, 3)
   tokens = jnp.asarray([[4, 8, 15, 16, 23, 42]])
   positions = jnp.arange(6)[None]
-  got, cache = forward_layers(deep, DEEP, tokens, positions, KVCache.init(DEEP, 1, 8), keep)
+  got, cache = jitted_layers(deep, DEEP, tokens, positions, KVCache.init(DEEP, 1, 8), keep)
   sub_cfg = dataclasses.replace(DEEP, num_layers=3)
   sub = dataclasses.replace(deep, layers=[deep.layers[i] for i in keep])
-  want, _, _ = forward(sub, sub_cfg, tokens, positions, KVCache.init(sub_cfg, 1, 8))
+  want, _, _ = jitted_forward(sub, sub_cfg, tokens, positions, KVCache.init(sub_cfg, 1, 8))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
   # The skipped layer's cache entries were not written.
   assert float(jnp.abs(cache.k[1]).max()) == 0.0 and float(jnp.abs(cache.k[2]).max()) > 0.0
@@ -54,20 +56,21 @@ def test_the_draft_reads_the_targets_kv_and_leaves_the_length(deep, evicted):
   count the evicted ones: read at the slots' positions, q would differ."""
   prompt = jnp.asarray([[4, 8, 15, 16, 23]])
   cache = KVCache.init(DEEP, 1, 16)
-  _, _, cache = forward(deep, DEEP, prompt, jnp.arange(5)[None], cache)
+  _, _, cache = jitted_forward(deep, DEEP, prompt, jnp.arange(5)[None], cache)
   cache = cache.commit(5)
   drafter = skip_drafter(deep, DEEP, (0, 3))
   last2 = jnp.asarray([[23, 42]])
   seq_len = 6 + evicted  # the root (42) is the last known token, not yet in the cache
-  tokens, q, _, shared = drafter.propose_shared(drafter.init(None, None, 0, None), cache, last2,
-                                                jnp.asarray([seq_len]), jax.random.key(0),
-                                                SamplingParams(temperature=1.0), 3)
+  propose = jax.jit(lambda d, *args: d.propose_shared(*args, 3))  # op by op: 270 programs
+  tokens, q, _, shared = propose(drafter, drafter.init(None, None, 0, None), cache, last2,
+                                 jnp.asarray([seq_len]), jax.random.key(0),
+                                 SamplingParams(temperature=1.0))
   assert int(shared.lengths[0]) == 5
   np.testing.assert_array_equal(np.asarray(shared.k[:, :, :5]), np.asarray(cache.k[:, :, :5]))
 
   def chain_q(offset):  # [3, V]: the kept layers' softmax over root, d1, d2 at 5 + offset + i
     fed = jnp.concatenate([last2[:, 1:], tokens[:, :2]], axis=1)
-    logits, _ = forward_layers(deep, DEEP, fed, 5 + offset + jnp.arange(3)[None], cache, (0, 3))
+    logits, _ = jitted_layers(deep, DEEP, fed, 5 + offset + jnp.arange(3)[None], cache, (0, 3))
     return np.asarray(jax.nn.softmax(logits[0], axis=-1))
 
   np.testing.assert_allclose(np.asarray(q[0]), chain_q(evicted), atol=1e-5)
@@ -126,13 +129,13 @@ def test_influence_reads_each_layers_input_and_output_and_ignores_the_padding(de
   tokens = [4, 8, 15, 16, 23, 42, 7]  # 7 tokens: padded to 16
   T, L = len(tokens), DEEP.num_layers
   ids, positions = jnp.asarray([tokens]), jnp.arange(T)[None]
-  _, streams, _ = forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T),
-                          taps=tuple(range(L + 1)))
+  _, streams, _ = jitted_forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T),
+                                 taps=tuple(range(L + 1)))
   x = np.asarray(streams[0], np.float64).reshape(T, L + 1, -1)
   cos = (x[:, :-1] * x[:, 1:]).sum(-1) / (np.linalg.norm(x[:, :-1], axis=-1)
                                           * np.linalg.norm(x[:, 1:], axis=-1))
   np.testing.assert_allclose(layer_influence(deep, DEEP, tokens), 1 - cos.mean(0), atol=1e-5)
-  _, hidden, _ = forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T))
+  _, hidden, _ = jitted_forward(deep, DEEP, ids, positions, KVCache.init(DEEP, 1, T))
   last = x[:, L]
   normed = last / np.sqrt((last ** 2).mean(-1, keepdims=True) + DEEP.rms_norm_eps)
   np.testing.assert_allclose(normed * np.asarray(deep.final_norm), np.asarray(hidden[0]),

@@ -15,11 +15,11 @@ pytest.importorskip("transformers")
 import ggufutil  # noqa: E402
 from jspec.io.save import save_hf  # noqa: E402
 from jspec.model import load  # noqa: E402
-from jspec.models.llama import forward, layer_list  # noqa: E402
-from jspec.models.cache import KVCache  # noqa: E402
+from jspec.models.llama import layer_list  # noqa: E402
 from jspec.train import distill, trainer  # noqa: E402
 from jspec.models.drafter import drafter_config, spread_layers  # noqa: E402
 from jspec.train.drafter import init_drafter  # noqa: E402
+from tiny_models import causal_logits  # noqa: E402
 
 TEXTS = [f"Tell me about token{i} and layer{i}." for i in range(12)]
 
@@ -48,10 +48,8 @@ def test_distillation_data_is_the_targets_own_output(target, data_dir):
   for ex in examples:
     assert ex.top_ids.shape == (len(ex.response), cfg.top_k)
     # The stored top-k is the target's distribution at each response position: recompute it.
-    seq = jnp.asarray(np.concatenate([ex.prompt, ex.response]))[None]
-    cache = KVCache.init(target.cfg, 1, seq.shape[1], jnp.float32)
-    logits, _, _ = forward(target.params, target.cfg, seq, jnp.arange(seq.shape[1])[None], cache)
-    logp = jax.nn.log_softmax(logits[0, len(ex.prompt) - 1: -1])  # predicts response tokens
+    logits = causal_logits(target.params, target.cfg, np.concatenate([ex.prompt, ex.response]))
+    logp = jax.nn.log_softmax(logits[len(ex.prompt) - 1: -1])  # predicts response tokens
     want = jnp.take_along_axis(logp, jnp.asarray(ex.top_ids), axis=-1)
     np.testing.assert_allclose(ex.top_logprobs, want, atol=2e-3)  # float16 storage
     np.testing.assert_array_equal(ex.top_ids[:, 0], np.argmax(logp, -1))
