@@ -14,9 +14,9 @@ import numpy as np
 
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
-from jspec.models.llama import Params, forward, place_params
+from jspec.models.llama import Params, check_params, forward, place_params
 from jspec.sampling.processing import SamplingParams
-from jspec.sharding import Mesh, Placement, model_placement
+from jspec.sharding import Mesh, Placement, mesh_from, model_placement
 
 Array = jax.Array
 PAD = -1  # output slots past a row's length
@@ -119,6 +119,17 @@ def is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def stop_id_tuple(stop_ids) -> tuple[int, ...]:
+  """stop_ids as a tuple of ints (what a static config can hash), text and non-integers refused."""
+  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+    raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
+                    f"stop_ids=({stop_ids!r},) for one id.")
+  stop_ids = tuple(stop_ids)
+  if not all(is_int(s) for s in stop_ids):
+    raise ValueError(f"stop_ids must be integer token ids, got {stop_ids!r}")
+  return tuple(int(s) for s in stop_ids)
+
+
 def as_prompt_list(prompts) -> list:
   """The prompts as a list of prompts: one flat sequence of ids (a list of ints or a 1-D array)
   is one prompt; other iterables (a generator) are read into a list. The prompts themselves are
@@ -179,12 +190,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "
                     f"GREEDY.")
-  if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
-    raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
-                    f"stop_ids=({stop_ids!r},) for one id.")
-  if not all(is_int(s) for s in stop_ids):
-    raise ValueError(f"stop_ids must be integer token ids, got {tuple(stop_ids)!r}")
-  stop = tuple(int(s) for s in stop_ids)
+  stop = stop_id_tuple(stop_ids)
   if any(not 0 <= s < cfg.vocab_size for s in stop):
     raise ValueError(f"stop ids {stop} must lie in [0, {cfg.vocab_size})")
   prompts = as_prompt_list(prompts)
@@ -208,9 +214,17 @@ def on_mesh(params: Params, cfg: Config, b: Batch, mesh: Mesh | None
 
 def rows_on_mesh(params: Params, cfg: Config, tokens: Array, lengths: Array, mesh: Mesh | None
                  ) -> tuple[Params, Array, Array, Placement | None]:
-  """on_mesh for rows of tokens [B, T] and their lengths [B] alone (no sampling, no key)."""
+  """on_mesh for rows of tokens [B, T] and their lengths [B] alone (no sampling, no key). The
+  params are checked against cfg first; mesh may also be text, "dp=2,tp=4" (as `load` takes)."""
+  check_params(params, cfg)
+  if isinstance(mesh, str):
+    mesh = mesh_from(mesh)
   if mesh is None:
     return params, tokens, lengths, None
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh with axes ('dp', 'tp') or text such as "
+                    f"'dp=2,tp=4', got {type(mesh).__name__}. Fix: mesh=jspec.sharding."
+                    f"make_mesh(dp, tp).")
   placement = model_placement(cfg, mesh)
   placement.check_batch(tokens.shape[0])
   return (place_params(params, cfg, placement), placement.put_batch(tokens),

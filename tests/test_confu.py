@@ -55,6 +55,7 @@ def drafter(target):
   return make_confu(target, TARGET)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))  # (op by op: 170 programs a test)
 def verification(target, drafter, P, T, soft_inputs=None):
   """(block logits, taps) of a verification forward over SEQ[P-1 : P-1+T] after SEQ[:P-1], with
   the drafter's contemplate tokens and soft prompt."""
@@ -87,6 +88,9 @@ def test_contemplate_tokens_leave_the_block_exact_and_see_the_soft_prompt(target
   assert bool(jnp.all(moved > 1e-3)), moved
 
 
+taps_at = jax.jit(contemplate_taps, static_argnums=(1, 6))
+
+
 def test_training_computes_the_taps_the_engines_hand_over(target, drafter):
   """A training anchor's contemplate taps = the verification forward's for the contemplate after
   the last prompt token (prefill) and after the root of a round (no draft accepted)."""
@@ -97,18 +101,18 @@ def test_training_computes_the_taps_the_engines_hand_over(target, drafter):
     _, hidden, _ = forward(target, TARGET, seq[:, :P], pos, KVCache.init(TARGET, 1, 32), mask,
                            appended=drafter.prompt_probe_inputs(seq[:, :P], L),
                            taps=drafter.feature_layers)
-    got = contemplate_taps(target, TARGET, drafter.contemplate, drafter.embed, seq,
-                           jnp.asarray([[P - 1, 0, 9]]), drafter.feature_layers)
+    got = taps_at(target, TARGET, drafter.contemplate, drafter.embed, seq,
+                  jnp.asarray([[P - 1, 0, 9]]), drafter.feature_layers)
     np.testing.assert_allclose(got[:, 0], hidden[:, P], rtol=1e-4, atol=1e-3)
   P, T = 5, 4
   _, hidden = verification(target, drafter, P, T)
-  got = contemplate_taps(target, TARGET, drafter.contemplate, drafter.embed, seq,
-                         jnp.asarray([[P - 1]]), drafter.feature_layers)
+  got = taps_at(target, TARGET, drafter.contemplate, drafter.embed, seq,
+                jnp.asarray([[P - 1]]), drafter.feature_layers)
   np.testing.assert_allclose(got[:, 0], hidden[:, T], rtol=1e-4, atol=1e-3)
   # The soft prompt and the experts get gradients through the frozen target.
-  grads = jax.grad(lambda cp: jnp.sum(contemplate_taps(
+  grads = jax.jit(jax.grad(lambda cp: jnp.sum(contemplate_taps(
       target, TARGET, cp, drafter.embed, seq, jnp.asarray([[3, 6]]),
-      drafter.feature_layers) ** 2))(drafter.contemplate)
+      drafter.feature_layers) ** 2)))(drafter.contemplate)
   assert float(jnp.abs(grads.soft).max()) > 0 and float(jnp.abs(grads.experts).max()) > 0
 
 
@@ -127,6 +131,7 @@ def test_the_router_mixes_top_k_experts(drafter):
   assert len({tuple(np.argsort(-s)[:cp.top_k]) for s in scores}) > 1  # routes differ
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def prefilled(drafter, target, P):
   """The drafter's state after the prompt SEQ[:P], from the engines' prefill layout."""
   seq = jnp.asarray([SEQ[:P]])
@@ -184,8 +189,8 @@ def test_a_zero_projection_is_its_eagle3_drafter(target):
   base = eagle3.init(jnp.asarray([SEQ[:P]]), jnp.asarray([P]), 32, Features(
       hidden=prefilled_taps(target, confu, P), tokens=jnp.asarray([SEQ[1:P + 1]]),
       start=jnp.asarray([0])))
-  a = confu.propose(state, None, jnp.asarray([P + 1]), key, sp, 3)
-  b = eagle3.propose(base, None, jnp.asarray([P + 1]), key, sp, 3)
+  propose = jax.jit(lambda d, state: d.propose(state, None, jnp.asarray([P + 1]), key, sp, 3))
+  a, b = propose(confu, state), propose(eagle3, base)
   np.testing.assert_allclose(a[1], b[1], atol=1e-5)
   assert a[0].tolist() == b[0].tolist()
 

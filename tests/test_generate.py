@@ -1,6 +1,8 @@
 """generate: greedy equals a cache-free reference, batching is transparent, sampling is processed
 correctly, repeated calls do not recompile, and bad input is refused clearly."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ import pytest
 from jspec.decode import PAD, prompt_bucket
 from jspec.generate import generate, generate_tokens
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, init_params
+from jspec.models.llama import (check_params, forward, init_params, native_float_params,
+                                quantize_params, stack_layers)
 from jspec.bench.profiling import CompileCounter
 from jspec.bench.programs import lower_decode
 from jspec.sampling import processing
@@ -271,6 +274,39 @@ def test_bad_input(params, kwargs, match):
 def test_wrong_types_are_refused_before_jit(params, kwargs, match):
   with pytest.raises(TypeError, match=match):
     generate(params, CFG, [[1, 2]], max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("other, match", [
+    (dict(vocab_size=101), r"embed is \(97, 64\), cfg wants \(101, 64\)"),  # ids clamped before
+    (dict(num_layers=3), "the number of layers is 2, cfg wants 3"),  # ran two layers before
+    (dict(num_layers=1), "the number of layers is 2, cfg wants 1"),  # ran one of the two before
+    (dict(num_heads=8, num_kv_heads=4, head_dim=8), r"layer 0.wq is \(64, 4, 16\)"),
+    (dict(qkv_bias=True), "layer 0.bq is absent"),
+])
+def test_params_of_another_config_are_refused(params, other, match):
+  """A Config of another model read the params silently wrong (an id past the embedding was
+  clamped to its last row, layers past the Config's count skipped): refused before any trace."""
+  with pytest.raises(ValueError,
+                     match=f"params do not fit their cfg: {match}.*Fix: pass the Config"):
+    generate(params, dataclasses.replace(CFG, **other), [[1, 2]], max_new_tokens=4)
+
+
+def test_every_weight_layout_fits_its_config(params):
+  """The check reads shapes whatever the layout: stacked layers, int8 and 4-bit weights, the CPU
+  kernels' output-major ones (each keeps the layer axis somewhere else)."""
+  for layout in (stack_layers(params), quantize_params(params, "xla"),
+                 stack_layers(quantize_params(params, "native", bits=4)),
+                 stack_layers(native_float_params(params))):
+    check_params(layout, CFG)
+    with pytest.raises(ValueError, match="params do not fit"):
+      check_params(layout, dataclasses.replace(CFG, intermediate_size=96))
+
+
+def test_a_mesh_may_be_text(params):
+  want = generate(params, CFG, [[1, 2]], max_new_tokens=4).sequences()
+  assert generate(params, CFG, [[1, 2]], max_new_tokens=4, mesh="dp=1").sequences() == want
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh.*Fix"):
+    generate(params, CFG, [[1, 2]], max_new_tokens=4, mesh=2)
 
 
 @pytest.mark.parametrize("key", [3, np.int64(3), jax.random.key(3), jax.random.PRNGKey(3),

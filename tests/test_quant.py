@@ -20,6 +20,7 @@ from jspec.models.llama import forward, init_params, quantize_params
 from jspec.models.numerics import engine_jit
 from jspec.speculative.chain import SpecConfig, speculative_generate
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+from tiny_models import jitted_forward
 
 TARGET = Config(arch="qwen2", vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
@@ -131,8 +132,8 @@ def int8_target(target):
 def test_int8_logits_close_to_float(target, int8_target):
   tokens = jnp.asarray([PROMPTS[2]])
   positions = jnp.arange(tokens.shape[1])[None]
-  ref, _, _ = forward(target, TARGET, tokens, positions, KVCache.init(TARGET, 1, 32))
-  got, _, _ = forward(int8_target, TARGET, tokens, positions, KVCache.init(TARGET, 1, 32))
+  ref, _, _ = jitted_forward(target, TARGET, tokens, positions, KVCache.init(TARGET, 1, 32))
+  got, _, _ = jitted_forward(int8_target, TARGET, tokens, positions, KVCache.init(TARGET, 1, 32))
   # Random weights at this scale have large activations; real models land far closer
   # (benchmarks/issue17_int8_quality_cpu.json).
   scale = float(jnp.abs(ref).max())

@@ -333,6 +333,15 @@ def test_bad_input(target, drafter):
     speculative_generate(target, TARGET, ModelDrafter(init_params(mismatched, jax.random.key(0)),
                                                       mismatched), [[1]],
                          spec=SpecConfig(gamma=2, max_new_tokens=4))
+  # A draft model whose params are not its Config's (opt_einsum's shape error before).
+  wrong = ModelDrafter(drafter.params, dataclasses.replace(drafter.cfg, hidden_size=32))
+  with pytest.raises(ValueError, match="the draft model's params do not fit their cfg: embed"):
+    speculative_generate(target, TARGET, wrong, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4))
+  # stop ids as a list: a tuple in the (hashed, static) config, as TreeSpecConfig makes it.
+  assert SpecConfig(gamma=2, max_new_tokens=4, stop_ids=[5, np.int64(6)]).stop_ids == (5, 6)
+  with pytest.raises(TypeError,
+                     match=r"stop_ids must be a sequence of token ids.*Fix: stop_ids=\(5,\)"):
+    SpecConfig(gamma=2, max_new_tokens=4, stop_ids=5)
   # The draft block needs gamma + 1 free slots beyond max_new_tokens.
   with pytest.raises(ValueError, match="gamma"):
     speculative_generate(target, TARGET, drafter, [[1] * 200],

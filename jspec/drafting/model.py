@@ -18,7 +18,7 @@ from jspec.kv.prefill import chunked_prefill
 from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache, move_kv
 from jspec.models.config import Config
-from jspec.models.llama import Params, first_layers, forward, forward_at
+from jspec.models.llama import Params, check_params, first_layers, forward, forward_at
 from jspec.models.vocab_trim import check_keep_ids
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, take
@@ -79,6 +79,10 @@ class ModelDrafter(HeadDrafter):
   stop_below: float | None = dataclasses.field(default=None, metadata=dict(static=True))
   # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
   draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+  def check_weights(self) -> None:
+    check_params(self.params, self.cfg, full_head=self.keep_ids is None,
+                 what="the draft model's params")
 
   @property
   def stops_early(self) -> bool:

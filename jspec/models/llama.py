@@ -129,6 +129,56 @@ def num_layers(params: Params) -> int:
   return params.layers.attn_norm.shape[0] if layers_stacked(params) else len(params.layers)
 
 
+def check_params(params: Params, cfg: Config, full_head: bool = True,
+                 what: str = "params") -> None:
+  """Host-side: refuse params whose shapes are not `cfg`'s. A Config of another model reads them
+  silently wrong: ids past a smaller embedding are clamped by the gather, layers past cfg's count
+  are skipped. Shapes only (any layout and weight format: stacked, int8, 4-bit, the CPU kernels'
+  output-major weights). full_head=False: a VocabTrim head keeps fewer vocabulary columns. what:
+  whose params, for the message."""
+  if not isinstance(params, Params):
+    raise TypeError(f"{what} must be jspec Params (jspec.model.load, init_params), got "
+                    f"{type(params).__name__}")
+  want = param_layout(cfg)
+  stacked = layers_stacked(params)
+  L = num_layers(params)
+
+  def fits(got, spec_shape, layer_axis: bool) -> bool:
+    # A stacked weight carries the layer axis somewhere in its stored layout (first for arrays,
+    # among the output axes for the CPU kernels' weights), or reports the one layer's shape.
+    if got == spec_shape or not layer_axis:
+      return got == spec_shape
+    return any(got[:i] + got[i + 1:] == spec_shape for i in range(len(got)) if got[i] == L)
+
+  def refuse(where: str, got, expected) -> None:
+    raise ValueError(
+        f"{what} do not fit their cfg: {where} is {got}, cfg wants {expected} ({cfg.arch}, vocab "
+        f"{cfg.vocab_size}, hidden {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_heads} "
+        f"heads, {cfg.num_kv_heads} KV heads of {cfg.head_dim}). Fix: pass the Config the params "
+        f"were made with (jspec.model.load returns both; init_params(cfg, ...) makes cfg's).")
+
+  if L != cfg.num_layers:
+    refuse("the number of layers", L, cfg.num_layers)
+  for name, got in (("embed", params.embed), ("final_norm", params.final_norm)):
+    if tuple(got.shape) != getattr(want, name).shape:
+      refuse(name, tuple(got.shape), getattr(want, name).shape)
+  if params.lm_head is not None:
+    E, V = cfg.hidden_size, cfg.vocab_size
+    head = tuple(params.lm_head.shape)
+    if head[0] != E or (full_head and head != (E, V)):
+      refuse("lm_head", head, (E, V) if full_head else (E, "kept ids"))
+  layers = ((params.layers, "layers (stacked)"),) if stacked else tuple(
+      (layer, f"layer {i}") for i, layer in enumerate(params.layers))
+  for layer, where in layers:
+    for field in dataclasses.fields(LayerParams):
+      got, spec = getattr(layer, field.name), getattr(want.layers[0], field.name)
+      if (got is None) != (spec is None):
+        refuse(f"{where}.{field.name}", "absent" if got is None else "present",
+               "absent" if spec is None else spec.shape)
+      if got is not None and not fits(tuple(got.shape), spec.shape, stacked):
+        refuse(f"{where}.{field.name}", tuple(got.shape), spec.shape)
+
+
 def layer_list(params: Params) -> tuple[LayerParams, ...]:
   """Each layer's params, whichever the layout (stacked ones sliced out: for per-layer work outside
   the decoder, such as calibration, export or layer surgery)."""

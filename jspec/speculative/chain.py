@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import is_int, on_mesh, prepare_batch
+from jspec.decode import is_int, on_mesh, prepare_batch, stop_id_tuple
 from jspec.drafting.base import Drafter, Features, penalty_kwargs, place_drafter, valid_drafts
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
@@ -53,6 +53,7 @@ class SpecConfig:
                        f"{self.gamma!r}")
     if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+    object.__setattr__(self, "stop_ids", stop_id_tuple(self.stop_ids))
 
 
 @traced_under_placement

@@ -21,12 +21,12 @@ features; the n-gram lookup writes the accepted tokens into its history).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import is_int, on_mesh, prepare_batch
+from jspec.decode import is_int, on_mesh, prepare_batch, stop_id_tuple
 from jspec.drafting.base import DraftState, Drafter, Features, penalty_kwargs, place_drafter
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
@@ -70,9 +70,7 @@ class TreeSpecConfig:
                        f"parse_tree, got {self.tree!r}")
     if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-    if isinstance(self.stop_ids, (str, bytes)) or not isinstance(self.stop_ids, Iterable):
-      raise TypeError(f"stop_ids must be a sequence of token ids, got {self.stop_ids!r}")
-    object.__setattr__(self, "stop_ids", tuple(int(s) for s in self.stop_ids))
+    object.__setattr__(self, "stop_ids", stop_id_tuple(self.stop_ids))
 
   @property
   def method(self) -> str:
