@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.models.cache import KVCache
-from jspec.models.config import Config
+from jspec.models.config import Config, is_int
 from jspec.models.llama import Params, check_params, forward, place_params
 from jspec.sampling.processing import SamplingParams
 from jspec.sharding import Mesh, Placement, mesh_from, model_placement
@@ -111,12 +111,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
                        f"{bad[:5].tolist()}. Fix: tokenize with this model's tokenizer.")
     out[b, : len(p)] = arr
   return out, lengths
-
-
-def is_int(value) -> bool:
-  """An integer (Python or NumPy), not a bool and not a float that happens to be whole: what a
-  static size must be (2.0 would reach an array shape)."""
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def stop_id_tuple(stop_ids) -> tuple[int, ...]:

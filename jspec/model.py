@@ -159,6 +159,9 @@ class Model:
       for pieces in stream:
         texts = [text + piece for text, piece in zip(texts, pieces)]
       return texts
+    if "every" in kwargs:
+      raise ValueError(f"every={kwargs['every']} sets how often stop strings are checked, but no "
+                       f"stop_strings are given. Fix: drop every (or pass stop_strings=)")
     out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
 

@@ -694,6 +694,18 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["train-eagle", "--target", "default", "--out", "o", "--data", "/nonexistent:2"],
      "--data /nonexistent:2: no directory '/nonexistent'"),
     (["trim-vocab", "--drafter", "/nope", "--size", "4", "--out", "o"], "--drafter: model '/nope'"),
+    # decided by the flags alone (each was refused only after the model had loaded, or not at all)
+    (["generate", "--drafter", "skip:4", "--tree", "fixed:2"], "layer-skip drafts (--drafter"),
+    (["generate", "--drafter", "ngram", "--gamma", "auto"], "--gamma auto picks a chain length"),
+    (["score", "--text", "hi", "--chunk", "0"], "--chunk must be at least 1, got 0"),
+    (["generate", "--drafter", "ngram", "--drafter-weights", "int8"],
+     "--drafter-weights sets the draft model's weights (default, model:PATH); --drafter ngram has"),
+    (["bench", "--drafters", "ngram,mtp:3", "--drafter-weights", "int8"],
+     "--drafter ngram,mtp:3 has none"),
+    (["generate", "--drafter", "ngram", "--kv-budget", "64", "--kv-drafter", "full"],
+     "--kv-drafter sets a draft model's own cache"),
+    (["bench", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json: nothing can be written"),
+    (["distill-data", "--out", "/proc/nope/o"], "--out /proc/nope/o: nothing can be written"),
 ])
 def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, message):
   """Every argument a command can check without a model fails first, in one line naming the flag
@@ -710,6 +722,24 @@ def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, 
   assert main(argv) == 2
   err = capsys.readouterr().err
   assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv", [
+    "generate --prompt hi --drafter ngram+default --drafter-weights int8",  # the fallback reads it
+    "generate --prompt hi --drafter self --kv-budget 64 --kv-drafter full",
+    "generate --prompt hi --drafter early-exit:10 --kv-budget 64 --kv-drafter keydiff",
+    "generate --prompt hi --drafter default --gamma auto",
+    "generate --prompt hi --drafter skip:4 --gamma 3",
+    "bench --drafters ngram,default --drafter-weights int8 --json {tmp}/new/dir/r.json",
+    "score --text hi --chunk 4",
+])
+def test_flags_a_drafter_reads_pass_the_checks(tmp_path, argv):
+  """The refusals above stop where a flag would be read: these pass check_args (and create no
+  directory: a writable path is tested with a file made and removed where the path starts)."""
+  from jspec.cli import build_parser
+  from jspec.cli.checks import check_args
+  check_args(build_parser().parse_args(argv.format(tmp=tmp_path).split()))
+  assert list(tmp_path.iterdir()) == []
 
 
 def test_target_has_one_name_across_subcommands():

@@ -502,10 +502,20 @@ def test_pallas_attention_runs_any_budget(params, drafters):
     (dict(method="keydiff", budget=8, chunk=16), "chunk 16 is larger than the kv budget"),
     (dict(method="keydiff", budget=0), "budget must be a positive integer"),
     (dict(method="streaming", budget=8, chunk=4, evict_every=0), "evict_every"),
+    (dict(method="keydiff", budget=True), "budget must be a positive integer, got True"),
+    (dict(method="keydiff", budget=8.0), "budget must be a positive integer, got 8.0"),
+    (dict(method="keydiff", budget=8, chunk=4, sinks=-1), "sinks must be a non-negative"),
 ])
 def test_bad_policies_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):
     KVPolicy(**kwargs)
+
+
+def test_numpy_integers_are_sizes():
+  """A budget read from an array (np.int64) is an integer: taken, stored as one (was refused as
+  "must be a positive integer, got np.int64(200)")."""
+  policy = KVPolicy("keydiff", budget=np.int64(200), sinks=np.int32(4))
+  assert policy == KVPolicy("keydiff", budget=200, sinks=4) and type(policy.budget) is int
 
 
 def test_cache_size_and_a_budget_are_exclusive(params):

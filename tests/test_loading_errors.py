@@ -23,6 +23,18 @@ def test_unknown_architecture():
            num_heads=1, num_kv_heads=1, head_dim=8)
 
 
+@pytest.mark.parametrize("size", ["vocab_size", "num_layers", "head_dim", "num_kv_heads"])
+def test_config_sizes_are_positive_integers(size):
+  sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+               num_kv_heads=1, head_dim=4)
+  for bad in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match=f"Config {size} must be a positive integer, got {bad}"):
+      Config(arch="llama", **{**sizes, size: bad})
+  import numpy as np
+  assert Config(arch="llama", **{**sizes, size: np.int64(sizes[size])}) == Config(arch="llama",
+                                                                                  **sizes)
+
+
 def test_unsupported_rope_scaling():
   hf = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
         "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"rope_type": "yarn",

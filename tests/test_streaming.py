@@ -223,6 +223,14 @@ def test_bad_stop_strings_are_refused(bad):
     model.stream_text("x", stop_strings=bad)
 
 
+def test_every_without_stop_strings_is_refused():
+  """every= sets how often generate_text checks stop strings; without them nothing reads it (a
+  TypeError from generate_ids before)."""
+  model = Model(cfg=CFG, params=None, tokenizer=ByteTokenizer(), source="test")
+  with pytest.raises(ValueError, match="every=2 sets how often stop strings are checked.*Fix"):
+    model.generate_text("x", every=2)
+
+
 def test_halted_rows_stop_and_the_others_run_on(params):
   kw = dict(max_new_tokens=30, sampling=SAMPLED, key=9)
   want = generate(params, CFG, PROMPTS, **kw).sequences()

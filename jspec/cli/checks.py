@@ -17,7 +17,7 @@ _AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "b
              "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1,
              "n_max": 1, "min_count": 1, "block_s": 1, "block_k": 1, "part": 1, "warmup": 0,
              "warmup_steps": 0, "prompt_offset": 0, "hidden_size": 1, "anchors": 1,
-             "experts": 1, "expert_top_k": 1, "soft_tokens": 0, "vocab_trim": 0}
+             "experts": 1, "expert_top_k": 1, "soft_tokens": 0, "vocab_trim": 0, "chunk": 1}
 
 
 # --kv-* settings of an evicting cache: they need --kv-budget.
@@ -25,9 +25,16 @@ _KV_SETTINGS = ("kv_policy", "kv_chunk", "kv_sinks", "kv_window", "kv_evict_ever
                 "kv_drafter")
 
 
+# Drafter kinds (jspec.drafting.registry) that read --drafter-weights, and those with a cache of
+# their own (what --kv-drafter budgets, what --gamma auto calibrates).
+_WEIGHTED_KINDS = {"default", "model"}
+_MODEL_KINDS = {"default", "self", "early-exit", "model"}
+
+
 def _check_drafter_args(args) -> None:
   """Flags that only a speculative run reads, refused where nothing would read them (a silently
   ignored setting reads as a measured one)."""
+  from jspec.drafting.registry import parse_drafter
   none = all(name == "none" for name in args.drafter.split(","))
   gamma = getattr(args, "gamma", None)
   if none:
@@ -40,6 +47,27 @@ def _check_drafter_args(args) -> None:
     if given:
       raise ValueError(f"{', '.join(given)} set(s) how a drafter drafts, but no drafter is "
                        f"given. Fix: add --drafter NAME (e.g. ngram), or drop them")
+  named = [parse_drafter(name) for name in args.drafter.split(",")]
+  kinds = set()
+  for name in named:
+    while name is not None:
+      kinds.add(name.kind.name)
+      name = name.fallback
+  unread = lambda flag, what: ValueError(
+      f"{flag} sets {what}; --drafter {args.drafter} has none, so nothing would read it. Fix: "
+      f"drop {flag}, or draft with a model")
+  if args.drafter_weights is not None and not kinds & _WEIGHTED_KINDS:
+    raise unread("--drafter-weights", "the draft model's weights (default, model:PATH)")
+  if getattr(args, "kv_drafter", None) is not None and not kinds & _MODEL_KINDS:
+    raise unread("--kv-drafter", "a draft model's own cache (default, self, early-exit:K, "
+                                 "model:PATH)")
+  if gamma == "auto" and (not kinds & _MODEL_KINDS or args.tree):
+    raise ValueError("--gamma auto picks a chain length for a model drafter: it needs a model "
+                     "drafter (default, self, early-exit:K, model:PATH) and no --tree. Fix: "
+                     "--gamma N (a number)")
+  if args.tree and "skip" in kinds:
+    raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree "
+                     "(--gamma N sets the chain)")
   if args.command == "generate" and args.tree and gamma is not None:
     raise ValueError(f"--gamma sets a chain's length and --tree {args.tree} a tree's shape: one "
                      f"round drafts one of them. Fix: drop --gamma (or --tree)")
@@ -164,6 +192,26 @@ def _check_output_paths(args) -> None:
     if path is not None and Path(path).is_dir():
       raise ValueError(f"--{flag} {path} is a directory. Fix: a file path, e.g. "
                        f"{Path(path) / ('results.json' if flag == 'json' else 'plot.png')}")
+  for flag in ("out", "json", "plot"):
+    path = getattr(args, flag, None)
+    if path is not None:
+      _check_writable(f"--{flag}", Path(path), is_dir=flag == "out" and args.command in _OUT_DIRS)
+
+
+def _check_writable(flag: str, path: Path, is_dir: bool) -> None:
+  """A file (or a directory to fill) can be made at `path`: a file is written and removed in the
+  nearest directory that exists (os.access says yes to root on read-only places such as /proc)."""
+  import tempfile
+  start = path.absolute() if is_dir else path.absolute().parent
+  while not start.exists():
+    start = start.parent
+  try:
+    with tempfile.TemporaryFile(dir=start):
+      pass
+  except OSError as e:
+    raise ValueError(f"{flag} {path}: nothing can be written in {start} ({e.strerror}), so the "
+                     f"run's results would be lost at its end. Fix: a path in a writable "
+                     f"directory") from None
 
 
 def check_args(args) -> None:

@@ -159,7 +159,8 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
                  help="first positions never evicted (default: 4)")
   p.add_argument("--kv-window", type=int, default=None,
                  help="newest entries never evicted (default: the method's own: h2o 32 recent "
-                      "entries, snapkv its 32-query observation window, the others none)")
+                      "entries, snapkv its 32-query observation window, the others none; at most "
+                      "(budget - sinks) / 2)")
   p.add_argument("--kv-evict-every", type=int, default=None,
                  help="decoded tokens between evictions (default 16: speculative rounds of up to "
                       "15 drafts run whole; 1 evicts after every token, so a round can use one)")

@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
   v.add_argument("--sinks", type=int, default=4)
   v.add_argument("--window", type=int, default=None,
                  help="newest entries never evicted (default: each method's own: h2o 32 recent "
-                      "entries, snapkv its observation window, the others none; records before "
-                      "session 46 ran every method with 0)")
+                      "entries, snapkv its observation window, the others none; at most (budget - "
+                      "sinks) / 2; records before session 46 ran every method with 0)")
   v.add_argument("--continuation", type=int, default=32,
                  help="kl task: teacher-forced tokens scored after the context")
   v.add_argument("--evict-every", type=int, default=1,

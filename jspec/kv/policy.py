@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jspec.models.config import is_int
+
 # Methods that score slots from the cached keys alone (or their positions) work with any attention
 # kernel; attention-score methods read the attention mass the forward accumulates in cache.mass
 # (XLA attention only). CAOTE ("+caote") sits on top of any attention-score method.
@@ -76,14 +78,15 @@ class KVPolicy:
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"unknown KV eviction method {self.method!r}; jspec has {METHODS}")
-    for name in ("budget", "chunk", "evict_every", "snap_window", "snap_kernel"):
+    for name, least in (("budget", 1), ("chunk", 1), ("evict_every", 1), ("snap_window", 1),
+                        ("snap_kernel", 1), ("sinks", 0), ("window", 0)):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"KVPolicy {name} must be a positive integer, got {value!r}")
-    for name in ("sinks", "window"):
-      value = getattr(self, name)
-      if (value is not None or name == "sinks") and (not isinstance(value, int) or value < 0):
-        raise ValueError(f"KVPolicy {name} must be a non-negative integer, got {value!r}")
+      if value is None and name == "window":
+        continue
+      if not is_int(value) or value < least:
+        raise ValueError(f"KVPolicy {name} must be {'a positive' if least else 'a non-negative'} "
+                         f"integer, got {value!r}")
+      object.__setattr__(self, name, int(value))  # NumPy integers too (one hash for one value)
     object.__setattr__(self, "recent", self.window if self.window is not None else
                        default_window(self.method, self.budget, self.sinks, self.snap_window))
     if self.score_impl not in SCORE_IMPLS:

@@ -32,6 +32,16 @@ class RopeScaling:
 ATTENTION_IMPLS = ("xla", "pallas", "pallas-interpret")
 
 
+def is_int(value) -> bool:
+  """An integer (Python or NumPy), not a bool and not a float that happens to be whole: what a
+  static size must be (2.0 would reach an array shape)."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+# The sizes a Config is made of: positive integers (an array shape each).
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+          "num_kv_heads", "head_dim", "max_position_embeddings", "kv_repeats")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Static description of a decoder; passed to jitted functions as a static argument."""
@@ -63,6 +73,11 @@ class Config:
   def __post_init__(self):
     if self.arch not in ARCHITECTURES:
       raise ValueError(f"unsupported architecture {self.arch!r}; jspec runs {ARCHITECTURES}")
+    for name in _SIZES:
+      value = getattr(self, name)
+      if not is_int(value) or value < 1:
+        raise ValueError(f"Config {name} must be a positive integer, got {value!r}")
+      object.__setattr__(self, name, int(value))  # a NumPy integer (GGUF metadata) hashes apart
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got "
                        f"{self.attention_impl!r}")
