@@ -19,7 +19,7 @@ LAYERS = [
     ("jspec.generate", "jspec.speculative", "jspec.score"),
     ("jspec.model",),
     ("jspec.train", "jspec.bench"),
-    ("jspec.cli",),
+    ("jspec.cli", "jspec.__main__"),
 ]
 # What the issue that set up the layers names: no inference module imports the tools above it.
 INFERENCE = ("jspec.native", "jspec.models", "jspec.sampling", "jspec.tree", "jspec.pallas", "jspec.kv", "jspec.io",

@@ -151,7 +151,7 @@ def test_generate_under_a_kv_budget(tiny_model, capsys):
   # A chunk asked for beyond the budget is refused, not shrunk (the default shrinks to fit).
   assert main(["generate", "--model", str(tiny_model), "--prompt", "x", "--kv-budget", "16",
                "--kv-chunk", "32"]) == 2
-  assert "chunk 32 is larger than the kv budget 16" in capsys.readouterr().err
+  assert "--kv-chunk 32 is larger than --kv-budget 16" in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -182,8 +182,8 @@ def test_bench_writes_records(tiny_model, tmp_path, capsys, transformers_on_cpu)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--max-new-tokens", "4000"], "cache slots"),
 ])
 def test_bad_arguments_exit_cleanly(tiny_model, capsys, args, message):
@@ -647,7 +647,13 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["generate", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["generate", "--model", "/nonexistent.gguf"], "model '/nonexistent.gguf' not found"),
     (["generate", "--drafter", "ngram", "--tree", "bogus:3"], "unknown tree method"),
-    (["generate", "--top-p", "0"], "top_p"),
+    (["generate", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "--repetition-penalty", "0", "--prompt", "a"], "--repetition-penalty must be"),
+    (["generate", "--temperature", "0.5,-1", "--prompt", "a", "--prompt", "b"],
+     "--temperature[1] must be"),
+    (["generate", "--kv-budget", "0"], "--kv-budget must be at least 1, got 0"),
+    (["generate", "--kv-budget", "64", "--kv-chunk", "128"],
+     "--kv-chunk 128 is larger than --kv-budget 64"),
     (["bench", "--drafters", "ngram,mtp:9"], "mtp:K takes K = 1 .. 8"),
     (["bench", "--drafters", "lookahead:5-4"], "write lookahead:W-N-G (window, n-gram size, guess set), e.g. lookahead:5-4-5; got 'lookahead:5-4'"),
     (["bench-tau", "--tree", "fixed:2", "--rounds", "0"], "--rounds must be at least 1"),

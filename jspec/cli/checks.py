@@ -17,7 +17,8 @@ _AT_LEAST = {"max_new_tokens": 1, "num_prompts": 1, "gamma": 1, "seq_len": 2, "b
              "layers": 1, "eval_every": 1, "checkpoint_every": 1, "ttt_steps": 1,
              "n_max": 1, "min_count": 1, "block_s": 1, "block_k": 1, "part": 1, "warmup": 0,
              "warmup_steps": 0, "prompt_offset": 0, "hidden_size": 1, "anchors": 1,
-             "experts": 1, "expert_top_k": 1, "soft_tokens": 0, "vocab_trim": 0, "chunk": 1}
+             "experts": 1, "expert_top_k": 1, "soft_tokens": 0, "vocab_trim": 0, "chunk": 1,
+             "kv_budget": 1, "kv_chunk": 1, "kv_sinks": 0, "kv_window": 0, "kv_evict_every": 1}
 
 
 # --kv-* settings of an evicting cache: they need --kv-budget.
@@ -231,6 +232,10 @@ def check_args(args) -> None:
       raise ValueError(f"{', '.join(given)} set(s) how a KV budget evicts, but no --kv-budget is "
                        f"given (the cache holds every token). Fix: add --kv-budget N (entries "
                        f"kept per row), or drop them")
+  kv_chunk, kv_budget = getattr(args, "kv_chunk", None), getattr(args, "kv_budget", None)
+  if kv_chunk is not None and kv_budget is not None and kv_chunk > kv_budget:
+    raise ValueError(f"--kv-chunk {kv_chunk} is larger than --kv-budget {kv_budget}: prefill "
+                     f"evicts down to the budget after each chunk. Fix: --kv-chunk <= {kv_budget}")
   if args.command in ("generate", "bench"):
     _check_drafter_args(args)
   if args.command == "score":

@@ -210,7 +210,17 @@ def sampling_of(args):
     raise ValueError(f"--{per_row[0].replace('_', '-')} takes one number in `jspec "
                      f"{args.command}`; one per --prompt (comma-separated) is for `jspec "
                      f"generate`")
-  return sampling.validate(batch=len(args.prompt) if args.command == "generate" else None)
+  try:
+    return sampling.validate(batch=len(args.prompt) if args.command == "generate" else None)
+  except ValueError as e:  # the API's field names, said as the flags that set them
+    field = next((f for f in _SAMPLING_FIELDS if str(e).startswith(f)), None)
+    if field is None:
+      raise
+    raise ValueError(f"--{field.replace('_', '-')}{str(e)[len(field):]}") from None
+
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty")
 
 
 def penalty_tag(args) -> str:
