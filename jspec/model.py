@@ -116,7 +116,7 @@ class Model:
     that ends an answer (cut before it; the row stops generating), as for `generate_text`."""
     stop_strings = check_stop(stop_strings)
     single = isinstance(prompts, str)
-    ids = [self.encode(p, chat) for p in ([prompts] if single else prompts)]
+    ids = [self.encode(p, chat) for p in text_prompts(prompts)]
     return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,
                       stop_strings)
 
@@ -149,11 +149,10 @@ class Model:
     generating (the run is streamed and checks the text every `every` = STOP_EVERY loop
     iterations; it ends when every row has stopped). Token ids that end an answer are the
     tokenizer's stop ids, on unless `stop=False` (as for `generate_ids`)."""
-    if isinstance(prompts, str):
-      prompts = [prompts]
+    prompts = text_prompts(prompts)
     if check_stop(stop_strings):
       every = kwargs.pop("every", STOP_EVERY)
-      stream = self.stream_text(list(prompts), chat=chat, every=every,
+      stream = self.stream_text(prompts, chat=chat, every=every,
                                 stop_strings=stop_strings, **kwargs)
       texts = [""] * len(prompts)
       for pieces in stream:
@@ -164,6 +163,21 @@ class Model:
                        f"stop_strings are given. Fix: drop every (or pass stop_strings=)")
     out = self.generate_ids([self.encode(p, chat) for p in prompts], **kwargs)
     return [self.tokenizer.decode(seq) for seq in out.sequences()]
+
+
+def text_prompts(prompts: Sequence[str] | str) -> list[str]:
+  """The text API's prompts as a list of texts (one str: one prompt); token ids or an empty list
+  are refused with the call they need."""
+  if isinstance(prompts, str):
+    return [prompts]
+  prompts = list(prompts)
+  if not prompts:
+    raise ValueError("no prompts: generate_text / stream_text take a text or a list of texts")
+  if not all(isinstance(p, str) for p in prompts):
+    kind = type(next(p for p in prompts if not isinstance(p, str))).__name__
+    raise TypeError(f"generate_text / stream_text take texts, got a {kind} among the prompts. "
+                    f"Fix: Model.generate_ids / stream_ids for token ids")
+  return prompts
 
 
 # Weight formats whose every matmul and attention run jspec's CPU kernels on CPU: stacked, they

@@ -223,6 +223,15 @@ def test_bad_stop_strings_are_refused(bad):
     model.stream_text("x", stop_strings=bad)
 
 
+def test_the_text_api_refuses_ids_and_empty_lists():
+  model = Model(cfg=CFG, params=None, tokenizer=ByteTokenizer(), source="test")
+  for call in (model.generate_text, model.stream_text):
+    with pytest.raises(TypeError, match="take texts, got a list among the prompts.*generate_ids"):
+      call([[1, 2, 3]])
+    with pytest.raises(ValueError, match="no prompts"):
+      call([])
+
+
 def test_every_without_stop_strings_is_refused():
   """every= sets how often generate_text checks stop strings; without them nothing reads it (a
   TypeError from generate_ids before)."""
