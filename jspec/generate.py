@@ -233,8 +233,9 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
   kv: a KV budget (`jspec.kv.policy.KVPolicy`): prompts of any length run in kv.slots cache slots
   per row (chunked prefill, eviction by kv.method); exclusive with cache_size.
-  mesh: a ("dp", "tp") `jax.sharding.Mesh` (jspec.sharding.make_mesh): the batch split over dp,
-  heads, MLP and vocabulary over tp, one program for all devices; the same tokens as one device.
+  mesh: a ("dp", "tp") `jax.sharding.Mesh` (jspec.sharding.make_mesh) or its text, "dp=2,tp=4"
+  (as `jspec.model.load` takes): the batch split over dp, heads, MLP and vocabulary over tp, one
+  program for all devices; the same tokens as one device.
   logprobs: "model" or "sampled" (jspec.sampling.logprobs): out.logprobs [B, N], each generated
   token's log-probability, the model's own or under the sampling settings.
   """
