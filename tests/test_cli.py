@@ -658,7 +658,7 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["bench", "--drafters", "lookahead:5-4"], "write lookahead:W-N-G (window, n-gram size, guess set), e.g. lookahead:5-4-5; got 'lookahead:5-4'"),
     (["bench-tau", "--tree", "fixed:2", "--rounds", "0"], "--rounds must be at least 1"),
     (["distill-data", "--out", "o", "--top-k", "0"], "--top-k must be at least 1 for distillation"),
-    (["bench-kv", "--budgets", "0"], "budget must be a positive integer"),
+    (["bench-kv", "--budgets", "64,0"], "--budgets: each must be at least 1, got 0"),
     (["bench-kv", "--budgets", "abc"], "--budgets: expected comma-separated integers, got 'abc'"),
     (["bench-kernel", "--kernel", "key-similarity", "--block-s", "0"], "--block-s must be at least"),
     # settings nothing would read are refused, not ignored (a run would report them as measured)

@@ -90,7 +90,7 @@ def cmd_bench_kv(args) -> int:
   from jspec.data import sharegpt_conversations
 
   setup = bench_kv.BenchKV(  # bad settings fail here, before loading anything
-      methods=args.methods.split(","), budgets=int_list("--budgets", args.budgets),
+      methods=args.methods.split(","), budgets=int_list("--budgets", args.budgets, least=1),
       context=args.context, tasks=args.tasks.split(","), num_samples=args.num_samples,
       time_decode=not args.no_timing, decode_tokens=args.decode_tokens,
       chunk=args.chunk, sinks=args.sinks, window=args.window, evict_every=args.evict_every,

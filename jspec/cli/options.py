@@ -252,11 +252,14 @@ def flag_of(name: str) -> str:
   return "--" + name.replace("_", "-")
 
 
-def int_list(flag: str, text: str) -> list[int]:
+def int_list(flag: str, text: str, least: int | None = None) -> list[int]:
   try:
-    return [int(part) for part in text.split(",")]
+    values = [int(part) for part in text.split(",")]
   except ValueError:
     raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+  if least is not None and min(values) < least:
+    raise ValueError(f"{flag}: each must be at least {least}, got {min(values)}")
+  return values
 
 
 # Distillation data settings and their defaults (the flags default to None, so a run that reads
