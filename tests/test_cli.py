@@ -224,12 +224,13 @@ def test_int8_weights(tiny_model, capsys):
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
                "--max-new-tokens", "12", "--drafter", "self"]) == 0
   assert capsys.readouterr().out.strip()
-  # An int8 target with a q4 copy of itself drafting: output identical to int8 decoding.
+  # An int8 target with a q4 copy of itself drafting (model:PATH reads --drafter-weights; `self`
+  # drafts with the target's own weights, and refuses the flag): output identical to int8 decoding.
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
                "--max-new-tokens", "12", "--no-chat"]) == 0
   plain = capsys.readouterr().out
   assert main(["generate", "--model", str(tiny_model), "--weights", "int8", "--prompt", "Hi",
-               "--max-new-tokens", "12", "--no-chat", "--drafter", "self",
+               "--max-new-tokens", "12", "--no-chat", "--drafter", f"model:{tiny_model}",
                "--drafter-weights", "q4"]) == 0
   assert capsys.readouterr().out == plain
   assert main(["generate", "--model", str(tiny_model), "--weights", "q4", "--prompt", "Hi",
@@ -705,11 +706,13 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["generate", "--drafter", "ngram", "--gamma", "auto"], "--gamma auto picks a chain length"),
     (["score", "--text", "hi", "--chunk", "0"], "--chunk must be at least 1, got 0"),
     (["generate", "--drafter", "ngram", "--drafter-weights", "int8"],
-     "--drafter-weights sets the draft model's weights (default, model:PATH); --drafter ngram has"),
+     "--drafter-weights sets the draft model's weights (default, model:PATH; `self` drafts with "
+     "the target's own); --drafter ngram does not read it"),
     (["bench", "--drafters", "ngram,mtp:3", "--drafter-weights", "int8"],
-     "--drafter ngram,mtp:3 has none"),
+     "--drafter ngram,mtp:3 does not read it"),
     (["generate", "--drafter", "ngram", "--kv-budget", "64", "--kv-drafter", "full"],
      "--kv-drafter sets a draft model's own cache"),
+    (["generate", "--drafter", "self", "--drafter-weights", "q4"], "--drafter self does not read"),
     (["bench", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json: nothing can be written"),
     (["distill-data", "--out", "/proc/nope/o"], "--out /proc/nope/o: nothing can be written"),
 ])

@@ -55,10 +55,11 @@ def _check_drafter_args(args) -> None:
       kinds.add(name.kind.name)
       name = name.fallback
   unread = lambda flag, what: ValueError(
-      f"{flag} sets {what}; --drafter {args.drafter} has none, so nothing would read it. Fix: "
-      f"drop {flag}, or draft with a model")
+      f"{flag} sets {what}; --drafter {args.drafter} does not read it, so it would be ignored. "
+      f"Fix: drop {flag}, or draft with such a model")
   if args.drafter_weights is not None and not kinds & _WEIGHTED_KINDS:
-    raise unread("--drafter-weights", "the draft model's weights (default, model:PATH)")
+    raise unread("--drafter-weights", "the draft model's weights (default, model:PATH; `self` "
+                                      "drafts with the target's own)")
   if getattr(args, "kv_drafter", None) is not None and not kinds & _MODEL_KINDS:
     raise unread("--kv-drafter", "a draft model's own cache (default, self, early-exit:K, "
                                  "model:PATH)")
