@@ -32,7 +32,7 @@ def test_generate(tiny_model, capsys):
   assert "tokens/s" in captured.err
   assert main(["generate", "--model", str(tiny_model), "--prompt", "Hi", "--temperature", "1",
                "--min-p", "1.5"]) == 2
-  assert "min_p must be in [0, 1]" in capsys.readouterr().err
+  assert "--min-p must be in [0, 1]" in capsys.readouterr().err
 
 
 def test_generate_takes_sampling_settings_per_prompt(tiny_model, capsys):

@@ -393,7 +393,7 @@ def test_cli_flags(tmp_path, capsys):
     texts.append(capsys.readouterr().out)
   assert texts[0] == texts[1] != texts[2]
   assert main(base + ["--repetition-penalty", "0"]) == 2
-  assert "repetition_penalty must be a finite number > 0" in capsys.readouterr().err
+  assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
   # bench / bench-tau default output names carry the penalties a run used.
   import argparse
   from jspec.cli.options import penalty_tag
