@@ -37,6 +37,7 @@ def is_int(value) -> bool:
   static size must be (2.0 would reach an array shape)."""
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
+
 # The sizes a Config is made of: positive integers (an array shape each).
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "max_position_embeddings", "kv_repeats")

@@ -146,9 +146,10 @@ def check_params(params: Params, cfg: Config, full_head: bool = True,
   def fits(got, spec_shape, layer_axis: bool) -> bool:
     # A stacked weight carries the layer axis somewhere in its stored layout (first for arrays,
     # among the output axes for the CPU kernels' weights), or reports the one layer's shape.
-    if got == spec_shape or not layer_axis:
-      return got == spec_shape
-    return any(got[:i] + got[i + 1:] == spec_shape for i in range(len(got)) if got[i] == L)
+    if got == spec_shape:
+      return True
+    return layer_axis and any(got[:i] + got[i + 1:] == spec_shape
+                              for i in range(len(got)) if got[i] == L)
 
   def refuse(where: str, got, expected) -> None:
     raise ValueError(
