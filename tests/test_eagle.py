@@ -2,6 +2,7 @@
 pass, speculative output stays exactly the target's (greedy identity, sampled distribution), one
 compiled program, and its training reduces the loss."""
 
+import dataclasses
 import functools
 
 import jax
@@ -123,6 +124,16 @@ def test_greedy_identical_to_autoregressive(target, drafter, gamma):
   assert out.sequences() == want
   hist = np.asarray(out.accept_hist)
   assert hist[0] > 0 and hist[1:].sum() > 0  # rejections and acceptances both exercised
+
+
+def test_a_drafter_for_a_target_of_another_width_is_refused(target):
+  """A feature drafter trained for another target reads hidden states of another width: one
+  clear error before any trace (an opt_einsum shape error before)."""
+  narrow_cfg = dataclasses.replace(TARGET, hidden_size=32, num_heads=2)
+  narrow = noisy_eagle(init_params(narrow_cfg, jax.random.key(1), scale=0.3), narrow_cfg)
+  with pytest.raises(ValueError, match=r"reads a target of hidden size 32 .* this target's is 64"):
+    speculative_generate(target, TARGET, narrow, PROMPTS[:1],
+                         spec=SpecConfig(gamma=2, max_new_tokens=4))
 
 
 def test_trimmed_greedy_identical(target):

@@ -158,9 +158,10 @@ class Drafter(abc.ABC):
     for drafters with weights of their own."""
     return None
 
-  def check_weights(self) -> None:
-    """Host-side: refuse weights that do not fit the drafter's own config (a drafter with weights
-    of its own says how; the rest have nothing to check)."""
+  def check_weights(self, target_cfg) -> None:
+    """Host-side: refuse weights that do not fit the drafter's own config, or the target's
+    (`target_cfg`) where they read its features; a drafter with weights of its own says how, the
+    rest have nothing to check."""
 
   def check_tree(self, shape) -> None:
     """Host-side: refuse a tree shape (jspec.tree.shapes) this drafter cannot grow. Any shape but

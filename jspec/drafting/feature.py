@@ -62,6 +62,17 @@ class EagleDrafter(HeadDrafter):
   def feature_layers(self) -> tuple[int, ...]:
     return self.params.taps if isinstance(self.params, Eagle3Params) else ()
 
+  def check_weights(self, target_cfg: Config) -> None:
+    """The pairs read the target's hidden states and its embedding: a drafter trained for a target
+    of another width fails here, not in an einsum."""
+    want = (target_cfg.vocab_size, target_cfg.hidden_size)
+    got = tuple(self.embed.shape)
+    if got != want or self.cfg.hidden_size != target_cfg.hidden_size:
+      raise ValueError(f"the feature drafter reads a target of hidden size {self.cfg.hidden_size} "
+                       f"(its embedding table {got}); this target's is {target_cfg.hidden_size} "
+                       f"(table {want}). Fix: a drafter trained for this target (jspec "
+                       f"train-eagle --model ...)")
+
   def _forward(self, tokens, feats, positions, cache, slots=None, visible=None):
     """Pairs (feats [B, T, E], tokens [B, T]) -> (the features the next pairs read, cache)."""
     fn = eagle3.eagle3_forward if isinstance(self.params, Eagle3Params) else eagle_forward

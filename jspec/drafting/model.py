@@ -80,7 +80,7 @@ class ModelDrafter(HeadDrafter):
   # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
   draft_penalties: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-  def check_weights(self) -> None:
+  def check_weights(self, target_cfg: Config) -> None:
     check_params(self.params, self.cfg, full_head=self.keep_ids is None,
                  what="the draft model's params")
 

@@ -313,7 +313,7 @@ def check_drafter(cfg: Config, drafter: Drafter) -> None:
     raise ValueError(
         f"draft vocabulary ({drafter.vocab_size} tokens) differs from the target's "
         f"({cfg.vocab_size}): speculative decoding needs a drafter with the target's tokenizer")
-  drafter.check_weights()
+  drafter.check_weights(cfg)
   built_for = drafter.target_cfg
   if built_for is not None and _shape(built_for) != _shape(cfg):
     raise ValueError(f"the drafter runs the target's own weights but was built for another "
