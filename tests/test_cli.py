@@ -719,13 +719,16 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
 def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, message):
   """Every argument a command can check without a model fails first, in one line naming the flag
   (or the drafter), with no model loaded and nothing fetched (both patched to fail loudly)."""
-  import jspec.io.fetch
+  import importlib
   import jspec.model
 
   def refuse(*args, **kwargs):
     raise AssertionError("a model was loaded or fetched before the arguments were checked")
   monkeypatch.setattr(jspec.model, "load", refuse)
-  monkeypatch.setattr(jspec.io.fetch, "fetch", refuse)
+  # Every module that binds fetch at import, imported before the patch and patched: one first
+  # imported under the patch kept `refuse` for the tests after this one.
+  for name in ("jspec.io.fetch", "jspec.io.load", "jspec.data", "jspec.train.prompts"):
+    monkeypatch.setattr(importlib.import_module(name), "fetch", refuse)
   if argv[0] == "generate" and "--prompt" not in argv:
     argv = argv + ["--prompt", "hello"]
   assert main(argv) == 2

@@ -26,12 +26,6 @@ _KV_SETTINGS = ("kv_policy", "kv_chunk", "kv_sinks", "kv_window", "kv_evict_ever
                 "kv_drafter")
 
 
-# Drafter kinds (jspec.drafting.registry) that read --drafter-weights, and those with a cache of
-# their own (what --kv-drafter budgets, what --gamma auto calibrates).
-_WEIGHTED_KINDS = {"default", "model"}
-_MODEL_KINDS = {"default", "self", "early-exit", "model"}
-
-
 def _check_drafter_args(args) -> None:
   """Flags that only a speculative run reads, refused where nothing would read them (a silently
   ignored setting reads as a measured one)."""
@@ -48,26 +42,22 @@ def _check_drafter_args(args) -> None:
     if given:
       raise ValueError(f"{', '.join(given)} set(s) how a drafter drafts, but no drafter is "
                        f"given. Fix: add --drafter NAME (e.g. ngram), or drop them")
-  named = [parse_drafter(name) for name in args.drafter.split(",")]
-  kinds = set()
-  for name in named:
-    while name is not None:
-      kinds.add(name.kind.name)
-      name = name.fallback
+  kinds = [kind for name in args.drafter.split(",") if (parsed := parse_drafter(name))
+           for kind in parsed.kinds]
   unread = lambda flag, what: ValueError(
       f"{flag} sets {what}; --drafter {args.drafter} does not read it, so it would be ignored. "
       f"Fix: drop {flag}, or draft with such a model")
-  if args.drafter_weights is not None and not kinds & _WEIGHTED_KINDS:
+  if args.drafter_weights is not None and not any(kind.reads_dtype for kind in kinds):
     raise unread("--drafter-weights", "the draft model's weights (default, model:PATH; `self` "
                                       "drafts with the target's own)")
-  if getattr(args, "kv_drafter", None) is not None and not kinds & _MODEL_KINDS:
+  if getattr(args, "kv_drafter", None) is not None and not any(k.draft_model for k in kinds):
     raise unread("--kv-drafter", "a draft model's own cache (default, self, early-exit:K, "
                                  "model:PATH)")
-  if gamma == "auto" and (not kinds & _MODEL_KINDS or args.tree):
+  if gamma == "auto" and (not any(kind.draft_model for kind in kinds) or args.tree):
     raise ValueError("--gamma auto picks a chain length for a model drafter: it needs a model "
                      "drafter (default, self, early-exit:K, model:PATH) and no --tree. Fix: "
                      "--gamma N (a number)")
-  if args.tree and "skip" in kinds:
+  if args.tree and any(kind.chains_only for kind in kinds):
     raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree "
                      "(--gamma N sets the chain)")
   if args.command == "generate" and args.tree and gamma is not None:

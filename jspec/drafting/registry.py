@@ -70,16 +70,21 @@ class DrafterKind:
   # check(arg): the ARG checks that need no target (syntax, ranges, a path that exists), run by
   # parse_drafter before anything loads.
   check: Callable[["str | None"], None] | None = None
+  draft_model: bool = False  # a model with a KV cache of its own (draft_kv, --gamma auto)
+  reads_dtype: bool = False  # loads its weights in `dtype` (--drafter-weights)
+  chains_only: bool = False
 
 
 KINDS: dict[str, DrafterKind] = {}
 
 
 def register(name: str, usage: str, help: str, takes_fallback: bool = False,
-             check: Callable[["str | None"], None] | None = None):
+             check: Callable[["str | None"], None] | None = None, draft_model: bool = False,
+             reads_dtype: bool = False, chains_only: bool = False):
   """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
   def add(build: Build) -> Build:
-    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check)
+    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check, draft_model,
+                              reads_dtype, chains_only)
     return build
   return add
 
@@ -93,6 +98,11 @@ class DrafterName:
   arg: str | None
   fallback: "DrafterName | None" = None
   stop: float | None = None
+
+  @property
+  def kinds(self) -> tuple[DrafterKind, ...]:
+    """This name's kind and those of the drafters behind it (`ngram+default`: ngram, default)."""
+    return (self.kind,) + (self.fallback.kinds if self.fallback else ())
 
 
 def parse_drafter(name: str) -> DrafterName | None:
@@ -212,19 +222,19 @@ def _digits(usage: str):
 
 
 @register("default", "default", "the distilled drafter shipped for the default model",
-          check=functools.partial(_no_arg, "default"))
+          check=functools.partial(_no_arg, "default"), draft_model=True, reads_dtype=True)
 def _default(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return load_model_drafter(default_drafter_path(target), target, dtype)
 
 
 @register("self", "self", "the target drafts for itself: engine check",
-          check=functools.partial(_no_arg, "self"))
+          check=functools.partial(_no_arg, "self"), draft_model=True)
 def _self(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return self_drafter(target.params, target.cfg)
 
 
 @register("early-exit", "early-exit:K", "the target's first K layers + its head",
-          check=_digits("early-exit:K"))
+          check=_digits("early-exit:K"), draft_model=True)
 def _early_exit(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   if not 1 <= int(arg) < target.cfg.num_layers:
     raise ValueError(f"early-exit:K needs 1 <= K < {target.cfg.num_layers}, got "
@@ -242,7 +252,8 @@ def _check_model_path(arg: str | None) -> None:
 
 
 @register("model", "model:PATH", "a .gguf, HF, compact or feature-level drafter directory with "
-                                 "the target's tokenizer", check=_check_model_path)
+                                 "the target's tokenizer", check=_check_model_path,
+          draft_model=True, reads_dtype=True)
 def _model(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return load_model_drafter(arg, target, dtype)
 
@@ -330,7 +341,8 @@ SKIP_CALIBRATION = ("Explain step by step how a hash map handles collisions, wit
 
 @register("skip", "skip:N", "layer skipping: the target drafts with all but N of its layers "
                             "(those that change its residual stream least on text it generated), "
-                            "sharing its KV cache; chains only", check=_digits("skip:N"))
+                            "sharing its KV cache; chains only", check=_digits("skip:N"),
+          chains_only=True)
 def _skip(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   L = target.cfg.num_layers
   calibrated_layers(list(range(L)), int(arg))  # the range check, before any compute
