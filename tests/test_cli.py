@@ -715,6 +715,14 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["generate", "--drafter", "self", "--drafter-weights", "q4"], "--drafter self does not read"),
     (["bench", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json: nothing can be written"),
     (["distill-data", "--out", "/proc/nope/o"], "--out /proc/nope/o: nothing can be written"),
+    (["generate", "--draft-penalties", "--repetition-penalty", "1.2"],
+     "--draft-penalties sets how a drafter drafts, but no drafter is given"),
+    (["generate", "--drafter", "default", "--no-draft-penalties"],
+     "the run has none, so it would change nothing"),
+    (["bench", "--drafters", "ngram,lookahead", "--draft-penalties", "--presence-penalty", "0.5"],
+     "--draft-penalties: --drafter ngram,lookahead drafts from a lookup"),
+    (["bench-tau", "--drafter", "rest", "--tree", "fixed:2", "--draft-penalties",
+      "--repetition-penalty", "1.1"], "--drafter rest drafts from a lookup"),
 ])
 def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, message):
   """Every argument a command can check without a model fails first, in one line naming the flag
@@ -744,6 +752,9 @@ def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, 
     "generate --prompt hi --drafter skip:4 --gamma 3",
     "bench --drafters ngram,default --drafter-weights int8 --json {tmp}/new/dir/r.json",
     "score --text hi --chunk 4",
+    "generate --prompt hi --drafter ngram+default --no-draft-penalties --frequency-penalty 0.1",
+    "bench --drafters ngram,mtp:2 --draft-penalties --repetition-penalty 1.1",  # mtp reads it
+    "generate --prompt a --prompt b --drafter self --draft-penalties --presence-penalty 0,0.5",
 ])
 def test_flags_a_drafter_reads_pass_the_checks(tmp_path, argv):
   """The refusals above stop where a flag would be read: these pass check_args (and create no

@@ -7,6 +7,7 @@ enumeration), each with a control that must fail; log-probabilities, compiles, b
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -387,11 +388,18 @@ def test_cli_flags(tmp_path, capsys):
   base = ["generate", "--model", str(d), "--prompt", "Why is the sky blue?", "--max-new-tokens",
           "16"]
   flags = ["--repetition-penalty", "1.5", "--presence-penalty", "0.3", "--frequency-penalty", "0.4"]
-  texts = []
-  for extra in (flags, flags + ["--drafter", "self", "--gamma", "3"], []):
+  texts, efficiency = [], []
+  drafted = flags + ["--drafter", "self", "--gamma", "3"]
+  for extra in (flags, drafted, [], drafted + ["--no-draft-penalties"]):
     assert main(base + extra) == 0
-    texts.append(capsys.readouterr().out)
-  assert texts[0] == texts[1] != texts[2]
+    out, err = capsys.readouterr()
+    texts.append(out)
+    efficiency.append(re.findall(r"block efficiency ([0-9.]+)", err))
+  assert texts[0] == texts[1] == texts[3] != texts[2]
+  # `self` drafts the penalized target's own tokens (all accepted); --no-draft-penalties turns
+  # that off, and the drafts the penalties change are rejected.
+  (on,), (off,) = efficiency[1], efficiency[3]
+  assert float(off) < float(on), (on, off)
   assert main(base + ["--repetition-penalty", "0"]) == 2
   assert "--repetition-penalty must be a finite number > 0" in capsys.readouterr().err
   # bench / bench-tau default output names carry the penalties a run used.
@@ -401,6 +409,9 @@ def test_cli_flags(tmp_path, capsys):
                                         frequency_penalty=0.5)) == "_rep1.2_freq0.5"
   assert penalty_tag(argparse.Namespace(repetition_penalty=1.0, presence_penalty=0.0,
                                         frequency_penalty=0.0)) == ""
+  assert penalty_tag(argparse.Namespace(repetition_penalty=1.3, presence_penalty=0.0,
+                                        frequency_penalty=0.0,
+                                        draft_penalties=False)) == "_rep1.3_nodraftpen"
 
 
 # ---------------------------------------------------------------------------- drafters

@@ -383,7 +383,8 @@ def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingP
   method = lambda tree: Method(model, max_new_tokens, sampling, seed, named.drafter, gamma, tree,
                                measure_ttft, kv, draft_kv)
   (chain_run, _), (run, extra) = bench_interleaved([method(None), method(tree)], prompts)
-  record = {"method": "jspec-tree", "drafter": named.name, "tree": str(tree),
+  record = {"method": "jspec-tree", "drafter": named.name,
+            "draft_penalties": bool(named.drafter.draft_penalties), "tree": str(tree),
             "tree_method": tree.method, "tree_nodes": tree.num_nodes + 1,
             "tree_depth": tree.max_depth, **base,
             **({} if kv is None else {"draft_kv": chain.get("draft_kv")}),
@@ -458,7 +459,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
         "gamma": None, "tree": str(own), "tree_method": own.method,
         "tree_nodes": own.num_nodes + 1, "tree_depth": own.max_depth,
         "window_tokens": named.drafter.window_size}
-    spec = {"method": "jspec-speculative", "drafter": named.name, **shape, **base, **drafted,
+    spec = {"method": "jspec-speculative", "drafter": named.name,
+            "draft_penalties": bool(named.drafter.draft_penalties), **shape, **base, **drafted,
             **run.summary(), **extra,
             **_speculative_fields(run, gamma if own is None else own.max_depth, ar_run, ar,
                                   sampling)}

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from jspec.cli.options import (int_list, kv_policies, mesh_of, note_eviction_cadence,
-                               penalty_tag, resolve_gamma, sampling_of)
+                               penalty_tag, resolve_gamma, sampling_of, with_draft_penalties)
 from jspec.cli.records import dataset_prompts, progress, stamp_records
 
 
@@ -36,7 +36,8 @@ def cmd_bench(args) -> int:
   for name in args.drafter.split(","):
     if name != "none":  # a line each: calibrating a drafter (skip:N) runs the target
       start = time.perf_counter()
-      drafters.append(speed.NamedDrafter(name, load_drafter(name, model, drafter_weights)))
+      drafter = with_draft_penalties(args, name, load_drafter(name, model, drafter_weights))
+      drafters.append(speed.NamedDrafter(name, drafter))
       progress(f"built drafter {name} in {time.perf_counter() - start:.1f} s")
   trees = [t for text in args.tree or () for t in parse_trees(text)]
   if trees and not drafters:
@@ -132,6 +133,7 @@ def cmd_bench_tau(args) -> int:
   model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   check_tree_target(model.params)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
+  drafter = with_draft_penalties(args, args.drafter, drafter)
   note_eviction_cadence(kv, max(t.max_depth for t in trees))
   prompts = dataset_prompts(model, args.dataset, args.num_prompts)
   responses = paired_tau.target_responses(model, prompts, max_new_tokens=args.max_new_tokens,
@@ -149,7 +151,8 @@ def cmd_bench_tau(args) -> int:
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
              top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
              presence_penalty=args.presence_penalty,
-             frequency_penalty=args.frequency_penalty, seed=args.seed,
+             frequency_penalty=args.frequency_penalty,
+             draft_penalties=bool(drafter.draft_penalties), seed=args.seed,
              matmul_precision=precision_label())
   stamp = stamp_records(records)
   tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"

@@ -69,6 +69,31 @@ def _check_drafter_args(args) -> None:
                      f"Fix: --gamma <= {args.max_new_tokens}")
 
 
+def _check_draft_penalties(args) -> None:
+  """--draft-penalties / --no-draft-penalties: refused where no drafter would read them."""
+  import numpy as np
+  from jspec.drafting.registry import parse_drafter
+  setting = getattr(args, "draft_penalties", None)
+  if setting is None:
+    return
+  flag = "--draft-penalties" if setting else "--no-draft-penalties"
+  names = [name for name in args.drafter.split(",") if name != "none"]
+  if not names:
+    raise ValueError(f"{flag} sets how a drafter drafts, but no drafter is given. Fix: add "
+                     f"--drafter NAME, or drop it")
+  sampling = sampling_of(args)
+  if not (np.any(np.asarray(sampling.repetition_penalty) != 1)
+          or np.any(np.asarray(sampling.presence_penalty) != 0)
+          or np.any(np.asarray(sampling.frequency_penalty) != 0)):
+    raise ValueError(f"{flag} sets whether drafts are drawn under the run's penalties, and the run "
+                     f"has none, so it would change nothing. Fix: drop {flag}, or set "
+                     f"--repetition-penalty, --presence-penalty or --frequency-penalty")
+  if not any(kind.draws_logits for name in names for kind in parse_drafter(name).kinds):
+    raise ValueError(f"{flag}: --drafter {args.drafter} drafts from a lookup (a table, not "
+                     f"logits), so no penalty applies to its drafts. Fix: drop {flag}, or give "
+                     f"the lookup a model behind it (e.g. ngram+default)")
+
+
 def _check_data_args(args) -> None:
   """--data directories: distillation data (a manifest), shard ranges inside them, each read
   once (a directory given twice would put its held-out rows into training too)."""
@@ -271,6 +296,7 @@ def check_args(args) -> None:
   for text in [trees] if isinstance(trees, str) else trees or ():
     parse_trees(text)
   _check_command_args(args)
+  _check_draft_penalties(args)
   _check_data_args(args)
   _check_output_paths(args)
   if hasattr(args, "temperature"):

@@ -7,7 +7,7 @@ import sys
 import time
 
 from jspec.cli.options import (kv_policies, mesh_of, note_eviction_cadence, resolve_gamma,
-                               sampling_of, unescaped)
+                               sampling_of, unescaped, with_draft_penalties)
 
 
 def cmd_generate(args) -> int:
@@ -29,6 +29,7 @@ def cmd_generate(args) -> int:
   start = time.perf_counter()
   model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
+  drafter = with_draft_penalties(args, args.drafter, drafter)
   load_s = time.perf_counter() - start
   prompts = args.prompt
   ids = [model.encode(p, chat=args.chat) for p in prompts]

@@ -81,6 +81,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--drafter", default="none",
                  help="speculative decoding drafter: " + drafter_help())
+  p.add_argument("--draft-penalties", action=argparse.BooleanOptionalAction, default=None,
+                 help="draft under the run's repetition / presence / frequency penalties (each "
+                      "drafter counting its own drafts too), or not (--no-draft-penalties): the "
+                      "output is the same either way, acceptance is not. Default: the drafter's "
+                      "own (on for self and skip:N, which draft from the target's own logits; off "
+                      "for draft models, feature drafters and mtp)")
   p.add_argument("--precision", choices=["fast", "exact"], default="fast",
                  help="matmul precision: fast (the backend's default: TF32 on GPUs) or exact (full "
                       "float32: greedy speculative output token-identical to greedy decoding on "
@@ -228,7 +234,22 @@ def penalty_tag(args) -> str:
   settings = (("rep", getattr(args, "repetition_penalty", 1.0), 1.0),
               ("pres", getattr(args, "presence_penalty", 0.0), 0.0),
               ("freq", getattr(args, "frequency_penalty", 0.0), 0.0))
-  return "".join(f"_{name}{value:g}" for name, value, off in settings if value != off)
+  tag = "".join(f"_{name}{value:g}" for name, value, off in settings if value != off)
+  drafting = getattr(args, "draft_penalties", None)
+  return tag + ("" if drafting is None else "_draftpen" if drafting else "_nodraftpen")
+
+
+def with_draft_penalties(args, name: str, drafter):
+  """The drafter `name` as --draft-penalties / --no-draft-penalties ask: unchanged without either,
+  or where it drafts from a lookup (in a `jspec bench` of several; check_args refused a run whose
+  drafters all do)."""
+  from jspec.drafting.registry import parse_drafter
+  setting = getattr(args, "draft_penalties", None)
+  if drafter is None or setting is None:
+    return drafter
+  if not any(kind.draws_logits for kind in parse_drafter(name).kinds):
+    return drafter
+  return drafter.with_draft_penalties(setting)
 
 
 def mesh_of(args, batch: int):

@@ -73,6 +73,9 @@ class DrafterKind:
   draft_model: bool = False  # a model with a KV cache of its own (draft_kv, --gamma auto)
   reads_dtype: bool = False  # loads its weights in `dtype` (--drafter-weights)
   chains_only: bool = False
+  # Its drafts come from logits, so they can be drawn under the target's penalties
+  # (--draft-penalties); a lookup's come from a table (its +DRAFTER's from logits).
+  draws_logits: bool = True
 
 
 KINDS: dict[str, DrafterKind] = {}
@@ -80,11 +83,11 @@ KINDS: dict[str, DrafterKind] = {}
 
 def register(name: str, usage: str, help: str, takes_fallback: bool = False,
              check: Callable[["str | None"], None] | None = None, draft_model: bool = False,
-             reads_dtype: bool = False, chains_only: bool = False):
+             reads_dtype: bool = False, chains_only: bool = False, draws_logits: bool = True):
   """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
   def add(build: Build) -> Build:
     KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check, draft_model,
-                              reads_dtype, chains_only)
+                              reads_dtype, chains_only, draws_logits)
     return build
   return add
 
@@ -273,7 +276,7 @@ def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
 @register("ngram", "ngram[:N1-N2][+DRAFTER]",
           "n-gram lookup on the context, longest suffix N2 down to N1, default 1-4; with "
           "+DRAFTER the lookup where it matches and DRAFTER elsewhere, default 2-4, e.g. "
-          "ngram+default", takes_fallback=True, check=_ngram_sizes)
+          "ngram+default", takes_fallback=True, check=_ngram_sizes, draws_logits=False)
 def _ngram(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return ngram_drafter(target.cfg.vocab_size, *_ngram_sizes(arg), fallback)
 
@@ -289,7 +292,8 @@ def _check_datastore(arg: str | None) -> None:
           "retrieval drafting (REST): n-gram lookup on the context (2-4), else the most frequent "
           "continuation in an n-gram datastore: by default ShareGPT's answers, built once for the "
           "target's tokenizer; PATH: a file from `jspec build-datastore`; with +DRAFTER, DRAFTER "
-          "where neither matches", takes_fallback=True, check=_check_datastore)
+          "where neither matches", takes_fallback=True, check=_check_datastore,
+          draws_logits=False)
 def _rest(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   V = target.cfg.vocab_size
   store = (default_table(target.tokenizer, V) if arg is None
@@ -329,7 +333,7 @@ def _lookahead_sizes(arg: str | None) -> tuple[int, int, int]:
           "lookahead decoding (Jacobi iterations + an n-gram pool): the target's own window of "
           "W columns x N - 1 levels runs in each verification forward, and up to G pooled "
           "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5-4-5",
-          check=_lookahead_sizes)
+          check=_lookahead_sizes, draws_logits=False)
 def _lookahead(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return lookahead_drafter(target.params, target.cfg, *_lookahead_sizes(arg))
 
