@@ -715,6 +715,8 @@ def test_train_eagle_help_names_the_networks_defaults(capsys):
     (["generate", "--drafter", "self", "--drafter-weights", "q4"], "--drafter self does not read"),
     (["bench", "--json", "/proc/nope/x.json"], "--json /proc/nope/x.json: nothing can be written"),
     (["distill-data", "--out", "/proc/nope/o"], "--out /proc/nope/o: nothing can be written"),
+    (["generate", "--drafter", "lookahead:4-3-4", "--gamma", "3"],
+     "--drafter lookahead:4-3-4 verifies a tree of its own each round"),
     (["generate", "--draft-penalties", "--repetition-penalty", "1.2"],
      "--draft-penalties sets how a drafter drafts, but no drafter is given"),
     (["generate", "--drafter", "default", "--no-draft-penalties"],
@@ -754,6 +756,7 @@ def test_arguments_are_checked_before_anything_loads(monkeypatch, capsys, argv, 
     "score --text hi --chunk 4",
     "generate --prompt hi --drafter ngram+default --no-draft-penalties --frequency-penalty 0.1",
     "bench --drafters ngram,mtp:2 --draft-penalties --repetition-penalty 1.1",  # mtp reads it
+    "bench --drafters lookahead,ngram --gamma 3",  # the chain of ngram reads it
     "generate --prompt a --prompt b --drafter self --draft-penalties --presence-penalty 0,0.5",
 ])
 def test_flags_a_drafter_reads_pass_the_checks(tmp_path, argv):

@@ -42,8 +42,8 @@ def _check_drafter_args(args) -> None:
     if given:
       raise ValueError(f"{', '.join(given)} set(s) how a drafter drafts, but no drafter is "
                        f"given. Fix: add --drafter NAME (e.g. ngram), or drop them")
-  kinds = [kind for name in args.drafter.split(",") if (parsed := parse_drafter(name))
-           for kind in parsed.kinds]
+  named = [parsed for name in args.drafter.split(",") if (parsed := parse_drafter(name))]
+  kinds = [kind for parsed in named for kind in parsed.kinds]
   unread = lambda flag, what: ValueError(
       f"{flag} sets {what}; --drafter {args.drafter} does not read it, so it would be ignored. "
       f"Fix: drop {flag}, or draft with such a model")
@@ -57,6 +57,10 @@ def _check_drafter_args(args) -> None:
     raise ValueError("--gamma auto picks a chain length for a model drafter: it needs a model "
                      "drafter (default, self, early-exit:K, model:PATH) and no --tree. Fix: "
                      "--gamma N (a number)")
+  if gamma is not None and named and all(any(k.own_tree for k in p.kinds) for p in named):
+    raise ValueError(f"--gamma sets a chain's length; --drafter {args.drafter} verifies a tree of "
+                     f"its own each round (lookahead's n-gram pool), so it would be ignored. Fix: "
+                     f"drop --gamma")
   if args.tree and any(kind.chains_only for kind in kinds):
     raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree "
                      "(--gamma N sets the chain)")

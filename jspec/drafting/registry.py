@@ -76,6 +76,7 @@ class DrafterKind:
   # Its drafts come from logits, so they can be drawn under the target's penalties
   # (--draft-penalties); a lookup's come from a table (its +DRAFTER's from logits).
   draws_logits: bool = True
+  own_tree: bool = False  # verifies a tree of its own each round (lookahead's pool): no --gamma
 
 
 KINDS: dict[str, DrafterKind] = {}
@@ -83,11 +84,12 @@ KINDS: dict[str, DrafterKind] = {}
 
 def register(name: str, usage: str, help: str, takes_fallback: bool = False,
              check: Callable[["str | None"], None] | None = None, draft_model: bool = False,
-             reads_dtype: bool = False, chains_only: bool = False, draws_logits: bool = True):
+             reads_dtype: bool = False, chains_only: bool = False, draws_logits: bool = True,
+             own_tree: bool = False):
   """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
   def add(build: Build) -> Build:
     KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check, draft_model,
-                              reads_dtype, chains_only, draws_logits)
+                              reads_dtype, chains_only, draws_logits, own_tree)
     return build
   return add
 
@@ -333,7 +335,7 @@ def _lookahead_sizes(arg: str | None) -> tuple[int, int, int]:
           "lookahead decoding (Jacobi iterations + an n-gram pool): the target's own window of "
           "W columns x N - 1 levels runs in each verification forward, and up to G pooled "
           "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5-4-5",
-          check=_lookahead_sizes, draws_logits=False)
+          check=_lookahead_sizes, draws_logits=False, own_tree=True)
 def _lookahead(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return lookahead_drafter(target.params, target.cfg, *_lookahead_sizes(arg))
 
