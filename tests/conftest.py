@@ -141,7 +141,7 @@ CORE_FILES = {"test_models.py", "test_generate.py", "test_speculative.py", "test
               "test_losses.py", "test_gamma.py", "test_kernel_bench.py", "test_cli.py",
               "test_numerics.py", "test_gguf_file.py", "test_ggufutil.py", "test_architecture.py",
               "test_train_prompts.py", "test_data.py", "test_loading_errors.py",
-              "test_tokenizer.py", "test_bench.py", "test_sampling_mode.py"}
+              "test_tokenizer.py", "test_bench.py", "test_sampling_mode.py", "test_docs.py"}
 SLOW_NAMES = ("sampling_is_lossless", "sampled", "distribution", "_law", "test_bench_",
               "test_int8_weights", "mask_token_probing",
               "layer_skipping", "gamma_auto", "second_run_compiles_nothing", "a_tree_prints",
