@@ -371,3 +371,20 @@ def test_dispatch_and_vmap():
   batched = jax.jit(jax.vmap(verify_tree, in_axes=(0, None, None, None)))(keys, tree, logits, sp)
   for i in range(3):
     assert same([a[i] for a in batched], verify_jit(keys[i], tree, logits, sp))
+
+
+def test_ids_outside_the_vocabulary_are_never_accepted():
+  """A node of -3 (take_along_axis would wrap it to token V - 3) or V is never on the path, even
+  where the target and the draft put all their mass on token V - 3; every sibling rule."""
+  B, N, V = 8, 3, 6
+  chain = dict(parents=jnp.tile(jnp.asarray([-1, 0, 1]), (B, 1)),
+               depth=jnp.tile(jnp.asarray([1, 2, 3]), (B, 1)), valid=jnp.ones((B, N), bool),
+               q=jax.nn.one_hot(jnp.full((B, N + 1), V - 3), V), max_depth=3)
+  logits = np.where(np.arange(V) == V - 3, 1e4, -1e4) * np.ones((B, N + 1, V), np.float32)
+  for siblings in Siblings:
+    for bad in (-3, V):
+      tree = Tree(tokens=jnp.full((B, N), bad, jnp.int32), siblings=siblings, **chain)
+      _, n_acc, next_tok = sampled_jit(rng_key(0), tree, logits.astype(np.float32),
+                                       SamplingParams(1.0))
+      assert (np.asarray(n_acc) == 0).all(), (siblings, bad)
+      assert (np.asarray(next_tok) == V - 3).all()

@@ -346,3 +346,18 @@ def test_empty_residual_falls_back_to_p():
   n_acc, next_tok = np.asarray(n_acc), np.asarray(next_tok)
   assert 0.4 < (n_acc == 0).mean() < 0.6
   assert (p[np.arange(B), n_acc, next_tok] > 0).all()
+
+
+def test_ids_outside_the_vocabulary_are_never_accepted():
+  """A draft of -3 (a drafter's bug: take_along_axis wraps it to token V - 3) or V is rejected,
+  even where the target and the draft put all their mass on token V - 3."""
+  B, G, V = 64, 2, 10
+  logits = np.full((B, G + 1, V), -1e4, np.float32)
+  logits[..., V - 3] = 1e4  # p = one-hot at V - 3
+  q = np.zeros((B, G, V), np.float32)
+  q[..., V - 3] = 1.0
+  for bad in (-3, V):
+    draft = np.full((B, G), bad, np.int32)
+    n_acc, next_tok = sampled_jit(jax.random.key(0), draft, q, logits, SamplingParams(1.0))
+    assert (np.asarray(n_acc) == 0).all(), bad
+    assert (np.asarray(next_tok) == V - 3).all()

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.sampling.processing import SamplingParams, argmax, processed_logprobs, switch
-from jspec.sampling.verify import accept_draw, residual_distribution
+from jspec.sampling.verify import accept_draw, in_vocabulary, residual_distribution
 from jspec.sharding import get_rows
 from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_tokens, take
 
@@ -92,7 +92,7 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array, sampling: 
   def step(carry, n):
     cur, target, q_cur, excluded = carry  # [B], [B, V] (normalised p_i), [B, V], [B, V] bool
     x = at(tree.tokens, n)  # [B]
-    child = at(tree.valid, n) & (at(tree.parents, n) == cur)
+    child = at(tree.valid, n) & (at(tree.parents, n) == cur) & in_vocabulary(x, p.shape[-1])
     q_i = proposal(q_cur, excluded, x)  # [B, V]
     of_x = lambda dist: get_rows(dist, x[:, None])[:, 0]  # dist[b, x[b]]
     accept = child & accept_draw(at(u, n), of_x(target), of_x(q_i))

@@ -40,6 +40,11 @@ def verify_greedy(draft_tokens: Array, target_logits: Array) -> tuple[Array, Arr
   return n_accepted, next_token
 
 
+def in_vocabulary(tokens: Array, V: int) -> Array:
+  """tokens in [0, V): the ids a verifier may accept."""
+  return (tokens >= 0) & (tokens < V)
+
+
 def accept_draw(u: Array, p_x: Array, q_x: Array) -> Array:
   """Accept with probability min(1, p/q): u < p/q written as u*q < p, so q == 0 cannot give NaN.
 
@@ -80,7 +85,9 @@ def verify_sampled(key: Array, draft_tokens: Array, draft_probs: Array, target_l
   p_x = jnp.take_along_axis(p[:, :G], draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
   q_x = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, G]
   u = jax.random.uniform(k_accept, (B, G), jnp.float32)
-  n_accepted = _prefix_length(accept_draw(u, p_x, q_x))
+  # An id outside the vocabulary is never accepted (take_along_axis wraps a negative one to
+  # another token's probabilities): a drafter's bug cannot reach the output.
+  n_accepted = _prefix_length(accept_draw(u, p_x, q_x) & in_vocabulary(draft_tokens, p.shape[-1]))
   # Zero q at the bonus position so one residual formula covers both cases: max(p_G − 0, 0) = p_G.
   q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # [B, G+1, V]
   idx = n_accepted[:, None, None]
