@@ -114,14 +114,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int
 
 
 def stop_id_tuple(stop_ids) -> tuple[int, ...]:
-  """stop_ids as a tuple of ints (what a static config can hash), text and non-integers refused."""
+  """stop_ids as a sorted tuple of distinct ints (what a static config can hash; the same set in
+  any order or with repeats is one compiled program), text and non-integers refused."""
   if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
     raise TypeError(f"stop_ids must be a sequence of token ids, got {stop_ids!r}. Fix: "
                     f"stop_ids=({stop_ids!r},) for one id.")
   stop_ids = tuple(stop_ids)
   if not all(is_int(s) for s in stop_ids):
     raise ValueError(f"stop_ids must be integer token ids, got {stop_ids!r}")
-  return tuple(int(s) for s in stop_ids)
+  return tuple(sorted({int(s) for s in stop_ids}))
 
 
 def as_prompt_list(prompts) -> list:
@@ -157,14 +158,23 @@ def prng_key(key) -> Array:
   """The run's PRNG key from an int seed (a Python or NumPy integer) or a JAX key, as given
   (`jax.random.key(seed)`, or a raw `jax.random.PRNGKey(seed)`); anything else is refused here,
   before jit would fail on it."""
+  if isinstance(key, jax.Array) and not isinstance(key, jax.core.Tracer) and key.shape == () \
+      and jnp.issubdtype(key.dtype, jnp.integer):
+    key = int(key)  # a seed held as a JAX scalar
   if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
     if not -2**63 <= int(key) < 2**63:
       raise ValueError(f"seed {int(key)} does not fit a signed 64-bit integer, which "
                        f"jax.random.key takes. Fix: a seed in [-2**63, 2**63).")
     return jax.random.key(int(key))
-  if isinstance(key, (jax.Array, np.ndarray)) and (
-      jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-      or (key.dtype == np.uint32 and key.shape[-1:] == (2,))):
+  array = isinstance(key, (jax.Array, np.ndarray))
+  typed = array and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  raw = array and key.dtype == np.uint32 and key.shape[-1:] == (2,)
+  if typed or raw:
+    if key.shape != (() if typed else (2,)):
+      raise ValueError(f"key must be one PRNG key, got {key.shape[0] if key.ndim else ''} keys "
+                       f"(shape {tuple(key.shape)}): a run draws from one key, its rows apart. "
+                       f"Fix: key=jax.random.key(0); for a key per prompt, a call per prompt (or "
+                       f"jax.vmap a pure engine, e.g. generate_tokens, over keys)")
     return jnp.asarray(key)
   raise TypeError(f"key must be an integer seed or a JAX PRNG key, got {type(key).__name__}"
                   f"{'' if not hasattr(key, 'dtype') else f' of dtype {key.dtype}'}. Fix: key=0 "
@@ -175,6 +185,12 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
                   sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
                   cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
   """Host-side checks and padding shared by every generate entry point."""
+  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((prompts, sampling))):
+    raise TypeError("the prompts or sampling settings are traced (inside jax.jit or vmap): "
+                    "generate, speculative_generate and tree_speculative_generate check and pad "
+                    "them on the host. Fix: call them outside your jit, or inside it the pure "
+                    "engines on padded arrays (generate_tokens, speculative_generate_tokens, "
+                    "tree_speculative_generate_tokens; docs/guide.md, Python API)")
   if not is_int(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
   if cache_size is not None and (not is_int(cache_size) or cache_size < 1):

@@ -213,6 +213,13 @@ def test_no_recompile_within_bucket(params):
                      sampling=SamplingParams(temperature=temp, top_p=0.8), key=1)
       jax.block_until_ready(out)
   assert counter.compiles == 0
+  # Stop ids are a set: the same ids in another order or repeated reuse the program.
+  want = generate(params, CFG, [[1, 2, 3]], max_new_tokens=6, stop_ids=(13, 2))
+  with CompileCounter() as counter:
+    for stop_ids in ((2, 13), [13, 2, 2], np.asarray([2, 13, 13])):
+      assert generate(params, CFG, [[1, 2, 3]], max_new_tokens=6,
+                      stop_ids=stop_ids).sequences() == want.sequences()
+  assert counter.compiles == 0
   with CompileCounter() as counter:  # the counter does see compilations
     jax.block_until_ready(generate(params, CFG, [[1] * 20], max_new_tokens=6, sampling=sp))
   assert counter.compiles >= 1
@@ -255,6 +262,11 @@ def test_loop_is_one_program(params):
      r"temperature must be one number for the whole batch or one per row \(1, one per prompt"),
     (dict(prompts=[[1]], key=2**70), "does not fit a signed 64-bit integer"),
     (dict(prompts="Hello"), "prompts is one text"),
+    # a key per row passed the check and failed inside the trace
+    (dict(prompts=[[1], [2]], key=jax.random.split(jax.random.key(0), 2)),
+     r"key must be one PRNG key, got 2 keys \(shape \(2,\)\).*a call per prompt"),
+    (dict(prompts=[[1], [2]], key=jax.random.split(jax.random.PRNGKey(0), 2)),
+     r"got 2 keys \(shape \(2, 2\)\)"),
 ])
 def test_bad_input(params, kwargs, match):
   kwargs = {"max_new_tokens": 4, **kwargs}
@@ -274,6 +286,23 @@ def test_bad_input(params, kwargs, match):
 def test_wrong_types_are_refused_before_jit(params, kwargs, match):
   with pytest.raises(TypeError, match=match):
     generate(params, CFG, [[1, 2]], max_new_tokens=4, **kwargs)
+
+
+def test_the_checked_wrappers_inside_a_jit():
+  """A traced key is taken (and a seed as a JAX scalar, outside); traced prompts or sampling
+  settings name the pure engines to call instead (a bare TracerArrayConversionError before)."""
+  params = init_params(CFG, jax.random.key(0), scale=0.3)
+  sp = SamplingParams(temperature=1.0)
+  run = lambda **kw: generate(params, CFG, kw.pop("prompts", [[1, 2, 3]]), max_new_tokens=3,
+                              **kw).tokens
+  want = run(sampling=sp, key=5)
+  np.testing.assert_array_equal(jax.jit(lambda k: run(sampling=sp, key=k))(jax.random.key(5)),
+                                want)
+  np.testing.assert_array_equal(run(sampling=sp, key=jnp.int32(5)), want)
+  for traced, value in ((lambda p: run(prompts=p), jnp.asarray([[1, 2, 3]])),
+                        (lambda t: run(sampling=SamplingParams(temperature=t)), 1.0)):
+    with pytest.raises(TypeError, match="traced.*generate_tokens, speculative_generate_tokens"):
+      jax.jit(traced)(value)
 
 
 @pytest.mark.parametrize("other, match", [

@@ -198,7 +198,7 @@ class _Seeded(LookaheadDrafter):
   """A pool that starts full (G n-grams under every token), so every round verifies a tree of
   G candidates: the law must hold whatever the pool holds."""
 
-  seeded: bool = own_program()
+  seeded: str = own_program()
 
   def init(self, prompt, prompt_lengths, cache_size, features):
     state = super().init(prompt, prompt_lengths, cache_size, features)
@@ -215,7 +215,7 @@ class _DraftsCalledSampled(_Seeded):
   """The negative control: pooled n-grams verified as if they were i.i.d. draws from a q (the
   tree's q holds none), instead of as deterministic drafts."""
 
-  drafts_called_sampled: bool = own_program()
+  drafts_called_sampled: str = own_program()
 
   def draft_tree(self, state, last2, seq_len, key, sampling, shape):
     tree, state = super().draft_tree(state, last2, seq_len, key, sampling, shape)

@@ -182,7 +182,7 @@ class _NoCatchUp(ModelDrafter):
   its own, _loop_jit ran ModelDrafter's catching-up loop for it now and then: `differs == 0`,
   the "lost" entries matching to 5e-6.)"""
 
-  forgets: bool = own_program()
+  forgets: str = own_program()
 
   def catch_up(self, state, tokens, seq_len):
     return state

@@ -225,7 +225,7 @@ class _UnprocessedQ(ProbeDrafter):
   """The negative control: drafts drawn right, but q reported as the raw softmax (temperature,
   top-k and top-p not applied), which verification then trusts."""
 
-  unprocessed_q: bool = own_program()
+  unprocessed_q: str = own_program()
 
   def propose(self, state, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, _, state = super().propose(state, last2, seq_len, key, sampling, gamma, pick)

@@ -92,7 +92,7 @@ def test_skip_drafts_are_greedy_identical_to_autoregressive(deep):
 class _UniformQ(SkipDrafter):
   """The negative control: drafts drawn right, q reported uniform."""
 
-  uniform_q: bool = own_program()
+  uniform_q: str = own_program()
 
   def propose_shared(self, state, cache, last2, seq_len, key, sampling, gamma, pick=None):
     tokens, q, state, cache = super().propose_shared(state, cache, last2, seq_len, key, sampling,
