@@ -134,8 +134,11 @@ class TokenStream:
       state, segment = pending
       if (self._halted & ~applied).any():  # newly stopped rows: done from the next segment on
         applied = self._halted.copy()  # done stays set in the state: sent to the device once
-        halted = jax.make_array_from_callback(applied.shape, state.done.sharding,
-                                              lambda i, a=applied: a[i])
+        # As `done` is placed: one process's uncommitted array stays uncommitted (a committed one
+        # keys another compile of the segment program); across processes, each its own shards.
+        halted = jnp.asarray(applied) if jax.process_count() == 1 else (
+            jax.make_array_from_callback(applied.shape, state.done.sharding,
+                                         lambda i, a=applied: a[i]))
         state = dataclasses.replace(state, done=state.done | halted)
       pending = run.resume(state, every)  # queued behind this segment, read meanwhile
       current = jax.device_get(readable(segment))
