@@ -72,13 +72,15 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
   if need > limit:
     what = f"cache_size={cache_size}" if cache_size else (
         f"the model's max_position_embeddings={cfg.max_position_embeddings}")
-    reserved = f" + {reserve} slots reserved for {reserve_for}" if reserve else ""
+    reserved = (f" + {reserve} slots reserved" + (f" for {reserve_for}" if reserve_for else "")
+                if reserve else "")
     unit = "cache slots" if cache_size else (  # under a KV budget the cache is smaller, but
         "positions (cache slots without a KV budget)")  # RoPE still counts every token
     raise ValueError(
         f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{reserved} needs {need} "
         f"{unit}, more than {what}. Fix: shorten the prompt, lower max_new_tokens"
-        + (f", lower {reserve_for.split()[0]}" if reserve else "")
+        + (", lower gamma" if reserve_for.startswith("gamma") else
+           ", draft a smaller tree" if "tree" in reserve_for else "")
         + (", or raise cache_size." if cache_size else "."))
   bucket = prompt_bucket(longest)
   if cache_size:

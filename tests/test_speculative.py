@@ -22,7 +22,7 @@ from jspec.drafting import base as drafters_module
 from jspec.drafting.model import ModelDrafter, self_drafter, trimmed_drafter
 from jspec.models.vocab_trim import trim_head
 from jspec.speculative.chain import SpecConfig, speculative_generate, speculative_generate_tokens
-from jspec.speculative.tree import TreeSpecConfig
+from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
 
 TARGET = Config(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -325,6 +325,48 @@ def test_drafters_that_run_the_target_are_refused_for_another_target(target):
                        spec=spec)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Slip(ModelDrafter):
+  """A custom drafter's slip: drafts one short, floats for ids, q one short of the vocabulary,
+  or a tree feeder's logits of one frontier node for two."""
+  slip: str = dataclasses.field(default="short", metadata=dict(static=True))
+
+  def propose(self, *args, **kwargs):
+    tokens, q, state = super().propose(*args, **kwargs)
+    if self.slip == "short":
+      tokens = tokens[:, 1:]
+    elif self.slip == "float":
+      tokens = tokens.astype(jnp.float32)
+    elif self.slip == "q":
+      q = q[..., 1:]
+    return tokens, q, state
+
+  def tree_feeder(self, *args):
+    feeder = super().tree_feeder(*args)
+    return type("Narrow", (), dict(result=feeder.result,
+                                   __call__=lambda _, t, f: feeder(t, f)[:, :1]))()
+
+
+@pytest.mark.parametrize("slip, match", [
+    ("short", r"_Slip.propose returned tokens of int32\[1, 1\]; the engine expects an integer "
+              r"\[batch, gamma\] = \[1, 2\]"),
+    ("float", r"_Slip.propose returned tokens of float32\[1, 2\]"),
+    ("q", r"_Slip.propose returned q of float32\[1, 2, 63\].*= \[1, 2, 64\]"),
+    ("tree", r"_Slip.tree_feeder's feeder returned logits of float32\[1, 1, 64\].*\[1, 2, 64\]")])
+def test_a_custom_drafters_slip_names_the_drafter(target, drafter, slip, match):
+  """Failed deep in the model (RoPE, the embedding gather), in the verifier, or (q) only once
+  sampling ran; refused at trace time naming the method and the shape expected."""
+  custom = _Slip(drafter.params, drafter.cfg, slip=slip)
+  with pytest.raises(TypeError, match=match):
+    if slip == "tree":
+      tree_speculative_generate(target, TARGET, custom, [[1, 2]],
+                                spec=TreeSpecConfig("fixed:2-2", max_new_tokens=4))
+    else:
+      speculative_generate(target, TARGET, custom, [[1, 2]],
+                           spec=SpecConfig(gamma=2, max_new_tokens=4))
+
+
 def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="gamma"):
     SpecConfig(gamma=0, max_new_tokens=4)
@@ -347,10 +389,15 @@ def test_bad_input(target, drafter):
   with pytest.raises(TypeError,
                      match=r"stop_ids must be a sequence of token ids.*Fix: stop_ids=\(5,\)"):
     SpecConfig(gamma=2, max_new_tokens=4, stop_ids=5)
-  # The draft block needs gamma + 1 free slots beyond max_new_tokens.
-  with pytest.raises(ValueError, match="gamma"):
+  # The draft block needs gamma + 1 free slots beyond max_new_tokens; a tree, its nodes.
+  with pytest.raises(ValueError, match=r"9 slots reserved for gamma \+ 1 .*Fix: shorten the "
+                                       r"prompt, lower max_new_tokens, lower gamma\."):
     speculative_generate(target, TARGET, drafter, [[1] * 200],
                          spec=SpecConfig(gamma=8, max_new_tokens=50))
+  with pytest.raises(ValueError, match=r"reserved for the tree's nodes .*fixed:4-2.*Fix: shorten "
+                                       r"the prompt, lower max_new_tokens, draft a smaller tree\."):
+    tree_speculative_generate(target, TARGET, drafter, [[1] * 200],
+                              spec=TreeSpecConfig("fixed:4-2", max_new_tokens=50))
   with pytest.raises(ValueError, match="temperature"):
     speculative_generate(target, TARGET, drafter, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4),
                          sampling=SamplingParams(temperature=-1.0))

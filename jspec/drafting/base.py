@@ -249,7 +249,7 @@ class Drafter(abc.ABC):
     penalty = tree_draft_penalty(penalty_history, sampling) if self.draft_penalties else None
 
     def run(greedy: bool | Array) -> tuple[Tree, DraftState]:
-      feeder = self.tree_feeder(state, last2, seq_len)
+      feeder = _CheckedFeeder(self, self.tree_feeder(state, last2, seq_len), B)
       if penalty is not None:
         feeder = _PenalizedFeeder(feeder, penalty)
       tree = shape.draft(key, feeder, B, self.vocab_size, sampling, greedy=greedy)
@@ -263,6 +263,22 @@ class Drafter(abc.ABC):
     # Greedy rows beside sampled ones (settings per row): one tree, each row drafted its own way
     # (the drafter's state is laid out [L, B, ...]: not a per-row select).
     return run(greedy)
+
+
+class _CheckedFeeder:
+  """A TreeFeeder whose logits are checked against the protocol at trace time (check_proposal)."""
+
+  def __init__(self, drafter: Drafter, feeder: TreeFeeder, batch: int):
+    self.drafter, self.feeder, self.batch = drafter, feeder, batch
+
+  def __call__(self, tree: Tree, frontier: Array) -> Array:
+    logits = self.feeder(tree, frontier)
+    check_proposal(self.drafter, "tree_feeder's feeder", None, logits, self.batch,
+                   frontier.shape[1], self.drafter.vocab_size)
+    return logits
+
+  def result(self, tree: Tree, reindexed: bool) -> DraftState:
+    return self.feeder.result(tree, reindexed)
 
 
 class _PenalizedFeeder:
@@ -407,6 +423,24 @@ def check_stop(threshold) -> float:
 def unsure(threshold: float) -> Callable:
   """stop(logits [B, M]) for draft_chain: the largest softmax probability is below threshold."""
   return lambda logits: jnp.max(jax.nn.softmax(logits.astype(jnp.float32), -1), -1) < threshold
+
+
+def check_proposal(drafter: Drafter, method: str, tokens: Array | None, q: Array | None,
+                   batch: int, width: int, vocab: int) -> None:
+  """At trace time: what a drafter's `method` returned has the protocol's shapes and dtypes (a
+  custom drafter's slip failed deep in the model or the verifier, or only once sampling ran):
+  tokens [batch, width] integer, q or logits [batch, width, vocab] floating."""
+  name = f"{type(drafter).__name__}.{method}"
+  if tokens is not None and (tuple(tokens.shape) != (batch, width)
+                             or not jnp.issubdtype(tokens.dtype, jnp.integer)):
+    raise TypeError(f"{name} returned tokens of {tokens.dtype}{list(tokens.shape)}; the engine "
+                    f"expects an integer [batch, gamma] = [{batch}, {width}]")
+  if q is not None and (tuple(q.shape) != (batch, width, vocab)
+                        or not jnp.issubdtype(q.dtype, jnp.floating)):
+    what = "q" if tokens is not None else "logits"
+    raise TypeError(f"{name} returned {what} of {q.dtype}{list(q.shape)}; the engine expects a "
+                    f"float [batch, {'gamma' if tokens is not None else 'frontier'}, vocabulary] "
+                    f"= [{batch}, {width}, {vocab}] (the full vocabulary)")
 
 
 def valid_drafts(tokens: Array) -> tuple[Array, Array]:

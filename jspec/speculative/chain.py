@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import is_int, on_mesh, prepare_batch, stop_id_tuple
-from jspec.drafting.base import Drafter, Features, penalty_kwargs, place_drafter, valid_drafts
+from jspec.drafting.base import (Drafter, Features, check_proposal, penalty_kwargs, place_drafter,
+                                 valid_drafts)
 from jspec.drafting.probe import check_probe_round
 from jspec.kv.evict import block_mass, evict_when_full, fold_block_mass
 from jspec.kv.policy import KVPolicy, check_kv
@@ -99,6 +100,7 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     else:
       drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G,
                                          **penalties)
+    check_proposal(drafter, "propose", drafts, q, s.last2.shape[0], G, cfg.vocab_size)
     cut = None  # [B]: verify only the first `cut` drafts (the rest are not the target's to judge)
     if drafter.stops_early:
       drafts, cut = valid_drafts(drafts)
