@@ -505,6 +505,8 @@ def test_pallas_attention_runs_any_budget(params, drafters):
     (dict(method="keydiff", budget=True), "budget must be a positive integer, got True"),
     (dict(method="keydiff", budget=8.0), "budget must be a positive integer, got 8.0"),
     (dict(method="keydiff", budget=8, chunk=4, sinks=-1), "sinks must be a non-negative"),
+    # two keys always tie on KeyDiff's score (chain and autoregressive runs parted by rounding)
+    (dict(method="keydiff", budget=1, sinks=0, chunk=1), "budget of 1 evicts between two keys"),
 ])
 def test_bad_policies_are_refused(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -101,6 +101,12 @@ class KVPolicy:
     if self.chunk > self.budget:
       raise ValueError(f"prefill chunk {self.chunk} is larger than the kv budget {self.budget}: "
                        f"a chunk must fit the budget. Fix: chunk <= budget.")
+    if self.base == "keydiff" and self.budget == 1:
+      # Two unit keys are equally far from their mean: every choice would be rounding's.
+      raise ValueError("KeyDiff ranks keys by their cosine to the mean of the row's normalised "
+                       "keys; a budget of 1 evicts between two keys, always equally far from "
+                       "their mean (a tie that rounding breaks, so speculative and "
+                       "autoregressive runs part). Fix: budget >= 2, or method='streaming'")
 
   @classmethod
   def never_full(cls, tokens: int, chunk: int) -> "KVPolicy":
