@@ -277,7 +277,8 @@ def test_bad_input(target, drafter):
   with pytest.raises(ValueError, match="branching tree's method"):
     BranchingTree("rsd-s", (2, 2))
   spec = TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=50)
-  with pytest.raises(ValueError, match="tree_nodes"):  # 45 slots reserved beyond the budget
+  with pytest.raises(ValueError, match="45 slots reserved for the tree's nodes .*draft a smaller "
+                                       "tree"):  # beyond the budget
     tree_speculative_generate(target, TARGET, drafter, [[1] * 190], spec=spec)
   with pytest.raises(ValueError, match="distinct children"):
     tree_speculative_generate(target, TARGET, drafter, [[1]],
