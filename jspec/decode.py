@@ -60,11 +60,12 @@ def prompt_bucket(length: int) -> int:
 
 
 def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
-               cache_size: int | None = None, reserve: int = 0,
-               reserve_for: str = "") -> tuple[int, int]:
+               cache_size: int | None = None, reserve: int = 0, reserve_for: str = "",
+               reserve_fix: str = "") -> tuple[int, int]:
   """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit.
 
-  `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`) must fit too.
+  `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`; `reserve_fix`:
+  how to need fewer, e.g. "lower gamma") must fit too.
   """
   limit = cache_size or cfg.max_position_embeddings
   longest = max(prompt_lengths)
@@ -79,8 +80,7 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
     raise ValueError(
         f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{reserved} needs {need} "
         f"{unit}, more than {what}. Fix: shorten the prompt, lower max_new_tokens"
-        + (", lower gamma" if reserve_for.startswith("gamma") else
-           ", draft a smaller tree" if "tree" in reserve_for else "")
+        + (f", {reserve_fix}" if reserve_fix else "")
         + (", or raise cache_size." if cache_size else "."))
   bucket = prompt_bucket(longest)
   if cache_size:
@@ -185,7 +185,8 @@ def prng_key(key) -> Array:
 
 def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                   sampling: SamplingParams, key: Array | int, stop_ids: Sequence[int],
-                  cache_size: int | None, reserve: int = 0, reserve_for: str = "") -> Batch:
+                  cache_size: int | None, reserve: int = 0, reserve_for: str = "",
+                  reserve_fix: str = "") -> Batch:
   """Host-side checks and padding shared by every generate entry point."""
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((prompts, sampling))):
     raise TypeError("the prompts or sampling settings are traced (inside jax.jit or vmap): "
@@ -208,7 +209,7 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   prompts = as_prompt_list(prompts)
   sampling.validate(cfg.vocab_size, batch=len(prompts))
   bucket, size = plan_cache(cfg, [len(p) for p in prompts] or [0], max_new_tokens, cache_size,
-                            reserve, reserve_for)
+                            reserve, reserve_for, reserve_fix)
   tokens, lengths = pad_prompts(prompts, cfg.vocab_size, bucket)
   return Batch(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths),
                key=prng_key(key),

@@ -155,7 +155,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   for s in shapes:
     check_tree_run(cfg, drafter, TreeSpecConfig(s, max_new_tokens=1))
   bucket, cache_size = plan_cache(cfg, [len(c) for c in contexts], 1, None, reserve,
-                                  "the largest tree's nodes")
+                                  "the largest tree's nodes", "draft a smaller tree")
   C = len(contexts)
   padded = list(contexts) + [contexts[0]] * (-C % batch)
   tokens, lengths = pad_prompts(padded, cfg.vocab_size, bucket)

@@ -75,7 +75,6 @@ def _check_drafter_args(args) -> None:
 
 def _check_draft_penalties(args) -> None:
   """--draft-penalties / --no-draft-penalties: refused where no drafter would read them."""
-  import numpy as np
   from jspec.drafting.registry import parse_drafter
   setting = getattr(args, "draft_penalties", None)
   if setting is None:
@@ -85,10 +84,7 @@ def _check_draft_penalties(args) -> None:
   if not names:
     raise ValueError(f"{flag} sets how a drafter drafts, but no drafter is given. Fix: add "
                      f"--drafter NAME, or drop it")
-  sampling = sampling_of(args)
-  if not (np.any(np.asarray(sampling.repetition_penalty) != 1)
-          or np.any(np.asarray(sampling.presence_penalty) != 0)
-          or np.any(np.asarray(sampling.frequency_penalty) != 0)):
+  if not sampling_of(args).penalized:  # (a host bool: the settings' static mode)
     raise ValueError(f"{flag} sets whether drafts are drawn under the run's penalties, and the run "
                      f"has none, so it would change nothing. Fix: drop {flag}, or set "
                      f"--repetition-penalty, --presence-penalty or --frequency-penalty")

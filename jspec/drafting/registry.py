@@ -82,14 +82,11 @@ class DrafterKind:
 KINDS: dict[str, DrafterKind] = {}
 
 
-def register(name: str, usage: str, help: str, takes_fallback: bool = False,
-             check: Callable[["str | None"], None] | None = None, draft_model: bool = False,
-             reads_dtype: bool = False, chains_only: bool = False, draws_logits: bool = True,
-             own_tree: bool = False):
-  """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`."""
+def register(name: str, usage: str, help: str, **traits):
+  """Decorator: `build` becomes the constructor of drafters named `name[:ARG][+FALLBACK]`;
+  `traits`: DrafterKind's other fields (takes_fallback, check, draft_model, ...)."""
   def add(build: Build) -> Build:
-    KINDS[name] = DrafterKind(name, usage, help, build, takes_fallback, check, draft_model,
-                              reads_dtype, chains_only, draws_logits, own_tree)
+    KINDS[name] = DrafterKind(name, usage, help, build, **traits)
     return build
   return add
 

@@ -265,7 +265,8 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                                 + (f" and its {drafter.probe_masks} masks a token"
                                    if drafter.probe_masks else "")
                                 + (f" and a lookahead window of {drafter.window_size}"
-                                   if drafter.window_size else "") + ")")
+                                   if drafter.window_size else "") + ")",
+                    reserve_fix="lower gamma")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
   drafter = place_drafter(drafter, placement, params, placed)
   static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,

@@ -344,6 +344,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
                     reserve=max(spec.reserve, verification_width(drafter, spec.tree_nodes)),
+                    reserve_fix="draft a smaller tree",
                     reserve_for=f"the tree's nodes (the root and the {spec.num_nodes} draft "
                                 f"nodes of {spec.tree} verified per round"
                                 + (f", {k} masks after each" if k else "")
