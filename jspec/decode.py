@@ -36,6 +36,26 @@ def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
   return jnp.any(tokens[..., None] == jnp.asarray(stop_ids, jnp.int32), axis=-1)
 
 
+def check_cache_width(prompt_width: int, cache_size: int) -> None:
+  """Trace time, in the pure engines: prompts padded to `prompt_width` must fit a cache of
+  `cache_size` slots to be prefilled at all (a shape error deep in XLA otherwise). The checked
+  wrappers size the cache from the prompts' true lengths; rows with too little room left after
+  their prompt end early (`cache_full`)."""
+  if prompt_width > cache_size:
+    raise ValueError(f"prompts padded to {prompt_width} tokens do not fit cache_size={cache_size} "
+                     f"slots. Fix: cache_size >= the longest prompt + max_new_tokens (+ what a "
+                     f"speculative round reserves), or pad the prompts less.")
+
+
+def cache_full(lengths: Array, reserve: int, cache_size: int) -> Array:
+  """[B] bool: rows whose next step, which writes `reserve` cache slots from slot `lengths` [B]
+  on, would run past the cache's `cache_size` slots. The pure engines end such a row there (its
+  length then falls short of max_new_tokens without a stop id) rather than let the write clamp
+  onto the last slots and decode from a corrupted cache; the checked wrappers size the cache so
+  that it never happens."""
+  return lengths + reserve > cache_size
+
+
 def prefill(params: Params, cfg: Config, prompt: Array, prompt_lengths: Array,
             cache: KVCache, taps: tuple[int, ...] = ()) -> tuple[Array, Array, KVCache]:
   """Run padded prompts [B, P] through an empty cache; logits [B, V] at each row's last token,

@@ -13,7 +13,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import PAD, is_stop, on_mesh, prefill, prepare_batch, trimmed_rows
+from jspec.decode import (PAD, cache_full, check_cache_width, is_stop, on_mesh, prefill,
+                          prepare_batch, trimmed_rows)
 from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.attention import attention_slots
@@ -88,6 +89,7 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
   B, P = prompt.shape
   evicted = None
   if kv is None:
+    check_cache_width(P, cache_size)
     cache = KVCache.init(cfg, B, cache_size, cache_dtype or params.embed.dtype).placed(placement)
     logits, _, cache = prefill(params, cfg, prompt, prompt_lengths, cache)
   else:
@@ -107,8 +109,11 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
   token_lps = None
   if logprobs:
     token_lps = jnp.zeros((B, max_new_tokens), jnp.float32).at[:, 0].set(first_lp)
+  done = is_stop(first, stop_ids) | (max_new_tokens <= 1)
+  if kv is None:  # a cache the prompt fills leaves no slot for the next token's entry
+    done = done | cache_full(cache.lengths, 1, cache_size)
   return DecodeState(
-      step=jnp.int32(1), done=is_stop(first, stop_ids) | (max_new_tokens <= 1), tokens=tokens,
+      step=jnp.int32(1), done=done, tokens=tokens,
       lengths=jnp.ones((B,), jnp.int32), last=first, key=key, cache=cache,
       target_calls=jnp.int32(1), top_ids=top_ids, top_logprobs=top_logprobs, evicted=evicted,
       logprobs=token_lps, history=history)
@@ -143,6 +148,8 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
     tokens = jax.lax.dynamic_update_slice(s.tokens, nxt[:, None], (0, s.step))
     lengths = s.lengths + (~s.done).astype(jnp.int32)
     done = s.done | is_stop(nxt, stop_ids) | (lengths >= max_new_tokens)
+    if kv is None:  # no slot left for the next step's entry (the wrappers' caches always have one)
+      done = done | cache_full(cache.lengths, 1, cache.size)
     top_ids, top_logprobs = s.top_ids, s.top_logprobs
     if record_top_k:
       ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)

@@ -110,7 +110,7 @@ def test_greedy_tree_top_path_is_the_greedy_chain(target, kind):
   @jax.jit
   def both(drafter, tokens, lengths, key):
     s = initial_state(target, TARGET, drafter, tokens, lengths, key, b.sampling, spec,
-                      b.cache_size, max_accepted=shape.max_depth)
+                      b.cache_size, max_accepted=shape.max_depth, reserve=spec.reserve)
     chain, _, _ = drafter.propose(s.draft, s.last2, s.seq_len, key, b.sampling, 3)
     tree, _ = drafter.draft_tree(s.draft, s.last2, s.seq_len, key, b.sampling, shape)
     return chain, tree

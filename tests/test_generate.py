@@ -362,6 +362,41 @@ def test_explicit_cache_size_limit(params):
   assert int(out.lengths[0]) == 10
 
 
+@pytest.mark.parametrize("engine", ["ar", "chain", "tree"])
+def test_pure_engines_end_a_row_where_its_cache_ends(params, engine):
+  """A pure engine given a cache too small for max_new_tokens (the wrappers never pass one) ends
+  each row where the next step's entries would not fit: its tokens are the full cache's, cut
+  short, and as many as the cache holds. The write used to clamp onto the last slots and the row
+  decoded on from a corrupted cache (wrong tokens after 12 of 20 here, silently); a prompt wider
+  than the cache is refused at trace time (an XLA shape error before)."""
+  from jspec.drafting.ngram import NgramDrafter
+  from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate_tokens
+  rows = [PROMPTS[0] + [4], PROMPTS[1]]  # lengths 8 and 2, padded to 16
+  full = generate(params, CFG, rows, max_new_tokens=40).sequences()
+  tokens, lengths = jnp.asarray([r + [0] * (16 - len(r)) for r in rows]), jnp.asarray([8, 2])
+  drafter, key = NgramDrafter(vocab=CFG.vocab_size), jax.random.key(0)
+  run, reserve = {  # reserve: slots a step writes past the committed entries
+      "ar": (lambda size: generate_tokens(params, CFG, tokens, lengths, key, max_new_tokens=40,
+                                          cache_size=size), 1),
+      "chain": (lambda size: speculative_generate_tokens(
+          params, CFG, drafter, tokens, lengths, key, spec=SpecConfig(gamma=3, max_new_tokens=40),
+          cache_size=size), 4),
+      "tree": (lambda size: tree_speculative_generate_tokens(
+          params, CFG, drafter, tokens, lengths, key,
+          spec=TreeSpecConfig("fixed:2-2-1", max_new_tokens=40), cache_size=size), 11),
+  }[engine]
+  size = 24
+  out = run(size)
+  for b, (got, want) in enumerate(zip(out.sequences(), full)):
+    assert got == want[:len(got)], (b, got, want)
+    # A step runs while prompt + generated - 1 + reserve <= size (a round emits >= 1 token).
+    most = size - len(rows[b]) + 1
+    assert most - reserve + 1 <= len(got) <= most if engine != "ar" else len(got) == most, b
+  with pytest.raises(ValueError, match="padded to 16 tokens do not fit cache_size=12"):
+    run(12)
+
+
 def test_prompt_buckets():
   buckets = [prompt_bucket(n) for n in range(1, 2049)]
   assert all(b >= n for n, b in zip(range(1, 2049), buckets))

@@ -31,7 +31,7 @@ from jspec.models.config import Config
 from jspec.models.llama import Params
 from jspec.sampling.processing import SamplingParams
 from jspec.speculative.loop import budgeted_slots, eviction_cut, initial_state
-from jspec.speculative.tree import TreeSpecConfig, check_tree_run, tree_round
+from jspec.speculative.tree import TreeSpecConfig, check_tree_run, tree_reserve, tree_round
 from jspec.tree.shapes import TreeShape
 
 Array = jax.Array
@@ -54,7 +54,8 @@ def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt
   spec = TreeSpecConfig(shape, max_new_tokens=1)
   k_start, k_rounds = jax.random.split(key)
   state = initial_state(params, cfg, drafter, prompt, prompt_lengths, k_start, sampling, spec,
-                        cache_size, max_accepted=shape.max_depth, kv=kv,
+                        cache_size, max_accepted=shape.max_depth,
+                        reserve=tree_reserve(drafter, spec), kv=kv,
                         target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1))
 
   def one_round(k: Array) -> Array:

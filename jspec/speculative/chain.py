@@ -29,7 +29,7 @@ from jspec.sampling.processing import GREEDY, SamplingParams, sample
 from jspec.sampling.verify import verify
 from jspec.sharding import Mesh, Placement, traced_under_placement
 from jspec.speculative.loop import (SpecOutput, SpecState, advance, budgeted_slots,
-                                    check_drafter, check_extra_positions_target,
+                                    chain_reserve, check_drafter, check_extra_positions_target,
                                     check_shared_cache, eviction_cut, going, initial_state,
                                     run_or_segment)
 from jspec.speculative.probing import probe_hidden, verification_inputs, verification_width
@@ -64,7 +64,8 @@ def speculative_start(params: Params, cfg: Config, drafter: Drafter, prompt: Arr
                       placement: Placement | None = None) -> SpecState:
   """Prefill target and drafter and sample the first token: the loop state before round one."""
   return initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                       cache_size, max_accepted=spec.gamma, kv=kv,
+                       cache_size, max_accepted=spec.gamma,
+                       reserve=chain_reserve(drafter, spec.gamma), kv=kv,
                        target_slots=budgeted_slots(kv, drafter, spec.gamma + 1),
                        placement=placement)
 
@@ -153,7 +154,8 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
     idx = jnp.arange(G + 1)
     emitted = jnp.where(idx[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                         nxt[:, None])  # [B, G + 1], valid up to index n_acc
-    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, logits=model_logits,
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache,
+                  reserve=chain_reserve(drafter, G), logits=model_logits,
                   sampling=sampling, processed=processed)
     if kv is not None:
       cache = new.cache
@@ -260,7 +262,7 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=verification_width(drafter, spec.gamma + 1),
+                    reserve=chain_reserve(drafter, spec.gamma),
                     reserve_for="gamma + 1 (the draft block"
                                 + (f" and its {drafter.probe_masks} masks a token"
                                    if drafter.probe_masks else "")

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import PAD, is_stop, prefill, trimmed_rows
+from jspec.decode import PAD, cache_full, check_cache_width, is_stop, prefill, trimmed_rows
 from jspec.drafting.base import Drafter, DraftState, Features
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
@@ -91,12 +91,14 @@ class SpecState:
 
 def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                   prompt_lengths: Array, key: Array, sampling: SamplingParams, spec,
-                  cache_size: int, *, max_accepted: int,
+                  cache_size: int, *, max_accepted: int, reserve: int,
                   kv: KVPolicy | None = None, target_slots: int | None = None,
                   placement: Placement | None = None) -> SpecState:
   """Prefill target and drafter, sample the first token: the loop state before round one.
 
-  `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth).
+  `max_accepted`: most draft tokens one round can accept (gamma for a chain, the tree depth);
+  `reserve`: cache slots a round writes past the committed entries (`chain_reserve`,
+  `tree_reserve`): without a budget, a row with less room left is done (`cache_full`).
   kv: a KV budget for the target (chunked prefill into `target_slots`, default kv.slots, slots);
   the drafter sizes its own cache (`cache_size` slots, or its own budget: `Drafter.with_kv`).
   placement: the target cache pinned to a mesh (jspec.sharding); the drafter's follows its inputs.
@@ -105,6 +107,8 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   N = spec.max_new_tokens
   evicted = None
   probed = None
+  if kv is None:
+    check_cache_width(P, cache_size)
   if kv is None and drafter.probe_masks:
     # k masks after each prompt's last token: the first round's drafts (jspec.drafting.probe).
     k = drafter.probe_masks
@@ -141,8 +145,11 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   token_lps = None
   if spec.logprobs:
     token_lps = jnp.zeros((B, N + max_accepted + 1), jnp.float32).at[:, 0].set(first_lp)
+  done = is_stop(first, spec.stop_ids) | (N <= 1)
+  if kv is None:
+    done = done | cache_full(prompt_lengths, reserve, cache_size)
   return SpecState(
-      done=is_stop(first, spec.stop_ids) | (N <= 1),
+      done=done,
       tokens=jnp.full((B, N + max_accepted + 1), PAD, jnp.int32).at[:, 0].set(first),
       lengths=jnp.ones((B,), jnp.int32), seq_len=prompt_lengths + 1,
       last2=jnp.stack([prev, first], axis=1), key=key, cache=cache, draft=draft_state,
@@ -170,6 +177,12 @@ def run_or_segment(programs: tuple, placed: Params, cfg: Config, drafter: Drafte
       resume=lambda state, every: segment(placed, cfg, drafter, state, every, b.sampling,
                                           **static),
       finish=finish, max_new_tokens=static["spec"].max_new_tokens), (placed, drafter)
+
+
+def chain_reserve(drafter: Drafter, gamma: int) -> int:
+  """Cache slots a chain round writes past the committed entries: the draft block of gamma + 1
+  tokens and what rides along with it (probe masks, soft tokens, a lookahead window)."""
+  return verification_width(drafter, gamma + 1)
 
 
 def budgeted_slots(kv: KVPolicy | None, drafter: Drafter, block: int) -> int | None:
@@ -207,13 +220,14 @@ def probe_budgeted_prompt(params: Params, cfg: Config, drafter: Drafter, prompt:
 
 
 def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
-            cache: KVCache, logits: Array | None = None,
+            cache: KVCache, reserve: int, logits: Array | None = None,
             sampling: SamplingParams | None = None,
             processed: Array | None = None) -> SpecState:
   """The loop state after a verification round that emitted `emitted` [B, G + 1] (valid up to
   index n_acc [B]): cut at a stop id or the token budget, written to the output buffer, the last
   two tokens and counters updated; `cache` gets lengths seq_len - 1 (less what was evicted). The
-  drafter state is left as it was: the caller updates it from the new seq_len. With
+  drafter state is left as it was: the caller updates it from the new seq_len. Without a budget
+  a row is done once the next round's `reserve` slots would not fit its cache. With
   spec.logprobs, `logits` [B, G + 1, V] are the target's at each emitted token (emitted[:, j]
   drawn from logits[:, j]; the model's own, before any penalty) and `sampling` what it drew with
   (processed: `processed_for` of the penalized logits, which "sampled" logprobs need)."""
@@ -235,12 +249,14 @@ def advance(s: SpecState, emitted: Array, n_acc: Array, spec, *, key: Array,
   lengths = s.lengths + count
   history = None if s.history is None else s.history.add(emitted, idx[None] < count[:, None])
   done = s.done | (first_stop < count) | (lengths >= N)
+  seq_len = s.seq_len + count
+  if s.evicted is None:  # the next round writes from slot seq_len - 1 on
+    done = done | cache_full(seq_len - 1, reserve, cache.size)
   # The last two known tokens: from [previous last, emitted...] at offsets count - 1, count.
   ext = jnp.concatenate([s.last2[:, 1:], emitted], axis=1)  # [B, W + 1]
   last2 = jnp.stack([jnp.take_along_axis(ext, jnp.maximum(count - 1, 0)[:, None], 1)[:, 0],
                      jnp.take_along_axis(ext, count[:, None], 1)[:, 0]], axis=1)
   last2 = jnp.where(count[:, None] > 0, last2, s.last2)
-  seq_len = s.seq_len + count
   act = active.astype(jnp.int32)
   return SpecState(
       done=done, tokens=tokens, lengths=lengths, seq_len=seq_len, last2=last2, key=key,

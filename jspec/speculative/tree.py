@@ -92,6 +92,12 @@ class TreeSpecConfig:
     return max(self.tree.num_nodes, self.tree.fed_nodes) + 1
 
 
+def tree_reserve(drafter: Drafter, spec: TreeSpecConfig) -> int:
+  """Cache slots a tree round writes past the committed entries: the root and the nodes (and
+  what rides along with them: probe masks, a lookahead window), or the drafter's fed nodes."""
+  return max(spec.reserve, verification_width(drafter, spec.tree_nodes))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(kw_only=True)
 class TreeSpecOutput(SpecOutput):
@@ -174,7 +180,8 @@ def tree_start(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
                placement: Placement | None = None) -> SpecState:
   """Prefill target and drafter and sample the first token: the loop state before round one."""
   return initial_state(params, cfg, drafter, prompt, prompt_lengths, key, sampling, spec,
-                       cache_size, max_accepted=spec.tree.max_depth, kv=kv,
+                       cache_size, max_accepted=spec.tree.max_depth,
+                       reserve=tree_reserve(drafter, spec), kv=kv,
                        target_slots=budgeted_slots(kv, drafter, spec.num_nodes + 1),
                        placement=placement)
 
@@ -232,7 +239,8 @@ def tree_speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt:
     # The target's view of the root and the accepted path (node n is entry n + 1 of the block):
     # emitted[:, j] was drawn from the logits at on_path[:, j].
     on_path = jnp.concatenate([jnp.zeros_like(r.path[:, :1]), r.path + 1], axis=1)  # [B, D + 1]
-    new = advance(s, emitted, n_acc, spec, key=key, cache=cache, sampling=sampling,
+    new = advance(s, emitted, n_acc, spec, key=key, cache=cache,
+                  reserve=tree_reserve(drafter, spec), sampling=sampling,
                   logits=take(r.model_logits, on_path) if spec.logprobs else None,
                   processed=None if r.processed is None else take(r.processed, on_path))
     if kv is not None:
@@ -281,7 +289,8 @@ def tree_speculative_generate_tokens(params: Params, cfg: Config, drafter: Draft
   """Pure, jit-friendly tree speculative generation; `cfg`, `spec`, `cache_size`, `kv` static.
 
   prompt [B, P] int32 right-padded, prompt_lengths [B]; any drafter (jspec.drafting). Needs
-  cache_size >= max(prompt_lengths) + max_new_tokens + spec.reserve.
+  cache_size >= max(prompt_lengths) + max_new_tokens + tree_reserve(drafter, spec); a row with
+  less room ends where its cache does (its length then short of max_new_tokens).
   """
   s = tree_speculative_loop(params, cfg, drafter, prompt, prompt_lengths, key, sampling,
                             spec=spec, cache_size=cache_size, kv=kv, placement=placement)
@@ -343,7 +352,7 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
-                    reserve=max(spec.reserve, verification_width(drafter, spec.tree_nodes)),
+                    reserve=tree_reserve(drafter, spec),
                     reserve_fix="draft a smaller tree",
                     reserve_for=f"the tree's nodes (the root and the {spec.num_nodes} draft "
                                 f"nodes of {spec.tree} verified per round"
