@@ -85,28 +85,33 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
   """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit.
 
   `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`; `reserve_fix`:
-  how to need fewer, e.g. "lower gamma") must fit too.
+  how to need fewer, e.g. "lower gamma") must fit an explicit cache_size too; without one, the
+  text must fit the model's positions and the cache is sized for text and reserve.
   """
-  limit = cache_size or cfg.max_position_embeddings
   longest = max(prompt_lengths)
-  need = longest + max_new_tokens + reserve
-  if need > limit:
-    what = f"cache_size={cache_size}" if cache_size else (
-        f"the model's max_position_embeddings={cfg.max_position_embeddings}")
-    reserved = (f" + {reserve} slots reserved" + (f" for {reserve_for}" if reserve_for else "")
-                if reserve else "")
-    unit = "cache slots" if cache_size else (  # under a KV budget the cache is smaller, but
-        "positions (cache slots without a KV budget)")  # RoPE still counts every token
+  positions = longest + max_new_tokens  # RoPE positions a row's text reaches
+  need = positions + reserve  # cache slots, the reserve past the text included
+  reserved = (f" + {reserve} slots reserved" + (f" for {reserve_for}" if reserve_for else "")
+              if reserve else "")
+  if cache_size and need > cache_size:
     raise ValueError(
         f"prompt of {longest} tokens + max_new_tokens={max_new_tokens}{reserved} needs {need} "
-        f"{unit}, more than {what}. Fix: shorten the prompt, lower max_new_tokens"
-        + (f", {reserve_fix}" if reserve_fix else "")
-        + (", or raise cache_size." if cache_size else "."))
+        f"cache slots, more than cache_size={cache_size}. Fix: shorten the prompt, lower "
+        f"max_new_tokens" + (f", {reserve_fix}" if reserve_fix else "") + ", or raise cache_size.")
+  limit = cfg.max_position_embeddings
+  if not cache_size and positions > limit:  # under a KV budget the cache is smaller, but RoPE
+    raise ValueError(  # still counts every token
+        f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} makes {positions} "
+        f"positions, more than the model's max_position_embeddings={limit}. Fix: shorten the "
+        f"prompt or lower max_new_tokens.")
   bucket = prompt_bucket(longest)
   if cache_size:
     return bucket, cache_size
-  size = -(-(bucket + max_new_tokens + reserve) // CACHE_ALIGN) * CACHE_ALIGN
-  return bucket, min(size, limit)
+  # The reserve holds only drafts past the text's end, never committed (rounds emit at most
+  # max_new_tokens), so those slots may lie past max_position_embeddings: a speculative run
+  # reaches the positions autoregressive decoding does.
+  aligned = lambda n: -(-n // CACHE_ALIGN) * CACHE_ALIGN
+  return bucket, min(aligned(bucket + max_new_tokens + reserve), max(limit, aligned(need)))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int

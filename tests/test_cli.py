@@ -184,7 +184,7 @@ def test_bench_writes_records(tiny_model, tmp_path, capsys, transformers_on_cpu)
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--max-new-tokens", "4000"], "cache slots"),
+    (["--max-new-tokens", "4000"], "more than the model's max_position_embeddings=2048"),
 ])
 def test_bad_arguments_exit_cleanly(tiny_model, capsys, args, message):
   code = main(["generate", "--model", str(tiny_model), "--prompt", "hello"] + args)

@@ -240,7 +240,8 @@ def test_loop_is_one_program(params):
     (dict(prompts=[]), "no prompts"),
     (dict(prompts=[[1, 97]]), "outside the vocabulary"),
     (dict(prompts=[[-1, 2]]), "outside the vocabulary"),
-    (dict(prompts=[[1] * 250], max_new_tokens=10), "cache slots"),
+    (dict(prompts=[[1] * 250], max_new_tokens=10), "260 positions, more than the model's "
+                                                    "max_position_embeddings=256"),
     (dict(prompts=[[1]], max_new_tokens=0), "max_new_tokens"),
     (dict(prompts=[[1]], sampling=SamplingParams(temperature=-1.0)), "temperature"),
     (dict(prompts=[[1]], sampling=SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),

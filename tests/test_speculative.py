@@ -88,6 +88,21 @@ def test_greedy_identical_to_autoregressive(target, drafter, gamma):
   assert hist[0] > 0 and hist[1:].sum() > 0
 
 
+def test_speculation_reaches_the_models_last_position(target, drafter):
+  """A prompt and max_new_tokens that fill the model's 256 positions: autoregressive decoding runs
+  them, and so do a chain and a tree, with the same tokens (their reserve's slots lie past the
+  last position and hold only drafts that are never committed). They were refused before: the
+  reserve counted against max_position_embeddings."""
+  prompts = [[(7 * i) % 60 + 1 for i in range(200)], [3, 4, 5]]
+  want = generate(target, TARGET, prompts, max_new_tokens=56).sequences()
+  assert len(want[0]) == 56
+  chain = speculative_generate(target, TARGET, drafter, prompts,
+                               spec=SpecConfig(gamma=8, max_new_tokens=56))
+  tree = tree_speculative_generate(target, TARGET, drafter, prompts,
+                                   spec=TreeSpecConfig("fixed:4-2", max_new_tokens=56))
+  assert chain.sequences() == want and tree.sequences() == want
+
+
 def test_small_independent_draft_model_is_lossless_greedy(target):
   drafter = ModelDrafter(init_params(DRAFT, jax.random.key(5), scale=0.3), DRAFT)
   want = generate(target, TARGET, PROMPTS, max_new_tokens=16).sequences()
@@ -389,15 +404,22 @@ def test_bad_input(target, drafter):
   with pytest.raises(TypeError,
                      match=r"stop_ids must be a sequence of token ids.*Fix: stop_ids=\(5,\)"):
     SpecConfig(gamma=2, max_new_tokens=4, stop_ids=5)
-  # The draft block needs gamma + 1 free slots beyond max_new_tokens; a tree, its nodes.
+  # The draft block needs gamma + 1 free slots beyond max_new_tokens in a cache_size; a tree, its
+  # nodes. Without one the text must fit the model's positions (the reserve's slots may lie past).
   with pytest.raises(ValueError, match=r"9 slots reserved for gamma \+ 1 .*Fix: shorten the "
-                                       r"prompt, lower max_new_tokens, lower gamma\."):
+                                       r"prompt, lower max_new_tokens, lower gamma, or raise "
+                                       r"cache_size\."):
     speculative_generate(target, TARGET, drafter, [[1] * 200],
-                         spec=SpecConfig(gamma=8, max_new_tokens=50))
+                         spec=SpecConfig(gamma=8, max_new_tokens=50), cache_size=256)
   with pytest.raises(ValueError, match=r"reserved for the tree's nodes .*fixed:4-2.*Fix: shorten "
-                                       r"the prompt, lower max_new_tokens, draft a smaller tree\."):
+                                       r"the prompt, lower max_new_tokens, draft a smaller tree, "
+                                       r"or raise cache_size\."):
     tree_speculative_generate(target, TARGET, drafter, [[1] * 200],
-                              spec=TreeSpecConfig("fixed:4-2", max_new_tokens=50))
+                              spec=TreeSpecConfig("fixed:4-2", max_new_tokens=50), cache_size=256)
+  with pytest.raises(ValueError, match=r"257 positions, more than the model's "
+                                       r"max_position_embeddings=256"):
+    speculative_generate(target, TARGET, drafter, [[1] * 200],
+                         spec=SpecConfig(gamma=8, max_new_tokens=57))
   with pytest.raises(ValueError, match="temperature"):
     speculative_generate(target, TARGET, drafter, [[1]], spec=SpecConfig(gamma=2, max_new_tokens=4),
                          sampling=SamplingParams(temperature=-1.0))
