@@ -16,7 +16,7 @@ from jspec.models.config import Config
 from jspec.models.llama import forward, init_params
 from jspec.bench.profiling import CompileCounter
 from jspec.bench.programs import lower_decode
-from jspec.sampling.processing import SamplingParams, processed_logprobs
+from jspec.sampling.processing import GREEDY, SamplingParams, processed_logprobs
 from jspec.speculative import chain as engine
 from jspec.drafting import base as drafters_module
 from jspec.drafting.model import ModelDrafter, self_drafter, trimmed_drafter
@@ -355,6 +355,13 @@ class _Slip(ModelDrafter):
       tokens = tokens.astype(jnp.float32)
     elif self.slip == "q":
       q = q[..., 1:]
+    elif self.slip == "log-q":  # log-probabilities where probabilities belong
+      q = jnp.log(jnp.maximum(q, 1e-30))
+    elif self.slip == "half-q":
+      q = q / 2
+    elif self.slip == "off-support":  # the draft's own probability zeroed, the rest renormalised
+      q = jnp.where(jax.nn.one_hot(tokens, q.shape[-1], dtype=bool), 0.0, q)
+      q = q / jnp.sum(q, axis=-1, keepdims=True)
     return tokens, q, state
 
   def tree_feeder(self, *args):
@@ -380,6 +387,43 @@ def test_a_custom_drafters_slip_names_the_drafter(target, drafter, slip, match):
     else:
       speculative_generate(target, TARGET, custom, [[1, 2]],
                            spec=SpecConfig(gamma=2, max_new_tokens=4))
+
+
+@pytest.fixture
+def checking_drafts():
+  from jspec.drafting import debug
+  debug.enable()
+  yield
+  debug.enable(False)
+
+
+@pytest.mark.parametrize("slip, match", [("log-q", "has negative entries"),
+                                         ("half-q", r"does not sum to 1 \(its sum is 0.5"),
+                                         ("off-support", "gives its own draft probability 0")])
+def test_a_q_that_is_not_the_drafts_law_is_caught_when_checking(target, drafter, slip, match,
+                                                                checking_drafts):
+  """JSPEC_CHECK_DRAFTS=1 (here debug.enable()): a custom drafter's q that is not what its drafts
+  were drawn from, which the verifier takes silently and samples another law with, is named with
+  its row, position and fix. Every built-in kind of chain drafter passes, greedy and sampled, with
+  the tokens it gives unchecked."""
+  from jspec.drafting.debug import DraftLawError
+  from jspec.drafting.ngram import ngram_drafter
+  from jspec.drafting.probe import probe_drafter
+  sampled = SamplingParams(temperature=1.0, top_k=20)
+  run = lambda d, sampling: speculative_generate(
+      target, TARGET, d, PROMPTS[:2], spec=SpecConfig(gamma=2, max_new_tokens=6),
+      sampling=sampling, key=3).sequences()
+  with pytest.raises(DraftLawError, match=f"_Slip.propose returned a q .*row \\d, draft \\d "
+                                          f"{match}.*Fix: return q as probabilities"):
+    run(_Slip(drafter.params, drafter.cfg, slip=slip), sampled)
+  if slip != "log-q":
+    return
+  from jspec.drafting import debug
+  fine = (drafter, ngram_drafter(64, 2, 3, fallback=drafter), probe_drafter(target, TARGET, 2))
+  checked = [run(d, s) for d in fine for s in (GREEDY, sampled)]
+  debug.enable(False)
+  assert checked == [run(d, s) for d in fine for s in (GREEDY, sampled)]
+  run(_Slip(drafter.params, drafter.cfg, slip=slip), sampled)  # unchecked: runs, silently
 
 
 def test_bad_input(target, drafter):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.decode import is_int, on_mesh, prepare_batch, stop_id_tuple
+from jspec.drafting import debug
 from jspec.drafting.base import (Drafter, Features, check_proposal, penalty_kwargs, place_drafter,
                                  valid_drafts)
 from jspec.drafting.probe import check_probe_round
@@ -102,6 +103,9 @@ def speculative_loop(params: Params, cfg: Config, drafter: Drafter, prompt: Arra
       drafts, q, draft = drafter.propose(s.draft, s.last2, s.seq_len, k_draft, sampling, G,
                                          **penalties)
     check_proposal(drafter, "propose", drafts, q, s.last2.shape[0], G, cfg.vocab_size)
+    if debug.ENABLED:  # JSPEC_CHECK_DRAFTS=1: q must be the drafts' distributions
+      verified = ~s.done[:, None] & (jnp.cumprod(drafts >= 0, axis=1) > 0)
+      debug.check_law(f"{type(drafter).__name__}.propose", drafts, q, verified)
     cut = None  # [B]: verify only the first `cut` drafts (the rest are not the target's to judge)
     if drafter.stops_early:
       drafts, cut = valid_drafts(drafts)

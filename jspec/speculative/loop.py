@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.decode import PAD, cache_full, check_cache_width, is_stop, prefill, trimmed_rows
+from jspec.drafting import debug
 from jspec.drafting.base import Drafter, DraftState, Features
 from jspec.kv.policy import KVPolicy
 from jspec.kv.prefill import chunked_prefill
@@ -170,12 +171,15 @@ def run_or_segment(programs: tuple, placed: Params, cfg: Config, drafter: Drafte
   stream, the run split at its loop (jspec.streaming: start programs[1], segments programs[2])
   and the arrays its donated state must not share."""
   whole, start, segment = programs
+  checked = debug.run_checked  # JSPEC_CHECK_DRAFTS=1: a drafter's bad q as DraftLawError
   if not stream:
-    return whole(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static)
+    return checked(lambda: whole(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling,
+                                 **static))
   return Segmented(
-      start=lambda: start(placed, cfg, drafter, b.tokens, b.lengths, b.key, b.sampling, **static),
-      resume=lambda state, every: segment(placed, cfg, drafter, state, every, b.sampling,
-                                          **static),
+      start=lambda: checked(lambda: start(placed, cfg, drafter, b.tokens, b.lengths, b.key,
+                                          b.sampling, **static)),
+      resume=lambda state, every: checked(lambda: segment(placed, cfg, drafter, state, every,
+                                                          b.sampling, **static)),
       finish=finish, max_new_tokens=static["spec"].max_new_tokens), (placed, drafter)
 
 
