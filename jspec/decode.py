@@ -37,10 +37,10 @@ def is_stop(tokens: Array, stop_ids: tuple[int, ...]) -> Array:
 
 
 def check_cache_width(prompt_width: int, cache_size: int) -> None:
-  """Trace time, in the pure engines: prompts padded to `prompt_width` must fit a cache of
-  `cache_size` slots to be prefilled at all (a shape error deep in XLA otherwise). The checked
-  wrappers size the cache from the prompts' true lengths; rows with too little room left after
-  their prompt end early (`cache_full`)."""
+  """Trace time, in the pure engines: a prefill of `prompt_width` positions (padded prompts, and a
+  probing prefill's masks after them) must fit a cache of `cache_size` slots (a shape error deep
+  in XLA otherwise, or entries dropped). The checked wrappers cut the bucket to fit (`plan_cache`);
+  rows with too little room left after their prompt end early (`cache_full`)."""
   if prompt_width > cache_size:
     raise ValueError(f"prompts padded to {prompt_width} tokens do not fit cache_size={cache_size} "
                      f"slots. Fix: cache_size >= the longest prompt + max_new_tokens (+ what a "
@@ -50,9 +50,9 @@ def check_cache_width(prompt_width: int, cache_size: int) -> None:
 def cache_full(lengths: Array, reserve: int, cache_size: int) -> Array:
   """[B] bool: rows whose next step, which writes `reserve` cache slots from slot `lengths` [B]
   on, would run past the cache's `cache_size` slots. The pure engines end such a row there (its
-  length then falls short of max_new_tokens without a stop id) rather than let the write clamp
-  onto the last slots and decode from a corrupted cache; the checked wrappers size the cache so
-  that it never happens."""
+  length then falls short of max_new_tokens without a stop id) rather than let the writes past
+  the end be dropped and decode on from a cache missing them; the checked wrappers size the cache
+  so that it never happens."""
   return lengths + reserve > cache_size
 
 
@@ -104,14 +104,17 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
         f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} makes {positions} "
         f"positions, more than the model's max_position_embeddings={limit}. Fix: shorten the "
         f"prompt or lower max_new_tokens.")
-  bucket = prompt_bucket(longest)
   if cache_size:
-    return bucket, cache_size
-  # The reserve holds only drafts past the text's end, never committed (rounds emit at most
-  # max_new_tokens), so those slots may lie past max_position_embeddings: a speculative run
-  # reaches the positions autoregressive decoding does.
-  aligned = lambda n: -(-n // CACHE_ALIGN) * CACHE_ALIGN
-  return bucket, min(aligned(bucket + max_new_tokens + reserve), max(limit, aligned(need)))
+    size = cache_size
+  else:
+    # The reserve holds only drafts past the text's end, never committed (rounds emit at most
+    # max_new_tokens), so those slots may lie past max_position_embeddings: a speculative run
+    # reaches the positions autoregressive decoding does.
+    aligned = lambda n: -(-n // CACHE_ALIGN) * CACHE_ALIGN
+    size = min(aligned(prompt_bucket(longest) + max_new_tokens + reserve), max(limit, aligned(need)))
+  # Padded prompts (and a probing prefill's masks after them, within the reserve) fit the cache:
+  # the bucket is cut where the cache would be too small for it (still >= longest).
+  return min(prompt_bucket(longest), size - reserve), size
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, bucket: int

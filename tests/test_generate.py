@@ -363,13 +363,27 @@ def test_explicit_cache_size_limit(params):
   assert int(out.lengths[0]) == 10
 
 
+def test_a_cache_narrower_than_the_prompt_bucket(params):
+  """A cache that holds the text but not the prompt's bucket (an explicit cache_size, or a model
+  whose max_position_embeddings is no bucket: 1000, Qwen3's 40,960): the bucket is cut to the
+  cache, and the tokens are those of a roomy cache."""
+  prompt = [(3 * i) % 90 + 1 for i in range(70)]  # bucket 96
+  want = generate(params, CFG, [prompt], max_new_tokens=10).sequences()
+  assert generate(params, CFG, [prompt], max_new_tokens=10, cache_size=90).sequences() == want
+  odd = dataclasses.replace(CFG, max_position_embeddings=1000)
+  long = [(3 * i) % 90 + 1 for i in range(900)]  # bucket 1024
+  want = generate(params, dataclasses.replace(CFG, max_position_embeddings=2048), [long],
+                  max_new_tokens=10).sequences()
+  assert generate(params, odd, [long], max_new_tokens=10).sequences() == want
+
+
 @pytest.mark.parametrize("engine", ["ar", "chain", "tree"])
 def test_pure_engines_end_a_row_where_its_cache_ends(params, engine):
   """A pure engine given a cache too small for max_new_tokens (the wrappers never pass one) ends
   each row where the next step's entries would not fit: its tokens are the full cache's, cut
-  short, and as many as the cache holds. The write used to clamp onto the last slots and the row
-  decoded on from a corrupted cache (wrong tokens after 12 of 20 here, silently); a prompt wider
-  than the cache is refused at trace time (an XLA shape error before)."""
+  short, and as many as the cache holds. The writes past the end used to be dropped and the row
+  decoded on from a cache missing them (wrong tokens after 12 of 20 here, silently); a prompt
+  wider than the cache is refused at trace time (its entries past the end were dropped too)."""
   from jspec.drafting.ngram import NgramDrafter
   from jspec.speculative.chain import SpecConfig, speculative_generate_tokens
   from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate_tokens

@@ -126,8 +126,9 @@ def test_contexts_and_bad_input(target):
   with pytest.raises(ValueError, match="outside the vocabulary"):
     paired_tau(target, TARGET, drafter, [[1, 999]], [parse_tree("chain:2")], sampling=GREEDY,
                progress=False)
-  with pytest.raises(ValueError, match="max_position_embeddings"):
-    paired_tau(target, TARGET, drafter, [[1] * 256], [parse_tree("chain:8")], sampling=GREEDY,
+  with pytest.raises(ValueError, match="reaches past the model's max_position_embeddings.*counts "
+                                       "every node's acceptance"):
+    paired_tau(target, TARGET, drafter, [[1] * 250], [parse_tree("chain:8")], sampling=GREEDY,
                progress=False)
   with pytest.raises(ValueError, match="rounds"):
     paired_tau(target, TARGET, drafter, [[1]], [parse_tree("chain:2")], sampling=GREEDY,

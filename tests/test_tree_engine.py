@@ -279,7 +279,7 @@ def test_bad_input(target, drafter):
   spec = TreeSpecConfig("fixed:4-2-2-1", max_new_tokens=50)
   with pytest.raises(ValueError, match="45 slots reserved for the tree's nodes .*draft a smaller "
                                        "tree"):  # beyond the budget
-    tree_speculative_generate(target, TARGET, drafter, [[1] * 190], spec=spec)
+    tree_speculative_generate(target, TARGET, drafter, [[1] * 190], spec=spec, cache_size=256)
   with pytest.raises(ValueError, match="distinct children"):
     tree_speculative_generate(target, TARGET, drafter, [[1]],
                               spec=TreeSpecConfig("rsd-c:65", max_new_tokens=4))

@@ -148,7 +148,14 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
                      "only: its target would not be the one decoding runs. Fix: drop them here "
                      "(repetition_penalty, which counts the prompt too, is fine), or measure tau "
                      "with jspec bench")
-  reserve = max(TreeSpecConfig(s, max_new_tokens=1).reserve for s in shapes)
+  reserve = max(tree_reserve(drafter, TreeSpecConfig(s, max_new_tokens=1)) for s in shapes)
+  longest = max(len(c) for c in contexts)
+  if longest + 1 + reserve > cfg.max_position_embeddings:
+    # The engines commit no draft past max_new_tokens; a round here counts every node it accepts.
+    raise ValueError(f"a context of {longest} tokens + 1 + {reserve} slots reserved for the "
+                     f"largest tree's nodes reaches past the model's max_position_embeddings="
+                     f"{cfg.max_position_embeddings}, and bench-tau counts every node's acceptance. "
+                     f"Fix: shorter contexts, or draft a smaller tree.")
   if draft_kv is not None:
     if kv is None:
       raise ValueError("draft_kv budgets the drafter beside a budgeted target: give kv too")

@@ -86,7 +86,7 @@ def run_checked(run):
   last_failure.clear()
   try:
     return jax.block_until_ready(run())
-  except Exception as error:  # JAX wraps what a host callback raises in its own runtime error
+  except Exception:  # JAX wraps what a host callback raises in its own runtime error
     if last_failure:
       raise DraftLawError(last_failure[0]) from None
     raise

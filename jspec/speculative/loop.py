@@ -108,8 +108,9 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   N = spec.max_new_tokens
   evicted = None
   probed = None
-  if kv is None:
-    check_cache_width(P, cache_size)
+  if kv is None:  # a probing prefill writes its masks (and soft tokens) after the padded prompts
+    extra = drafter.probe_masks + drafter.soft_tokens if drafter.probe_masks else 0
+    check_cache_width(P + extra, cache_size)
   if kv is None and drafter.probe_masks:
     # k masks after each prompt's last token: the first round's drafts (jspec.drafting.probe).
     k = drafter.probe_masks
