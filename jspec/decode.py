@@ -111,7 +111,8 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
     # max_new_tokens), so those slots may lie past max_position_embeddings: a speculative run
     # reaches the positions autoregressive decoding does.
     aligned = lambda n: -(-n // CACHE_ALIGN) * CACHE_ALIGN
-    size = min(aligned(prompt_bucket(longest) + max_new_tokens + reserve), max(limit, aligned(need)))
+    size = min(aligned(prompt_bucket(longest) + max_new_tokens + reserve),
+               max(limit, aligned(need)))
   # Padded prompts (and a probing prefill's masks after them, within the reserve) fit the cache:
   # the bucket is cut where the cache would be too small for it (still >= longest).
   return min(prompt_bucket(longest), size - reserve), size

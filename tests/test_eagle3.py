@@ -82,7 +82,7 @@ def test_taps_are_the_residual_stream_entering_the_layers(target):
     want[i] = x
     x, k, v = decoder_layer(TARGET, x, lp, i, k, v, cos, sin, slots, attend)
   # Within float32 rounding of values up to ~40 (at full XLA optimisation the jitted forward fuses
-  # multiply-adds the op-by-op reference rounds apart: 4e-5 seen); another layer's stream is O(1) off.
+  # multiply-adds the op-by-op reference rounds apart: 4e-5 seen); another layer's is O(1) off.
   np.testing.assert_allclose(hidden, jnp.concatenate([want[3], want[1]], axis=-1), rtol=1e-5,
                              atol=1e-4)
   assert hidden.shape == (1, 5, 2 * TARGET.hidden_size)

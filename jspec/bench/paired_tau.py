@@ -154,8 +154,8 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
     # The engines commit no draft past max_new_tokens; a round here counts every node it accepts.
     raise ValueError(f"a context of {longest} tokens + 1 + {reserve} slots reserved for the "
                      f"largest tree's nodes reaches past the model's max_position_embeddings="
-                     f"{cfg.max_position_embeddings}, and bench-tau counts every node's acceptance. "
-                     f"Fix: shorter contexts, or draft a smaller tree.")
+                     f"{cfg.max_position_embeddings}, and bench-tau counts every node's "
+                     f"acceptance. Fix: shorter contexts, or draft a smaller tree.")
   if draft_kv is not None:
     if kv is None:
       raise ValueError("draft_kv budgets the drafter beside a budgeted target: give kv too")

@@ -1,14 +1,14 @@
 """A debug check of what a chain drafter's `propose` claims: q [B, G, V] must be the distributions
 its drafts were drawn from. The verifier cannot tell otherwise: log-probabilities, logits or zeros
 in q run without an error and sample from another law than the target's (min(1, p/q) takes any
-number). `check_shapes` in base.py catches wrong shapes and dtypes at trace time; the values
+number). `base.check_proposal` catches wrong shapes and dtypes at trace time; the values
 are only known in the running program, so this check is a host callback, off by default.
 
 Turn it on for a whole process with JSPEC_CHECK_DRAFTS=1 (read when jspec is imported), or from
 Python with `enable()`, which drops JAX's compiled programs (the check is part of the traced
 program, so programs compiled without it would run on without it). A failing round raises
 `DraftLawError` naming the drafter, the row and draft position, and what was wrong: the checked
-wrappers (`speculative_generate`, the Model API) raise it as it is; a pure engine under a user's
+wrappers (`speculative_generate`, the Model API) raise it as such; a pure engine under a user's
 own jit surfaces it inside JAX's runtime error.
 
 It checks, on every row still generating and every draft it verifies: q >= 0, each distribution
