@@ -85,8 +85,8 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
   """(prompt bucket, cache slots) for these prompts; raises ValueError if they cannot fit.
 
   `reserve` extra slots (e.g. a speculative draft block, named by `reserve_for`; `reserve_fix`:
-  how to need fewer, e.g. "lower gamma") must fit an explicit cache_size too; without one, the
-  text must fit the model's positions and the cache is sized for text and reserve.
+  how to need fewer, e.g. "lower gamma") must fit an explicit cache_size too; the text must fit
+  the model's positions (without a cache_size, the cache is sized for text and reserve).
   """
   longest = max(prompt_lengths)
   positions = longest + max_new_tokens  # RoPE positions a row's text reaches
@@ -99,8 +99,8 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
         f"cache slots, more than cache_size={cache_size}. Fix: shorten the prompt, lower "
         f"max_new_tokens" + (f", {reserve_fix}" if reserve_fix else "") + ", or raise cache_size.")
   limit = cfg.max_position_embeddings
-  if not cache_size and positions > limit:  # under a KV budget the cache is smaller, but RoPE
-    raise ValueError(  # still counts every token
+  if positions > limit:  # a KV budget's cache is smaller, but RoPE still counts every token; a
+    raise ValueError(  # cache_size larger than the positions ran past them before, silently
         f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} makes {positions} "
         f"positions, more than the model's max_position_embeddings={limit}. Fix: shorten the "
         f"prompt or lower max_new_tokens.")

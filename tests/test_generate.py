@@ -359,6 +359,9 @@ def test_one_flat_prompt_is_one_prompt(params):
 def test_explicit_cache_size_limit(params):
   with pytest.raises(ValueError, match="raise cache_size"):
     generate(params, CFG, [[1] * 30], max_new_tokens=10, cache_size=32)
+  # A cache larger than the model's positions does not take the text past them (it did, silently).
+  with pytest.raises(ValueError, match="260 positions, more than the model's max_position"):
+    generate(params, CFG, [[1] * 250], max_new_tokens=10, cache_size=512)
   out = generate(params, CFG, [[1] * 22], max_new_tokens=10, cache_size=32)
   assert int(out.lengths[0]) == 10
 
