@@ -117,3 +117,93 @@ def test_corrupt_tokenizer_json_is_named(tmp_path):
   (tmp_path / "tokenizer_config.json").write_text("{oops")
   with pytest.raises(ValueError, match=r"tokenizer_config\.json is not valid JSON"):
     Tokenizer.from_hf_dir(tmp_path)
+
+
+BASE_HF = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported.*SiLU"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5.*rotates whole heads"),
+    (dict(model_type="mistral", architectures=["LlamaForCausalLM"]),
+     "unsupported architecture: model_type='mistral'"),
+    (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling of type 'linear' lacks factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+])
+def test_configs_that_loaded_as_something_else_are_refused(extra, message):
+  """Each loaded before and computed another model than transformers builds from it (a GELU MLP,
+  RoPE on part of the head, Mistral as Llama), or failed with a bare KeyError / TypeError."""
+  with pytest.raises(ValueError, match=message):
+    config_from_hf({**BASE_HF, **extra})
+
+
+def test_attention_biases_follow_transformers():
+  """Qwen2's q/k/v always have biases (attention_bias is ignored there); Qwen3's attention_bias
+  puts one on its output projection too, as Llama's does."""
+  qwen2 = config_from_hf({**BASE_HF, "model_type": "qwen2", "attention_bias": False})
+  assert qwen2.qkv_bias and not qwen2.o_bias
+  qwen3 = config_from_hf({**BASE_HF, "model_type": "qwen3", "attention_bias": True})
+  assert qwen3.qkv_bias and qwen3.o_bias
+  assert not config_from_hf({**BASE_HF, "model_type": "qwen3"}).qkv_bias
+
+
+def gguf_meta(**extra):
+  return {"general.architecture": "llama", "llama.embedding_length": 8,
+          "llama.attention.head_count": 2, "llama.feed_forward_length": 8, "llama.block_count": 1,
+          "llama.vocab_size": 8, **{f"llama.{k}": v for k, v in extra.items()}}
+
+
+@pytest.mark.parametrize("extra, kind, factor", [
+    ({}, "none", 1.0),
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": 4.0}, "linear", 4.0),
+    ({"rope.scaling.factor": 4.0}, "linear", 4.0),  # no type: llama.cpp scales linearly
+    ({"rope.scale_linear": 2.0}, "linear", 2.0),  # the older key
+    ({"rope.scaling.type": "none", "rope.scaling.factor": 4.0}, "none", 1.0),  # none never scales
+    ({"rope.scaling.factor": 1.0}, "none", 1.0),
+])
+def test_gguf_rope_scaling_as_llama_cpp_reads_it(extra, kind, factor):
+  """A factor without a type (and the older rope.scale_linear key) were ignored: old linear-scaled
+  conversions loaded unscaled."""
+  from jspec.io.checkpoint import config_from_gguf
+  scaling = config_from_gguf(gguf_meta(**extra), {"output.weight"}).rope_scaling
+  assert (scaling.kind, scaling.factor) == (kind, factor)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"rope.scaling.type": "linear"}, "linear but llama.rope.scaling.factor is missing"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "unsupported GGUF rope scaling"),
+    ({"rope.dimension_count": 2}, "rope.dimension_count=2 rotates part of each 4-wide head"),
+    ({"attention.head_count_kv": [2, 1]}, "a KV head count per layer"),
+])
+def test_gguf_metadata_jspec_cannot_run_is_refused(extra, message):
+  from jspec.io.checkpoint import config_from_gguf
+  with pytest.raises(ValueError, match=message):
+    config_from_gguf(gguf_meta(**extra), {"output.weight"})
+
+
+def test_a_tied_config_beside_another_stored_head_is_refused(tmp_path):
+  """tie_word_embeddings=true with an lm_head.weight that is not the embedding: the head was
+  dropped silently (transformers uses it, untied); a stored copy of the embedding still loads."""
+  import numpy as np
+  from safetensors.numpy import save_file
+  rng = np.random.default_rng(0)
+  write_config(tmp_path, tie_word_embeddings=True)
+  names = {"model.norm.weight": (8,), "model.layers.0.input_layernorm.weight": (8,),
+           "model.layers.0.post_attention_layernorm.weight": (8,)}
+  for proj, shape in (("q", (8, 8)), ("k", (8, 8)), ("v", (8, 8)), ("o", (8, 8))):
+    names[f"model.layers.0.self_attn.{proj}_proj.weight"] = shape
+  for proj in ("gate", "up", "down"):
+    names[f"model.layers.0.mlp.{proj}_proj.weight"] = (8, 8)
+  tensors = {n: rng.normal(size=s).astype(np.float32) for n, s in names.items()}
+  embed = rng.normal(size=(8, 8)).astype(np.float32)
+  save_file({**tensors, "model.embed_tokens.weight": embed, "lm_head.weight": embed.copy()},
+            str(tmp_path / "model.safetensors"))
+  cfg, params = load_hf(tmp_path)
+  assert cfg.tie_embeddings and params.lm_head is None
+  save_file({**tensors, "model.embed_tokens.weight": embed, "lm_head.weight": embed + 1},
+            str(tmp_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="ties the output head.*differs from it.*Fix: set "
+                                       "tie_word_embeddings to false"):
+    load_hf(tmp_path)

@@ -18,6 +18,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    # q/k/v/o biases: llama.cpp's converter permutes the q/k biases as it does their weights.
+    "llama-bias": ("llama", {"attention_bias": True}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"tie_word_embeddings": True}),

@@ -139,8 +139,17 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, Any]], dtype,
     raise ValueError(f"{source}: tensors for layers the config does not have "
                      f"(num_layers={cfg.num_layers}): {extra}")
   lm_head = top.pop("lm_head", None)
-  if cfg.tie_embeddings:
-    lm_head = None  # some tied checkpoints still store a copy of the embedding
+  if cfg.tie_embeddings and lm_head is not None:
+    # Some tied checkpoints store a copy of the embedding. Another head would be read by
+    # transformers (it unties them, with a warning): refused rather than dropped.
+    embed, stored = top.get("embed"), np.asarray(lm_head).T  # the head is kept [E, V]
+    if embed is None or stored.shape != np.shape(embed) or not np.array_equal(stored,
+                                                                              np.asarray(embed)):
+      raise ValueError(f"{source}: the config ties the output head to the embedding "
+                       f"(tie_word_embeddings=true) but the checkpoint stores an lm_head.weight "
+                       f"that differs from it. Fix: set tie_word_embeddings to false in "
+                       f"config.json (transformers then uses the stored head), or drop the tensor.")
+    lm_head = None
   return Params(
       embed=finish("embed", layout.embed, top.pop("embed", None)),
       layers=tuple(layers),
@@ -222,13 +231,29 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
   hidden = int(get("embedding_length"))
   heads = int(get("attention.head_count"))
   kv_heads = get("attention.head_count_kv", heads)
+  if not np.isscalar(kv_heads):
+    raise ValueError(f"{arch}.attention.head_count_kv gives a KV head count per layer "
+                     f"({list(kv_heads)[:8]}...): jspec runs decoders whose layers all have the same "
+                     f"number of KV heads")
   vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-  scaling = RopeScaling()
+  head_dim = int(get("attention.key_length") or hidden // heads)
+  rotated = get("rope.dimension_count")
+  if rotated is not None and int(rotated) != head_dim:
+    raise ValueError(f"{arch}.rope.dimension_count={rotated} rotates part of each {head_dim}-wide "
+                     f"head: jspec rotates whole heads, as Llama, Qwen2 and Qwen3 do")
+  # As llama.cpp reads it: a factor (or the older scale_linear key) with no type scales linearly,
+  # the type "none" never scales; a factor of 0 or 1 means no scaling.
   kind = get("rope.scaling.type")
-  if kind == "linear":
-    scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
-  elif kind not in (None, "none"):
-    raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+  factor = get("rope.scaling.factor", get("rope.scale_linear"))
+  scaling = RopeScaling()
+  if kind not in (None, "none", "linear"):
+    raise ValueError(f"unsupported GGUF rope scaling {kind!r}; jspec supports none and linear "
+                     f"(and Llama 3's frequency factors, rope_freqs.weight)")
+  if kind == "linear" and factor is None:
+    raise ValueError(f"{arch}.rope.scaling.type is linear but {arch}.rope.scaling.factor is "
+                     f"missing: the file does not say how much its RoPE was stretched")
+  if kind != "none" and factor is not None and float(factor) not in (0.0, 1.0):
+    scaling = RopeScaling(kind="linear", factor=float(factor))
   return Config(
       arch=arch,
       vocab_size=int(vocab),
@@ -237,7 +262,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
       num_layers=int(get("block_count")),
       num_heads=heads,
       num_kv_heads=int(kv_heads),
-      head_dim=int(get("attention.key_length") or hidden // heads),
+      head_dim=head_dim,
       rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
       rope_theta=float(get("rope.freq_base", 10000.0)),
       rope_scaling=scaling,
@@ -287,10 +312,11 @@ def gguf_to_hf_name(name: str, source) -> str:
 
 
 def _permuted_heads(cfg: Config, name: str) -> int | None:
-  """Llama GGUFs store q/k rows interleaved for llama.cpp's RoPE: the head count to undo it."""
-  if cfg.arch == "llama" and name.endswith("attn_q.weight"):
+  """Llama GGUFs store q/k rows interleaved for llama.cpp's RoPE, and their biases alike (the
+  converter permutes both): the head count to undo it."""
+  if cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
     return cfg.num_heads
-  if cfg.arch == "llama" and name.endswith("attn_k.weight"):
+  if cfg.arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
     return cfg.num_kv_heads
   return None
 

@@ -91,7 +91,9 @@ def _hf_arch(hf: dict[str, Any]) -> str:
   model_type = hf.get("model_type")
   if model_type in _HF_MODEL_TYPES:
     return _HF_MODEL_TYPES[model_type]
-  for cls in hf.get("architectures") or ():
+  # transformers builds the model its model_type names (mistral's sliding window, ...), whatever
+  # class `architectures` lists: a model_type of another family is that family.
+  for cls in (hf.get("architectures") or ()) if model_type is None else ():
     if cls in _HF_ARCH_CLASSES:
       return _HF_ARCH_CLASSES[cls]
   raise ValueError(
@@ -106,6 +108,12 @@ def rope_scaling_from_hf(scaling: dict[str, Any] | None) -> RopeScaling:
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind == "default":
     return RopeScaling()
+  fields = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(kind, ())
+  missing = [f for f in fields if scaling.get(f) is None]
+  if missing:
+    raise ValueError(f"rope_scaling of type {kind!r} lacks {', '.join(missing)} (config.json: "
+                     f"{scaling}). Fix: the checkpoint's config.json as its model was trained.")
   if kind == "linear":
     return RopeScaling(kind="linear", factor=float(scaling["factor"]))
   if kind == "llama3":
@@ -132,13 +140,23 @@ def config_from_hf(hf: dict[str, Any]) -> Config:
   arch = _hf_arch(hf)
   if hf.get("use_sliding_window") and hf.get("sliding_window"):
     raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):  # the MLP's gate is SiLU in every decoder jspec runs
+    raise ValueError(f"hidden_act={act!r} is not supported: jspec's decoders gate their MLP with "
+                     f"SiLU (hidden_act 'silu'), as Llama, Qwen2 and Qwen3 do")
+  if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise ValueError(f"partial_rotary_factor={hf['partial_rotary_factor']} (RoPE on part of each "
+                     f"head) is not supported: jspec rotates whole heads, as Llama, Qwen2 and "
+                     f"Qwen3 do")
   num_heads = _required_int(hf, "num_attention_heads")
   hidden = _required_int(hf, "hidden_size")
   # Qwen2/3 checkpoints carry rope_theta at the top level; newer transformers nests it in
   # rope_parameters together with the scaling.
   rope = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-  bias = bool(hf.get("attention_bias", arch == "qwen2"))
+  # Qwen2's q/k/v projections always have biases (transformers ignores attention_bias there);
+  # Llama's and Qwen3's follow attention_bias, and so does their output projection.
+  bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
   return Config(
       arch=arch,
       vocab_size=_required_int(hf, "vocab_size"),
@@ -154,7 +172,7 @@ def config_from_hf(hf: dict[str, Any]) -> Config:
       max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=bias,
-      o_bias=bias and arch == "llama",
+      o_bias=bias and arch in ("llama", "qwen3"),
       mlp_bias=bool(hf.get("mlp_bias", False)),
       qk_norm=arch == "qwen3",
   )
