@@ -115,6 +115,8 @@ class Model:
     else a list, one per prompt); the pieces join to `generate_text`'s text. stop_strings: text
     that ends an answer (cut before it; the row stops generating), as for `generate_text`."""
     stop_strings = check_stop(stop_strings)
+    if hasattr(self.tokenizer, "check_stop_strings"):  # jspec's Tokenizer (tests pass byte ones)
+      self.tokenizer.check_stop_strings(stop_strings)
     single = isinstance(prompts, str)
     ids = [self.encode(p, chat) for p in text_prompts(prompts)]
     return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,

@@ -301,12 +301,18 @@ def test_unsupported_gguf_tokenizers_are_refused():
 def test_stop_ids_from_eos_eot_and_template():
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
           "tokenizer.ggml.tokens": ["a", "b", "ab", "<|im_end|>", "<|endoftext|>", "<|eot_id|>",
-                                    "<t>"],
-          "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3, 4], "tokenizer.ggml.merges": ["a b"],
+                                    "<t>", "<|file_sep|>", "<|end_of_text|>"],
+          "tokenizer.ggml.token_type": [1, 1, 1, 3, 3, 3, 4, 3, 3], "tokenizer.ggml.merges": ["a b"],
           "tokenizer.ggml.eos_token_id": 4, "tokenizer.ggml.eot_token_id": 5,
           "tokenizer.chat_template": CHATML}
   ours = Tokenizer.from_gguf_metadata(meta)
-  assert ours.stop_token_ids == (4, 5, 3)  # eos, eot, then the turn end the template writes.
+  # eos, eot, then every end of generation llama.cpp knows by its text, whatever the template
+  # writes (a completion without the template ends at <|endoftext|>-like tokens too: it ran on).
+  assert ours.stop_token_ids == (4, 5, 3, 7, 8)
+  with pytest.raises(ValueError, match=r"stop string 'x<\|im_end\|>' holds the special token "
+                                       r"'<\|im_end\|>' \(id 3\).*one of this tokenizer's stop ids"):
+    ours.check_stop_strings(["\n", "x<|im_end|>"])  # decoded text never holds it: never matched
+  ours.check_stop_strings(["\n\n", "<t>"])  # <t> is user-defined text: decoded, so it can match
   assert ours.encode("ab<|im_end|>b") == [2, 3, 1]  # Control tokens stay whole...
   assert ours.decode([2, 3, 1]) == "abb"  # ...and are special, so decoding skips them.
   assert ours.encode("a<t>b") == [0, 6, 1] and ours.decode([0, 6, 1]) == "a<t>b"  # User-defined.
@@ -335,6 +341,19 @@ def test_llama3_pre_matches_whole_pieces_and_adds_bos():
   no_bos = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "llama3",
                                          "tokenizer.ggml.add_bos_token": False})
   assert no_bos.encode("ab") == [256]
+
+
+def test_templates_see_tools_and_documents_as_none():
+  """As transformers renders: a template testing `tools is not none` wrote its tools block for
+  every prompt (undefined is not none)."""
+  template = ("{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]"
+              "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+  ours = Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+                                       "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                                       "tokenizer.ggml.merges": ["a b"],
+                                       "tokenizer.chat_template": template})
+  assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+  assert ours.apply_chat_template([{"role": "user", "content": "hi"}], tools=[1]) == "[TOOLS]hi"
 
 
 def test_no_chat_template_points_to_the_fix():

@@ -32,6 +32,12 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 # Tokens that end a turn when a chat template writes them; ids found in the template join stops.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
                     "<|endoftext|>", "<|end_of_text|>")
+# What llama.cpp ends generation on besides eos/eot/eom, by token text, whatever the chat template
+# says: the turn ends above and fill-in-the-middle's pad / repository / file-separator tokens (a
+# model that writes one has ended its document). GGUF files are read as llama.cpp reads them.
+_GGUF_END_TOKENS = (*_TURN_END_TOKENS, "<EOT>", "_<EOT>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>",
+                    "<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<reponame>", "<|file_sep|>",
+                    "<file_sep>")
 
 # Pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe applies them (one after another).
 _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -119,6 +125,26 @@ class Tokenizer:
     """Text of `ids` (any iterable of ints, e.g. a numpy row)."""
     return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+  def special_tokens(self) -> dict[str, int]:
+    """{text: id} of the special tokens, which `decode` skips by default."""
+    return {t.content: int(i) for i, t in self.backend.get_added_tokens_decoder().items()
+            if t.special}
+
+  def check_stop_strings(self, stop_strings: Sequence[str]) -> None:
+    """Stop strings are matched in decoded text, which never holds a special token's text: one
+    that contains it could never match (transformers' StopStringCriteria, which reads token
+    strings, would). Refused, naming the token's id."""
+    for text, token_id in self.special_tokens().items():
+      for stop in stop_strings:
+        if text in stop:
+          where = ("it is one of this tokenizer's stop ids already (on with stop=True)"
+                   if token_id in self.stop_token_ids else
+                   f"pass stop_ids=({token_id},) to jspec.generate / the engines")
+          raise ValueError(
+              f"stop string {stop!r} holds the special token {text!r} (id {token_id}), which "
+              f"decoded text never shows, so it would never match. Fix: stop on the token's id: "
+              f"{where}")
+
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True, **kwargs: Any) -> str:
     """The prompt string for `messages` ([{"role": ..., "content": ...}, ...]).
@@ -131,9 +157,12 @@ class Tokenizer:
           "tokenizer_config.json), so chat messages cannot be turned into a prompt. Fix: pass "
           "--no-chat to use the raw prompt text, or use a chat/instruct model that ships a chat "
           "template.")
+    # tools and documents as transformers passes them (None unless given): a template that tests
+    # `tools is not none` would otherwise see them undefined, which is not none.
     return _compile_template(self.chat_template).render(
         messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        **{"tools": None, "documents": None, **kwargs})
 
   @classmethod
   def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -203,12 +232,14 @@ class Tokenizer:
           f"GGUF tokenizer model {kind!r} is not supported; jspec builds 'gpt2' (byte-level BPE) "
           f"and 'llama' (SentencePiece BPE) tokenizers. Fix: use a model with one of those, or its "
           f"Hugging Face directory (tokenizer.json).")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    ends = [i for i, t in enumerate(tokens) if t in _GGUF_END_TOKENS]
     return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
                add_bos=meta.get("tokenizer.ggml.add_bos_token", add_bos_default),
                chat_template=meta.get("tokenizer.chat_template"),
-               extra_stop_ids=[meta.get("tokenizer.ggml.eot_token_id"),
-                               meta.get("tokenizer.ggml.eom_token_id")])
+               extra_stop_ids=[meta.get(f"tokenizer.ggml.{name}_token_id")
+                               for name in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")] + ends)
 
 
 def _first(value: Any) -> int | None:
