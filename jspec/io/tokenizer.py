@@ -35,9 +35,9 @@ _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_o
 # What llama.cpp ends generation on besides eos/eot/eom, by token text, whatever the chat template
 # says: the turn ends above and fill-in-the-middle's pad / repository / file-separator tokens (a
 # model that writes one has ended its document). GGUF files are read as llama.cpp reads them.
-_GGUF_END_TOKENS = (*_TURN_END_TOKENS, "<EOT>", "_<EOT>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>",
-                    "<|repo_name|>", "<|fim_repo|>", "<fim-repo>", "<reponame>", "<|file_sep|>",
-                    "<file_sep>")
+_GGUF_END_TOKENS = (*_TURN_END_TOKENS, "<EOT>", "_<EOT>", "<|fim_pad|>", "<fim-pad>", "<PAD>",
+                    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+                    "<|file_sep|>")
 
 # Pre-tokenizer regexes, as llama.cpp's llm_tokenizer_bpe applies them (one after another).
 _GPT2_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
