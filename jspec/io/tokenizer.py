@@ -58,8 +58,9 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), (_QWEN2_SPLIT,)),
 }
 # llama.cpp matches a whole pre-token against the vocabulary before merging for these (as the
-# `ignore_merges` of Llama 3's tokenizer.json), and adds BOS unless the file says otherwise.
-_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")
+# `ignore_merges` of Llama 3's tokenizer.json), and adds BOS unless the file says otherwise;
+# smaug-bpe and dbrx split as Llama 3 does but do neither.
+_LLAMA3_PRES = ("llama3", "llama-v3", "llama-bpe", "falcon3")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
