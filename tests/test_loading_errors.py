@@ -149,6 +149,28 @@ def test_attention_biases_follow_transformers():
   assert not config_from_hf({**BASE_HF, "model_type": "qwen3"}).qkv_bias
 
 
+QWEN = {**BASE_HF, "model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 16}
+
+
+@pytest.mark.parametrize("extra, sliding", [
+    ({}, False),  # use_sliding_window defaults to false: the window is never used
+    (dict(use_sliding_window=True, max_window_layers=4), False),  # no layer at or past 4
+    (dict(use_sliding_window=True, max_window_layers=2), True),  # layers 2 and 3 slide
+    (dict(use_sliding_window=True, num_hidden_layers=30), True),  # transformers' default: 28
+    (dict(layer_types=["full_attention"] * 3 + ["sliding_attention"]), True),
+    (dict(use_sliding_window=True, layer_types=["full_attention"] * 4), False),
+])
+def test_sliding_window_refused_where_transformers_slides(extra, sliding):
+  """transformers builds sliding-window layers from layer_types, or from use_sliding_window and
+  max_window_layers; a Qwen config whose layers all attend fully loads (it was refused)."""
+  hf = {**QWEN, **extra}
+  if sliding:
+    with pytest.raises(ValueError, match="sliding-window attention .* not supported"):
+      config_from_hf(hf)
+  else:
+    assert config_from_hf(hf).num_layers == hf["num_hidden_layers"]
+
+
 def gguf_meta(**extra):
   return {"general.architecture": "llama", "llama.embedding_length": 8,
           "llama.attention.head_count": 2, "llama.feed_forward_length": 8, "llama.block_count": 1,

@@ -135,11 +135,31 @@ def _required_int(hf: dict[str, Any], key: str) -> int:
   return value
 
 
+def _sliding_layers(hf: dict[str, Any], arch: str) -> list[int]:
+  """The layers transformers builds with sliding-window attention (Qwen2/3's rule; its Llama
+  has no sliding window and ignores such keys)."""
+  if arch == "llama":
+    return []
+  layer_types = hf.get("layer_types")
+  if layer_types is None:
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+      return []
+    first = hf.get("max_window_layers", 28)  # transformers' default
+    return list(range(first, hf.get("num_hidden_layers") or 0))
+  return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+
+
 def config_from_hf(hf: dict[str, Any]) -> Config:
   """Config from a Hugging Face `config.json` dictionary."""
   arch = _hf_arch(hf)
-  if hf.get("use_sliding_window") and hf.get("sliding_window"):
-    raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+  sliding = _sliding_layers(hf, arch)
+  if sliding:
+    raise ValueError(
+        f"sliding-window attention (layers {sliding[0]}..{sliding[-1]} of "
+        f"{hf.get('num_hidden_layers')} attend to a window of {hf.get('sliding_window')} tokens) "
+        f"is not supported: jspec attends over the whole cache. Fix: a checkpoint whose config "
+        f"has use_sliding_window=false (or max_window_layers >= num_hidden_layers)")
   act = hf.get("hidden_act", "silu")
   if act not in ("silu", "swish"):  # the MLP's gate is SiLU in every decoder jspec runs
     raise ValueError(f"hidden_act={act!r} is not supported: jspec's decoders gate their MLP with "
