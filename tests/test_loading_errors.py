@@ -229,3 +229,21 @@ def test_a_tied_config_beside_another_stored_head_is_refused(tmp_path):
   with pytest.raises(ValueError, match="ties the output head.*differs from it.*Fix: set "
                                        "tie_word_embeddings to false"):
     load_hf(tmp_path)
+
+
+def test_gguf_frequency_factors_keep_a_linear_factor():
+  """llama.cpp applies rope_freqs.weight and a linear factor both (the factors alone were kept);
+  a factor count that is not the head's frequency count is refused."""
+  import numpy as np
+  from jspec.io.checkpoint import _with_freq_factors, config_from_gguf
+  from jspec.models.config import rope_frequencies
+  factors = (1.0, 8.0)  # a 4-wide head has 2 frequencies
+  plain = config_from_gguf(gguf_meta(), {"output.weight"})
+  linear = config_from_gguf(gguf_meta(**{"rope.scaling.factor": 4.0}), {"output.weight"})
+  base = rope_frequencies(plain)
+  np.testing.assert_allclose(rope_frequencies(_with_freq_factors(plain, factors)),
+                             base / np.array(factors), rtol=1e-6)
+  np.testing.assert_allclose(rope_frequencies(_with_freq_factors(linear, factors)),
+                             base / np.array(factors) / 4.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="holds 3 frequency factors.*has 2 frequencies"):
+    _with_freq_factors(plain, (1.0, 2.0, 4.0))

@@ -335,7 +335,14 @@ def _gguf_layout(reshape: _Reshape, cfg: Config, heads: int | None) -> Callable:
 
 
 def _with_freq_factors(cfg: Config, factors: tuple[float, ...]) -> Config:
-  return dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="factors", freq_factors=factors))
+  """llama.cpp divides each frequency by its factor and scales positions linearly as well where
+  the file also gives a linear factor: both are kept."""
+  if len(factors) != cfg.head_dim // 2:
+    raise ValueError(f"rope_freqs.weight holds {len(factors)} frequency factors, but a "
+                     f"{cfg.head_dim}-wide head has {cfg.head_dim // 2} frequencies")
+  linear = cfg.rope_scaling.factor if cfg.rope_scaling.kind == "linear" else 1.0
+  return dataclasses.replace(cfg, rope_scaling=RopeScaling(kind="factors", factor=linear,
+                                                           freq_factors=factors))
 
 
 def load_model(path: str | Path, dtype=jnp.float32) -> tuple[Config, Params]:

@@ -19,7 +19,8 @@ _HF_ARCH_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """RoPE frequency scaling. kind: "none", "linear", "llama3" (Llama 3.1/3.2) or "factors"
-  (per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF's rope_freqs tensor)."""
+  (per-frequency divisors, as llama.cpp stores llama3 scaling in GGUF's rope_freqs tensor, each
+  frequency also divided by `factor` where the GGUF gives a linear one too)."""
 
   kind: str = "none"
   factor: float = 1.0
@@ -216,5 +217,5 @@ def rope_frequencies(cfg: Config) -> np.ndarray:
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     inv = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
   elif s.kind == "factors":
-    inv = inv / np.asarray(s.freq_factors, np.float64)
+    inv = inv / np.asarray(s.freq_factors, np.float64) / s.factor
   return inv.astype(np.float32)
