@@ -6,7 +6,7 @@ and distillation build on it; it imports only the model layer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +217,8 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
                   cache_size: int | None, reserve: int = 0, reserve_for: str = "",
                   reserve_fix: str = "") -> Batch:
   """Host-side checks and padding shared by every generate entry point."""
+  if isinstance(prompts, Iterator):  # read once: a generator is no pytree node JAX looks into
+    prompts = list(prompts)
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((prompts, sampling))):
     raise TypeError("the prompts or sampling settings are traced (inside jax.jit or vmap): "
                     "generate, speculative_generate and tree_speculative_generate check and pad "
