@@ -108,7 +108,7 @@ def child(shape: str, dtype: str, layout: str, args) -> dict:
 
   short_s, long_s = best(args.short), best(args.long)
   step_s = (long_s - short_s) / (args.long - args.short)
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  weight_bytes = llama.step_weight_bytes(params, cfg.vocab_size)  # an untied embedding: a row
   kv_bytes = cache.k.nbytes + cache.v.nbytes  # the masked attention reads every slot
   return {"shape": shape, "dtype": dtype, "layout": layout, "compile_s": compile_s,
           "step_ms": step_s * 1e3, "tok_s": 1 / step_s, "program_short_s": short_s,

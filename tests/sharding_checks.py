@@ -25,7 +25,7 @@ from jspec.drafting.skip import skip_drafter
 from jspec.generate import generate, generate_stream, generate_tokens
 from jspec.kv.policy import KVPolicy
 from jspec.models.config import Config
-from jspec.models.llama import init_params, repeat_kv_heads, stack_layers
+from jspec.models.llama import init_params, repeat_kv_heads, stack_layers, step_weight_bytes
 from jspec.sampling import processing
 from jspec.sampling.processing import GREEDY, SamplingParams, candidate_threshold
 from jspec.score import score
@@ -186,6 +186,10 @@ def check_communication():
     assert {s.data.shape for s in wq.addressable_shards} == {(64, 8 // tp, 8)}
     kv_split = tp if TARGET.num_kv_heads % tp == 0 else 1  # fewer KV heads than tp: replicated
     assert placed.layers[0].wk.addressable_shards[0].data.shape == (64, 2 // kv_split, 8)
+    # What one device streams a step: its shards (a bandwidth fraction is one device's).
+    whole = step_weight_bytes(target, TARGET.vocab_size)
+    on_one = step_weight_bytes(placed, TARGET.vocab_size)
+    assert on_one == whole if tp == 1 else on_one < 2 * whole // tp, (dp, tp, on_one, whole)
     step = decode_step(generate_tokens, placement, placed, TARGET, b.tokens, b.lengths, b.key,
                        b.sampling, max_new_tokens=8, cache_size=b.cache_size)
     big = [c for c in step if not c.in_branch and c.bytes > 64]

@@ -174,3 +174,18 @@ def test_bfloat16_checkpoint(tmp_path):
     want = model.float()(torch.as_tensor(ids)).logits.numpy()
   got, _, _ = full_forward(cfg, p32, ids)
   assert np.abs(got - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_streams_one_row_of_an_untied_embedding(tied):
+  """The bandwidth figures' bytes a step: the whole head, but of an untied input embedding one
+  row a token (the whole table was counted: Llama-3-8B's 1.05 GB of 16.2)."""
+  from jspec.models.config import Config
+  from jspec.models.llama import init_params, param_bytes, step_weight_bytes
+  cfg = Config(arch="llama", vocab_size=96, hidden_size=16, intermediate_size=32, num_layers=1,
+               num_heads=2, num_kv_heads=1, head_dim=8, tie_embeddings=tied)
+  params = init_params(cfg, jax.random.key(0))
+  table = params.embed.size * params.embed.dtype.itemsize
+  row = table // cfg.vocab_size
+  assert step_weight_bytes(params, cfg.vocab_size) == param_bytes(params) - (0 if tied else
+                                                                             table - row)

@@ -257,6 +257,26 @@ def test_wrong_acceptance_rule_is_caught(tiny_pair, monkeypatch):
   assert not ok and stat > 5 * (dof + 6 * np.sqrt(2 * dof)), (stat, dof)
 
 
+@pytest.mark.parametrize("wrong_bonus", [False, True])
+def test_the_bonus_after_a_whole_accepted_chain_is_lossless(tiny_pair, monkeypatch, wrong_bonus):
+  """gamma 1 over three tokens: a round that accepts its draft emits the bonus as the third token
+  (at gamma 2 that round is cut at the token budget, so no bonus is ever emitted there). Control:
+  a bonus of token 0 after a whole accepted chain must fail."""
+  target, drafter = tiny_pair
+  sp = SAMPLINGS["t0.7-topk"]
+  if wrong_bonus:
+    real = engine.verify
+
+    def zero_bonus(key, drafts, q, target_logits, sampling, target_logprobs=None):
+      accepted, bonus = real(key, drafts, q, target_logits, sampling, target_logprobs)
+      return accepted, jnp.where(accepted == drafts.shape[1], 0, bonus).astype(bonus.dtype)
+
+    monkeypatch.setattr(engine, "verify", zero_bonus)
+  stat, dof, ok = chi_square(sample_sequences(target, drafter, sp, gamma=1),
+                             exact_distribution(target, sp))
+  assert ok != wrong_bonus, (stat, dof)
+
+
 # ---------------------------------------------------------------------------- VocabTrim
 TINY_KEEP = [0, 1, 3, 7, 8, 12]  # 6 of 16 ids: most target tokens are ones the draft cannot propose
 

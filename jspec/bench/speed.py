@@ -32,7 +32,7 @@ from jspec.kv.policy import KVPolicy
 from jspec.model import Model
 from jspec.models import quant
 from jspec.models.cache import KVCache
-from jspec.models.llama import forward, layers_stacked, param_bytes
+from jspec.models.llama import forward, layers_stacked, step_weight_bytes
 from jspec.models.numerics import engine_jit, precision_label
 from jspec.sampling.processing import GREEDY, SamplingParams, argmax
 from jspec.tree.shapes import TreeShape
@@ -449,7 +449,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
   (ar_run, extra), *chain_runs = bench_interleaved(methods, prompts)
   ar = {"method": "jspec-autoregressive", "drafter": "none", **base, **ar_run.summary(), **extra}
   if measure_bandwidth:
-    ar.update(_bandwidth_fields(ar["decode_tokens_per_s"], param_bytes(model.params)))
+    ar.update(_bandwidth_fields(ar["decode_tokens_per_s"],
+                                step_weight_bytes(model.params, model.cfg.vocab_size)))
   records.append(ar)
 
   specs = []

@@ -614,3 +614,23 @@ def native_float_params(params: Params) -> Params:
 
 def param_bytes(params: Params) -> int:
   return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)))
+
+
+def _bytes_on_one_device(x) -> int:
+  """A leaf's bytes on the first device holding it (all of it when unplaced or replicated)."""
+  shards = getattr(x, "addressable_shards", None)
+  if not shards:
+    return int(np.prod(x.shape) * x.dtype.itemsize)
+  first = shards[0].device
+  return int(sum(s.data.nbytes for s in shards if s.device == first))
+
+
+def step_weight_bytes(params: Params, vocab_size: int) -> int:
+  """Weight bytes one decode step streams on one device: its shard of every weight, except that
+  an untied model's input embedding is read a row per token, not whole (a tied one is the head's
+  matrix, read whole). What a bandwidth fraction divides by one device's bandwidth."""
+  total = sum(_bytes_on_one_device(x) for x in jax.tree.leaves(params))
+  if params.lm_head is not None:
+    embed = sum(_bytes_on_one_device(x) for x in jax.tree.leaves(params.embed))
+    total -= embed - embed // vocab_size
+  return int(total)
