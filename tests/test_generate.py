@@ -143,7 +143,9 @@ def kept_by_sorting(x, k, p):
   keep, margin = np.zeros(x.shape, bool), np.full(x.shape[0], np.inf)
   for r, row in enumerate(x.astype(np.float64)):
     finite = row[np.isfinite(row)]
-    desc = np.sort(finite)[::-1][: k or None]
+    desc = np.sort(finite)[::-1]
+    if k:  # top-k keeps its k largest and every value tied with the k-th
+      desc = desc[desc >= desc[min(k, len(desc)) - 1]]
     probs = np.exp(desc - desc.max())
     probs /= probs.sum()
     before = np.cumsum(probs) - probs
@@ -179,6 +181,30 @@ def test_bisected_threshold_keeps_what_sorting_keeps(case):
       want, margin = kept_by_sorting(x, k, p)
       differ = (got != want).any(axis=-1)
       assert (margin[differ] < 1e-5).all(), (k, p, np.flatnonzero(differ), margin[differ])
+
+
+@pytest.mark.parametrize("candidates", [256, 2], ids=["candidates", "bisection"])
+def test_top_p_reads_every_token_top_k_kept(monkeypatch, candidates):
+  """Ties with top-k's k-th value are kept, and top-p then normalises over all of them (it read
+  exactly k: [3, 2, 2] at k=2 gave the 3 a mass of 0.73, past top_p 0.7, and kept it alone;
+  over the three it is 0.58, so the tied 2s stay)."""
+  monkeypatch.setattr(processing, "CANDIDATES", candidates)
+  x = jnp.asarray([[3.0, 2.0, 2.0, -4.0]])
+  got = np.exp(np.asarray(processed_logprobs(x, SamplingParams(1.0, top_k=2, top_p=0.7))))[0]
+  want = np.exp([3.0, 2.0, 2.0]) / np.exp([3.0, 2.0, 2.0]).sum()
+  np.testing.assert_allclose(got, [*want, 0.0], atol=1e-6)
+  # Past top-p's threshold the ties are all kept too (transformers keeps those first in its sort).
+  got = np.exp(np.asarray(processed_logprobs(x, SamplingParams(1.0, top_k=2, top_p=0.6))))[0]
+  np.testing.assert_allclose(got, [*want, 0.0], atol=1e-6)
+  got = np.exp(np.asarray(processed_logprobs(x, SamplingParams(1.0, top_k=2, top_p=0.5))))[0]
+  np.testing.assert_allclose(got, [1.0, 0.0, 0.0, 0.0], atol=1e-6)
+
+
+def test_a_temperature_below_a_millionth_is_that_temperature():
+  """A positive temperature divides as given (one below 1e-6 was raised to it silently)."""
+  x = jnp.asarray([[1.0, 1.0 + 2e-6, 0.0]])
+  got = np.exp(np.asarray(processed_logprobs(x, SamplingParams(temperature=1e-8))))[0]
+  np.testing.assert_allclose(got, [0.0, 1.0, 0.0], atol=1e-6)
 
 
 def test_first_token_follows_processed_distribution(params):

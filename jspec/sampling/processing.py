@@ -327,7 +327,10 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   """Log-probabilities [..., V] after temperature, top-k, top-p and min-p; filtered tokens are
   -inf.
 
-  Ties at a top-k or top-p threshold are kept (as transformers does). For temperature 0 this
+  Ties at a top-k or top-p threshold are all kept: top-k's as transformers keeps them, and top-p
+  then reads the distribution over every token top-k kept, ties included, as transformers does;
+  at top-p's own edge transformers keeps the tied tokens that come first in its sort, jspec
+  keeps them all (no token's fate hangs on its id). For temperature 0 this
   returns the temperature-1e-6 distribution, unfiltered (a greedy row's argmax is the same either
   way, and a tree that draws a greedy row's children from this law must not see its neighbours'
   settings through the mode); callers treat greedy separately with argmax. The
@@ -338,7 +341,8 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   """
   greedy = sp.is_greedy  # static where the mode says; else one bool, or one per row
   temperature = per_row(jnp.asarray(sp.temperature, jnp.float32), logits)
-  x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+  # A positive temperature divides as given (1e-9 is sharper than 1e-6); 0 stands for 1e-6.
+  x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1e-6)
   k = jnp.where(greedy, 0, jnp.asarray(sp.top_k, jnp.int32))
   top_p = jnp.where(greedy, 1.0, jnp.asarray(sp.top_p, jnp.float32))
   min_p = jnp.where(greedy, 0.0, jnp.asarray(sp.min_p, jnp.float32))
@@ -396,8 +400,12 @@ def candidate_threshold(x: Array, k: Array, top_p: Array) -> tuple[Array, Array,
   # top-p reads the distribution top-k leaves, whose normalizer over all V logits (k = 0) is a
   # sum reduced shard by shard; over the top k (k > 0) it needs only the sorted values.
   log_z_all = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # [..., 1]
-  threshold, mass = _threshold(_largest(x, m), k, top_p, log_z_all)
-  fits = (k <= m) & ((k > 0) | (mass >= top_p) | (top_p >= 1)) | (m == x.shape[-1])
+  desc = _largest(x, m)
+  threshold, mass = _threshold(desc, k, top_p, log_z_all)
+  # Ties with top-k's k-th value past the candidates: top-p's normalizer would miss them.
+  k_th = jnp.take_along_axis(desc, jnp.clip(k, 1, m) - 1, axis=-1)
+  spills = (k > 0) & (top_p < 1) & (desc[..., -1:] >= k_th)
+  fits = (k <= m) & ((k > 0) | (mass >= top_p) | (top_p >= 1)) & ~spills | (m == x.shape[-1])
   return threshold, fits, log_z_all
 
 
@@ -424,11 +432,8 @@ def bisected_threshold(x: Array, k: Array, top_p: Array, log_z_all: Array) -> Ar
           x, lambda v: jnp.sum(x > v, -1, keepdims=True) < k), _LOWEST),
       lambda: lowest)
   p = jnp.exp(x - log_z_all)  # [..., V] under the whole vocabulary's normalizer
-  # The top k of the sorted reading, ties at t_k counted only up to k.
-  above = x > t_k
-  n_above = jnp.sum(above, axis=-1, keepdims=True)
-  z_k = (jnp.sum(jnp.where(above, p, 0), axis=-1, keepdims=True)
-         + (jnp.minimum(k, x.shape[-1]) - n_above) * jnp.exp(t_k - log_z_all))
+  # What top-k keeps: its k largest and every token tied with the k-th.
+  z_k = jnp.sum(jnp.where(x >= t_k, p, 0), axis=-1, keepdims=True)
   z = jnp.where(k > 0, z_k, 1.0)
 
   def nucleus_ends(v):
@@ -473,11 +478,11 @@ def _value(code: Array) -> Array:
 
 def _threshold(desc: Array, k: Array, top_p: Array, log_z_all: Array) -> tuple[Array, Array]:
   """(threshold [..., 1], mass [..., 1]) from a row's largest values `desc` [..., n] (largest
-  first): the smallest value top-k and top-p keep (ties kept, as transformers does), and the
-  probability `desc` holds under the top-k distribution (the nucleus fits in `desc` when that is
-  at least top_p)."""
+  first): the smallest value top-k and top-p keep (ties kept), and the probability `desc` holds
+  under the top-k distribution (the nucleus fits in `desc` when that is at least top_p)."""
   n = desc.shape[-1]
-  desc = jnp.where((k > 0) & (jnp.arange(n) >= k), -jnp.inf, desc)
+  t_k = jnp.take_along_axis(desc, jnp.clip(k, 1, n) - 1, axis=-1)  # top-k's k-th value
+  desc = jnp.where((k > 0) & (desc < t_k), -jnp.inf, desc)  # ties with the k-th kept
   log_z = jnp.where(k > 0, jax.nn.logsumexp(desc, axis=-1, keepdims=True), log_z_all)
   probs = jnp.exp(desc - log_z)
   mass = jnp.cumsum(probs, axis=-1)
