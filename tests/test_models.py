@@ -189,3 +189,22 @@ def test_a_decode_step_streams_one_row_of_an_untied_embedding(tied):
   row = table // cfg.vocab_size
   assert step_weight_bytes(params, cfg.vocab_size) == param_bytes(params) - (0 if tied else
                                                                              table - row)
+
+
+def test_forward_jit_refuses_a_step_past_the_cache_end(tmp_path):
+  """A step whose entries would not fit: dropped writes and wrong logits before (0.2 off a roomy
+  cache's), now an error naming the fix; the step that fills the last slot still runs."""
+  from jspec.models.llama import forward_jit
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama")
+  cfg, params = load_hf(d)
+  cache = KVCache.init(cfg, 1, 8)
+  _, _, cache = forward_jit(params, cfg, jnp.arange(7)[None], jnp.arange(7)[None], cache)
+  cache = cache.commit(7)
+  _, _, full = forward_jit(params, cfg, jnp.asarray([[3]]), jnp.asarray([[7]]), cache)
+  with pytest.raises(ValueError, match="needs 9 slots; the cache has 8.*Fix: a larger cache"):
+    forward_jit(params, cfg, jnp.asarray([[3]]), jnp.asarray([[8]]), full.commit(1))
+  # Under a caller's jit the lengths are traced: no host check, the caller owns the room.
+  roomy = KVCache.init(cfg, 1, 16).with_lengths(jnp.asarray([7], jnp.int32))
+  logits = jax.jit(lambda c: forward_jit(params, cfg, jnp.asarray([[3]]), jnp.asarray([[7]]),
+                                         c)[0])(roomy)
+  assert logits.shape == (1, 1, cfg.vocab_size)

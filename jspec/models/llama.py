@@ -14,6 +14,7 @@ place either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -536,7 +537,27 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
 # Step-by-step use outside `generate`: the cache argument is donated, so XLA updates it in place.
 # Not traced under a placement: on a batch-sharded cache its write is one scatter over explicit
 # rows, correct but gathered over dp (the engines, `traced_under_placement`, write row by row).
-forward_jit = engine_jit(forward, static_argnums=(1,), donate_argnames=("cache",))
+_forward_jit = engine_jit(forward, static_argnums=(1,), donate_argnames=("cache",))
+
+
+@functools.wraps(forward)
+def forward_jit(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
+                *args, **kwargs):
+  """`forward`, jitted, the cache donated; a step whose new entries would run past the cache's
+  end is refused (its writes would be dropped, and its tokens attend without their own keys: wrong
+  logits, no error). Checked on the host where the lengths are concrete (one [B] read; under a
+  caller's jit they are traced and the caller owns the room)."""
+  lengths = cache.lengths
+  if not isinstance(lengths, jax.core.Tracer):
+    appended = kwargs.get("appended")
+    width = tokens.shape[1] + (0 if appended is None else appended.shape[1])
+    longest = int(np.max(np.asarray(lengths))) if np.size(lengths) else 0
+    if longest + width > cache.size:
+      raise ValueError(f"a forward of {width} new tokens from cache length {longest} needs "
+                       f"{longest + width} slots; the cache has {cache.size}: the entries past its "
+                       f"end would be dropped. Fix: a larger cache (KVCache.init(cfg, batch, "
+                       f"size)), or a KV budget that evicts (jspec.kv)")
+  return _forward_jit(params, cfg, tokens, positions, cache, *args, **kwargs)
 
 
 # Input (contracted) axes of each quantizable weight; norms and biases stay in float.
