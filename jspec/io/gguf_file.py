@@ -7,8 +7,9 @@ tensor on the device, in one jitted pass from its bytes, into the form every for
 
     weight[row, j] = q[row, j] * scale[row, j // sub] (+ offset[row, j // sub])
 
-with q small integers (int8), so a float load is `dequantize(unpack(...))` and a quantized load
-(`jspec.models.quant`) keeps (q, scale, offset) as they are. Layouts follow ggml's
+with q small integers (int8), so a load is `dequantize(unpack(...))`: every format is decoded to
+float, and jspec's own int8 / q4 formats (`jspec.models.quant`) quantize that float again (the
+file's blocks are not kept). Layouts follow ggml's
 `dequantize_row_*`; the tests check every format against gguf-py's reference dequantizer.
 """
 
