@@ -388,6 +388,44 @@ def test_eagle_objective_is_smooth_l1_plus_weighted_kl(target):
   np.testing.assert_allclose(two[0][0], pred, rtol=1e-6)
 
 
+def test_eagle_feature_noise_reaches_the_optimizer_step(target):
+  """--noise perturbs the input features in training (the step passed the objective no key, so
+  noise 5 trained exactly what noise 0 did); the key is the seed's and the micro-step's."""
+  from jspec.models.eagle import init_eagle
+  from jspec.train.eagle import EagleLoss, eagle_objective
+  params, dcfg = init_eagle(target.params, target.cfg, jax.random.key(0))
+  B, S, E, K = 2, 6, target.cfg.hidden_size, 3
+  rng = np.random.default_rng(1)
+  batch = {"tokens": jnp.asarray(rng.integers(0, 200, (B, S)), jnp.int32),
+           "feats": jnp.asarray(rng.normal(size=(B, S, E)), jnp.float32),
+           "mask": jnp.ones((B, S), jnp.float32),
+           "top_ids": jnp.asarray(rng.integers(0, 200, (B, S, K)), jnp.int32),
+           "top_logprobs": jnp.log(jnp.full((B, S, K), 1 / K)),
+           "embed": target.params.embed, "head": target.params.embed}
+  tc = trainer.TrainConfig(loss="eagle", steps=5, warmup_steps=0)
+  opt = trainer.optimizer(tc)
+  key = jax.random.key(3)
+  values = {}
+  for noise in (0.0, 0.0, 5.0):
+    step = trainer.make_step(dcfg, tc, opt, eagle_objective(dcfg, EagleLoss(noise=noise)))
+    values.setdefault(noise, []).append(float(step(params, opt.init(params), batch, key)[2]))
+  assert values[0.0][0] == values[0.0][1] and values[5.0][0] != values[0.0][0], values
+
+
+def test_a_feature_run_resumed_with_other_loss_settings_is_refused(tmp_path):
+  """The loss settings (cls_weight, unroll, noise; EAGLE-3's and ConFu's passes and anchors) bind
+  a feature run's work directory like its data settings (a resume switched objective silently)."""
+  from jspec.train.eagle import EagleLoss, feature_data
+  for loss in (EagleLoss(cls_weight=0.1, unroll=2), EagleLoss(cls_weight=10.0, unroll=2)):
+    if loss.cls_weight == 10.0:
+      (tmp_path / "work" / "checkpoints" / "2").mkdir(parents=True)  # the first run saved one
+      with pytest.raises(ValueError, match="other settings .*loss: .*cls_weight.: 0.1.*then"):
+        feature_data(None, tmp_path, "eagle", (), 0, 12, loss=loss)
+    else:
+      with pytest.raises(ValueError, match="pass --data"):  # recorded, then no data given
+        feature_data(None, tmp_path, "eagle", (), 0, 12, loss=loss)
+
+
 def test_eagle_recipe_trains_resumes_saves_and_decodes_losslessly(target, data_dir, tmp_path):
   from jspec.generate import generate
   from jspec.drafting.registry import load_drafter

@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
   d.add_argument("--out", type=Path, required=True, help="data directory; rerun to resume")
   add_data_args(d)
   d.add_argument("--prompt-offset", type=int, default=0,
-                 help="skip this many prompts of the seeded order (those of earlier sets)")
+                 help="skip this many prompts of the seeded order: a set of --num-prompts N may "
+                      "read up to 2N (prompts too long once templated are skipped), so a disjoint "
+                      "next set takes an offset of 2N past the earlier ones")
   d.add_argument("--seed", type=int, default=0)
   d.set_defaults(fn=train.cmd_distill_data)
   v = sub.add_parser("trim-vocab", help="give a drafter a VocabTrim head (the M ids the target "

@@ -210,7 +210,7 @@ def train_confu(target, out, recipe: ConFuRecipe, *, progress: bool = True,
   tc = recipe.train
   taps = eagle3.fusion_taps(target.cfg.num_layers)
   data = feature_data(target, out, "confu", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
-                      taps=taps, progress=progress)
+                      taps=taps, progress=progress, loss=recipe.loss)
   params, cfg = init_confu(target, recipe, jax.random.key(tc.seed), data.keep)
   tcfg = target.cfg
   eval_fn = confu_eval(cfg, tcfg, recipe.loss)

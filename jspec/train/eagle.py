@@ -180,14 +180,17 @@ class FeatureData:
 
 
 def feature_data(target, out: Path, network: str, data_dirs: tuple[str, ...], vocab_trim: int,
-                 seq_len: int, taps: tuple[int, ...] = (), progress: bool = True) -> FeatureData:
+                 seq_len: int, taps: tuple[int, ...] = (), progress: bool = True,
+                 loss=None) -> FeatureData:
   """The distillation rows (`data_dirs`; the last HELD_OUT share held out), VocabTrim's draft
   vocabulary from the training rows, and the target's features of every row cached under
   out/features (final-normed states, or `taps`). A rerun of another `network`'s run, or with
-  other data settings, into `out` is refused before any feature is computed."""
+  other data or loss settings (`loss`, the recipe's loss dataclass), into `out` is refused before
+  any feature is computed."""
   trainer.check_resume(out / "work", {"command": f"train-eagle --network {network}",
                                       "vocab_trim": vocab_trim, "data_dirs": data_dirs,
-                                      "seq_len": seq_len})
+                                      "seq_len": seq_len,
+                                      "loss": None if loss is None else dataclasses.asdict(loss)})
   if not data_dirs:
     raise ValueError("a feature drafter trains on existing distillation data: pass --data DIR "
                      "(make it with `jspec distill-data`)")
@@ -226,7 +229,7 @@ def train_eagle(target, out, recipe: EagleRecipe, *, progress: bool = True,
   out.mkdir(parents=True, exist_ok=True)
   tc = recipe.train
   data = feature_data(target, out, "eagle", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
-                      progress=progress)
+                      progress=progress, loss=recipe.loss)
   params, cfg = init_eagle(target.params, target.cfg, jax.random.key(tc.seed))
   eval_fn = eagle_eval(cfg, recipe.loss)  # compiled once for every periodic evaluation
   t1 = time.perf_counter()

@@ -15,7 +15,8 @@ draft by draft (a test checks it).
 The loss is token prediction only (no feature regression): pass s's forward KL from the target's
 stored top-k distribution of t_{j+s+2} to the drafter's head, weighted decay**s (0.8 in the
 reference), with VocabTrim's draft vocabulary as the head's support (teacher ids outside it are
-padding, so its mass is renormalised over the draft vocabulary).
+padding: their mass belongs to no draft token and is not renormalised, so a position weighs by the
+teacher mass its draft vocabulary holds; the best head at each position is the same either way).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def train_eagle3(target, out, recipe: Eagle3Recipe, *, progress: bool = True,
   tc = recipe.train
   taps = eagle3.fusion_taps(target.cfg.num_layers)
   data = feature_data(target, out, "eagle3", recipe.data_dirs, recipe.vocab_trim, tc.seq_len,
-                      taps=taps, progress=progress)
+                      taps=taps, progress=progress, loss=recipe.loss)
   params, cfg = eagle3.init_eagle3(target.params, target.cfg, jax.random.key(tc.seed), data.keep)
   eval_fn = eagle3_eval(cfg, recipe.loss)
   t1 = time.perf_counter()

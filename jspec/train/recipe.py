@@ -50,8 +50,9 @@ class DrafterRecipe:
 
 def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
   """Candidate prompts for a distillation set: twice those needed (some are too long once
-  templated), after the first `prompt_offset` of the seeded order (used by earlier sets), so sets
-  made with growing offsets never share a prompt."""
+  templated), after the first `prompt_offset` of the seeded order (used by earlier sets): sets
+  share no prompt when each one's offset is at least the earlier ones' offset + 2 x num_prompts
+  (an offset of num_prompts may reuse prompts the set before read)."""
   texts = training_prompts(prompt_offset + 2 * cfg.num_prompts, seed=cfg.seed)
   return texts[prompt_offset:]
 

@@ -96,8 +96,9 @@ def check_resume(workdir: Path, settings: dict, record: str = "recipe.json") -> 
   # after the load) may be rerun with the setting fixed.
   if file.is_file() and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
     old = json.loads(file.read_text())
+    # A setting an older jspec did not record is not compared (its runs still resume).
     changed = [f"{k}: {old.get(k)!r} then, {v!r} now" for k, v in settings.items()
-               if old.get(k) != v]
+               if k in old and old[k] != v]
     if changed:
       raise ValueError(f"{workdir} holds a run made with other settings ({'; '.join(changed)}). "
                        f"Fix: rerun with the first run's settings to resume it, or another --out")
@@ -156,11 +157,13 @@ def frozen_tables(params: Params, freeze: Callable) -> Params:
 
 def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation,
               objective: Callable | None = None) -> Callable:
-  """The jitted optimizer step; `objective(params, batch) -> loss` replaces the distillation loss
-  of a plain drafter (e.g. jspec.train.eagle's)."""
+  """The jitted optimizer step `step(params, opt_state, batch, key)`; `objective(params, batch,
+  key) -> loss` replaces the distillation loss of a plain drafter (e.g. jspec.train.eagle's, whose
+  feature noise draws from the key: a function of the seed and the micro-step, so a resumed run
+  draws what the unbroken one would)."""
   loss = None if objective is not None else loss_fn(tc.loss)
 
-  def distill_objective(params, batch):
+  def distill_objective(params, batch, key=None):
     if tc.freeze_embeddings:
       params = frozen_tables(params, jax.lax.stop_gradient)
     logits = student_logits(params, cfg, batch["tokens"])
@@ -169,8 +172,8 @@ def make_step(cfg: Config, tc: TrainConfig, opt: optax.GradientTransformation,
   objective = objective or distill_objective
 
   @jax.jit
-  def step(params, opt_state, batch):
-    value, grads = jax.value_and_grad(objective)(params, batch)
+  def step(params, opt_state, batch, key):
+    value, grads = jax.value_and_grad(objective)(params, batch, key)
     updates, opt_state = opt.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
     if tc.freeze_embeddings and objective is distill_objective:  # weight decay would shrink them
@@ -272,7 +275,8 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   t0, tokens_seen, done_here = time.perf_counter(), 0, 0
   for micro in range(start, micro_total):
     batch = rows.take(batch_indices(len(rows), tc, micro))
-    params, opt_state, value = step_fn(params, opt_state, batch)
+    key = jax.random.fold_in(jax.random.key(tc.seed), micro)
+    params, opt_state, value = step_fn(params, opt_state, batch, key)
     tokens_seen += int(batch["mask"].sum())
     done_here += 1
     opt_step = (micro + 1) // tc.grad_accum
