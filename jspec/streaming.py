@@ -282,6 +282,8 @@ class RowText:
     self.start = self.read = 0  # the window ids[start:], of which ids[start:read] are sent
 
   def add(self, more: list[int]) -> str:
+    if not more:  # the window stays: a SentencePiece decode drops a first token's space
+      return ""
     self.ids += more
     before = self.decode(self.ids[self.start:self.read])
     after = self.decode(self.ids[self.start:])

@@ -108,6 +108,10 @@ def test_generate_stops_at_stop_text(tiny_model, capsys, stream):
   assert scored < made <= 40
   assert main(argv + ["--stop", ""]) == 2
   assert "--stop is empty" in capsys.readouterr().err
+  # A special token's text never shows in decoded text: refused as the API refuses it (it ran on,
+  # never matched).
+  assert main(argv + ["--stop", "<|im_start|>"]) == 2
+  assert "holds the special token '<|im_start|>' (id 1)" in capsys.readouterr().err
   # A stop string opening the answer: nothing to score, said without dividing by zero.
   opening = full[:2].replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
   assert main(argv + ["--stop", opening, "--logprobs", "model"]) == 0

@@ -276,3 +276,22 @@ def test_halt_refuses_what_is_not_a_row_of_a_running_stream(params):
     stream.halt([])  # nothing to halt
   with pytest.raises(RuntimeError, match="this run has ended"):
     stream.halt([0])
+
+
+def test_a_row_with_no_new_tokens_keeps_its_text_window():
+  """A segment that gives a row no new ids leaves its decode window as it was: a SentencePiece
+  decoder strips a sequence's first space, so restarting the window there streamed
+  'helloworld againn' for 'hello world again'."""
+  from jspec.io.tokenizer import Tokenizer
+  from jspec.streaming import RowText
+  pieces = ["<unk>", "<s>", "</s>", "\u2581", "\u2581hello", "\u2581world", "\u2581again"]
+  tokenizer = Tokenizer.from_gguf_metadata({
+      "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": pieces,
+      "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1],
+      "tokenizer.ggml.scores": [0.0] * 3 + [-1.0, -2.0, -3.0, -4.0],
+      "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+      "tokenizer.ggml.unknown_token_id": 0})
+  assert tokenizer.decode([4, 5, 6]) == "hello world again"
+  row = RowText(tokenizer.decode)
+  text = "".join(row.add(more) for more in ([4], [], [5], [6]))
+  assert text == "hello world again" and row.finish() == ""

@@ -28,6 +28,8 @@ def cmd_generate(args) -> int:
     Placement(mesh).check_batch(len(args.prompt))
   start = time.perf_counter()
   model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
+  if stop:  # a special token's text is never in the decoded text, so never matched
+    model.tokenizer.check_stop_strings(stop)
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   drafter = with_draft_penalties(args, args.drafter, drafter)
   load_s = time.perf_counter() - start
