@@ -14,7 +14,6 @@ place either way.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -540,7 +539,6 @@ def _scanned_layers(params: Params, cfg: Config, x: Array, k_all: Array, v_all: 
 _forward_jit = engine_jit(forward, static_argnums=(1,), donate_argnames=("cache",))
 
 
-@functools.wraps(forward)
 def forward_jit(params: Params, cfg: Config, tokens: Array, positions: Array, cache: KVCache,
                 *args, **kwargs):
   """`forward`, jitted, the cache donated; a step whose new entries would run past the cache's

@@ -35,7 +35,7 @@ def dequantize(q: Array, scale: Array, offset: Optional[Array], sub: int,
 # ----------------------------------------------------------------------------- int8 matmuls
 # Weights int8 with one scale per output channel; activations quantized to int8 per token on the
 # fly (llama.cpp's scheme on CPU, but with one scale a token where its Q8 activations take one a
-# block of 32: coarser, and most of int8's loss). The dot runs int8 x int8 -> int32, exact,
+# block of 32: coarser). The dot runs int8 x int8 -> int32, exact,
 # which XLA's CPU backend maps to VNNI/AVX-512 kernels 2-3x faster than its float32 dot at 2-8
 # rows; dequantizing the weights to float inside the matmul instead (weight-only) is SLOWER than
 # float32 there, because XLA materializes the converted weights (benchmarks/issue17_matmul_cpu.json).

@@ -341,8 +341,10 @@ def processed_logprobs(logits: Array, sp: SamplingParams) -> Array:
   """
   greedy = sp.is_greedy  # static where the mode says; else one bool, or one per row
   temperature = per_row(jnp.asarray(sp.temperature, jnp.float32), logits)
-  # A positive temperature divides as given (1e-9 is sharper than 1e-6); 0 stands for 1e-6.
-  x = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1e-6)
+  # A positive temperature divides as given (1e-9 is sharper than 1e-6; below 1e-30 float32
+  # logits would overflow); 0 stands for 1e-6.
+  x = logits.astype(jnp.float32) / jnp.where(temperature > 0, jnp.maximum(temperature, 1e-30),
+                                             1e-6)
   k = jnp.where(greedy, 0, jnp.asarray(sp.top_k, jnp.int32))
   top_p = jnp.where(greedy, 1.0, jnp.asarray(sp.top_p, jnp.float32))
   min_p = jnp.where(greedy, 0.0, jnp.asarray(sp.min_p, jnp.float32))
