@@ -7,7 +7,11 @@ at position j + 1 (the next token's) to the drafter's head there.
 
 At decode time only the first draft reads a true target state; later drafts read the drafter's own
 predictions. `unroll = 2` trains that case too: a second pass feeds the first pass's predictions
-f̂_j in place of f_j (gradients flow through both), and its losses are added.
+f̂_j in place of f_j (gradients flow through both), and its losses are added. It approximates
+the decode case rather than repeating it: there the second draft's query reads its own f̂_j, but
+attends to pairs built from the target's true features; here every earlier pair of pass two is
+rebuilt from predictions too (EAGLE-3's training-time test keeps pass one's keys and adds a
+diagonal, `jspec.train.eagle3`; the same for this pass is not built).
 """
 
 from __future__ import annotations
