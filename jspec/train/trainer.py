@@ -273,10 +273,11 @@ def train(params: Params, cfg: Config, rows: Rows, tc: TrainConfig, workdir: str
   bar = tqdm(total=micro_total, initial=start, desc=f"train drafter ({tc.loss})",
              disable=not progress)
   t0, tokens_seen, done_here = time.perf_counter(), 0, 0
+  seed_key = jax.random.key(tc.seed)
   for micro in range(start, micro_total):
     batch = rows.take(batch_indices(len(rows), tc, micro))
-    key = jax.random.fold_in(jax.random.key(tc.seed), micro)
-    params, opt_state, value = step_fn(params, opt_state, batch, key)
+    params, opt_state, value = step_fn(params, opt_state, batch,
+                                       jax.random.fold_in(seed_key, micro))
     tokens_seen += int(batch["mask"].sum())
     done_here += 1
     opt_step = (micro + 1) // tc.grad_accum
