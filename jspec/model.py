@@ -109,14 +109,20 @@ class Model:
     run, owners = self.generate_ids(prompts, _stream=True, **kwargs)
     return TokenStream(run, every, owners=owners)
 
+  def check_stop_strings(self, stop_strings: Sequence[str] | str | None) -> tuple[str, ...]:
+    """Stop strings as a tuple, refused where one could never match (it holds a special token's
+    text, which decoded text never shows: `Tokenizer.check_stop_strings`)."""
+    stop_strings = check_stop(stop_strings)
+    if hasattr(self.tokenizer, "check_stop_strings"):  # jspec's Tokenizer (tests pass byte ones)
+      self.tokenizer.check_stop_strings(stop_strings)
+    return stop_strings
+
   def stream_text(self, prompts: Sequence[str] | str, *, chat: bool = True, every: int = 1,
                   stop_strings: Sequence[str] | str | None = None, **kwargs) -> TextStream:
     """`generate_text`, streamed: iterate for the new text (one prompt given as a str: a str;
     else a list, one per prompt); the pieces join to `generate_text`'s text. stop_strings: text
     that ends an answer (cut before it; the row stops generating), as for `generate_text`."""
-    stop_strings = check_stop(stop_strings)
-    if hasattr(self.tokenizer, "check_stop_strings"):  # jspec's Tokenizer (tests pass byte ones)
-      self.tokenizer.check_stop_strings(stop_strings)
+    stop_strings = self.check_stop_strings(stop_strings)
     single = isinstance(prompts, str)
     ids = [self.encode(p, chat) for p in text_prompts(prompts)]
     return TextStream(self.stream_ids(ids, every=every, **kwargs), self.tokenizer.decode, single,

@@ -28,8 +28,7 @@ def cmd_generate(args) -> int:
     Placement(mesh).check_batch(len(args.prompt))
   start = time.perf_counter()
   model = load(args.model, args.dtype, mesh=mesh, scan_layers=args.scan_layers)
-  if stop:  # a special token's text is never in the decoded text, so never matched
-    model.tokenizer.check_stop_strings(stop)
+  stop = model.check_stop_strings(stop)  # before the drafter loads
   drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
   drafter = with_draft_penalties(args, args.drafter, drafter)
   load_s = time.perf_counter() - start
@@ -48,7 +47,7 @@ def cmd_generate(args) -> int:
   with CompileCounter() as compiled:
     if args.stream or stop:  # --stream: one prompt (check_args), its text as segments come back
       stream = TextStream(model.stream_ids(ids, every=1 if args.stream else STOP_EVERY, **run),
-                          model.tokenizer.decode, single=False, stop=tuple(stop))
+                          model.tokenizer.decode, single=False, stop=stop)
       texts = [""] * len(ids)
       for pieces in stream:
         texts = [text + piece for text, piece in zip(texts, pieces)]
