@@ -238,6 +238,11 @@ def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
   (tmp_path / "text.safetensors").write_text("not a datastore")
   with pytest.raises(ValueError, match="not a safetensors datastore"):
     D.load_table(tmp_path / "text.safetensors", tok, 8)
+  import safetensors.numpy  # a model's weights: metadata that is not JSON
+  safetensors.numpy.save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"),
+                              metadata={"format": "pt"})
+  with pytest.raises(ValueError, match="not a jspec n-gram datastore"):
+    parse_drafter(f"rest:{tmp_path / 'model.safetensors'}")
   with pytest.raises(FileNotFoundError, match="jspec build-datastore"):
     parse_drafter(f"rest:{tmp_path / 'missing.safetensors'}")
   assert parse_drafter(f"rest:{path}+self").fallback.kind.name == "self"
@@ -274,9 +279,36 @@ def test_build_datastore_command_and_rest_drafter(tmp_path, capsys):
   assert "no such file" in capsys.readouterr().err
   assert main(["build-datastore", "--model", str(model), "--from", str(text), "--n-max", "9"]) == 2
   assert "--n-max" in capsys.readouterr().err
+  # Without --out only the default datastore (ShareGPT, default settings) is written, to the
+  # path `--drafter rest` reads as ShareGPT's; a corpus given twice would count twice.
+  for extra in ([], ["--from", "sharegpt", "--n-max", "2"]):
+    sources = ["--from", str(text)] if not extra else []
+    assert main(["build-datastore", "--model", str(model), *sources, *extra]) == 2
+    assert "--drafter rest reads" in capsys.readouterr().err
+  assert main(["build-datastore", "--model", str(model), "--from", str(text), "--from",
+               str(text), "--out", str(tmp_path / "twice.safetensors")]) == 2
+  assert "given twice" in capsys.readouterr().err
   other = tmp_path / "other.safetensors"
   D.save_table(other, *D.build_table([np.asarray([1, 2, 1, 2])], min_count=1)[:2], n_min=1,
                n_max=3, min_count=1, corpus_tokens=4, tokenizer=_Tok(["a", "b", "c"]),
                source="test")
   assert main(base + ["--drafter", f"rest:{other}"]) == 2
   assert "another tokenizer" in capsys.readouterr().err
+
+
+def test_the_default_datastore_is_rebuilt_when_its_file_is_not_sharegpts(tmp_path, monkeypatch,
+                                                                          capsys):
+  """A file at the default path built from another source or other settings (an older
+  build-datastore wrote one there) is not read as ShareGPT's datastore."""
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  tok = _Tok([f"t{i}" for i in range(8)])
+  path = D.default_table_path(tok)
+  path.parent.mkdir(parents=True)
+  keys, tokens, n = D.build_table([np.asarray([5, 6] * 20)], min_count=1)
+  D.save_table(path, keys, tokens, n_min=1, n_max=D.N_MAX, min_count=1, corpus_tokens=n,
+               tokenizer=tok, source="corpus.txt")
+  monkeypatch.setattr(D, "sharegpt_sequences", lambda *a, **k: [np.asarray([1, 2, 3] * 20)])
+  table = D.default_table(tok, 8)
+  assert D.read_metadata(path)["source"] == "sharegpt" and "building it again" in (
+      capsys.readouterr().err)
+  assert set(np.asarray(table.tokens).tolist()) <= {1, 2, 3}

@@ -313,7 +313,27 @@ def check_args(args) -> None:
             "(greedy, the default) they change nothing", file=sys.stderr)
   if getattr(args, "n_max", None) is not None and args.n_max > MAX_ORDER:
     raise ValueError(f"--n-max must be at most {MAX_ORDER}, got {args.n_max}")
-  for source in getattr(args, "sources", None) or ():
+  if args.command == "build-datastore":
+    _check_datastore_args(args)
+
+
+def _check_datastore_args(args) -> None:
+  """Sources that exist, each once (a corpus given twice counts its contexts twice: --min-count
+  8 would keep what 4 keeps), and an --out unless the default datastore is what is built."""
+  from jspec.io.datastore import MIN_COUNT, N_MAX
+  seen = set()
+  for source in args.sources or ():
     if source != "sharegpt" and not Path(source).exists():
       raise FileNotFoundError(f"--from {source}: no such file or directory. Fix: 'sharegpt', a "
                               f"directory of `jspec distill-data` or a text file")
+    key = source if source == "sharegpt" else Path(source).resolve()
+    if key in seen:
+      raise ValueError(f"--from {source} is given twice: its contexts would count twice. Fix: "
+                       f"give each source once")
+    seen.add(key)
+  default = (args.sources or ["sharegpt"]) == ["sharegpt"] and (args.n_max, args.min_count) == (
+      N_MAX, MIN_COUNT)
+  if args.out is None and not default:
+    raise ValueError(f"without --out, build-datastore writes the default datastore that "
+                     f"--drafter rest reads: ShareGPT alone with --n-max {N_MAX} --min-count "
+                     f"{MIN_COUNT}. Fix: --out FILE for this one, then --drafter rest:FILE")

@@ -11,7 +11,7 @@ from jspec.cli.options import (PER_PROMPT, TARGET_HELP, WARMUP_HELP, add_data_ar
                                add_gamma_arg, add_kv_args, add_model_args, add_scan_arg,
                                add_target_arg, add_tree_arg, add_weights_arg)
 from jspec.drafting.registry import drafter_help
-from jspec.io.datastore import MAX_ORDER
+from jspec.io.datastore import MAX_ORDER, MIN_COUNT, N_MAX
 from jspec.tree.shapes import TREE_HELP
 
 # The --help description: the first line of jspec/cli/__init__.py's docstring (keep them equal).
@@ -307,11 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "evaluation prompt left out), a directory of `jspec distill-data` (the "
                       "target's own answers) or a UTF-8 text file; repeatable")
   s.add_argument("--out", type=Path, default=None,
-                 help="the file to write (default: where --drafter rest looks for the ShareGPT "
+                 help="the file to write (default, for ShareGPT alone with the default "
+                      "--n-max and --min-count only: where --drafter rest looks for the ShareGPT "
                       "datastore, in the cache)")
-  s.add_argument("--n-max", type=int, default=3,
+  s.add_argument("--n-max", type=int, default=N_MAX,
                  help=f"longest context, in tokens (1-{MAX_ORDER})")
-  s.add_argument("--min-count", type=int, default=8,
+  s.add_argument("--min-count", type=int, default=MIN_COUNT,
                  help="keep contexts seen at least this often")
   s.set_defaults(fn=train.cmd_build_datastore)
   for command in sub.choices.values():  # argparse prints no help line, so no default, without help

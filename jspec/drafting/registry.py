@@ -142,8 +142,14 @@ def parse_drafter(name: str) -> DrafterName | None:
     try:
       kind.check(arg)
     except (ValueError, FileNotFoundError) as e:
-      raise type(e)(_naming(name, e)) from None
+      raise _renamed(e, _naming(name, e)) from None
   return DrafterName(name, kind, arg, fallback)
+
+
+def _renamed(error: Exception, message: str) -> Exception:
+  """The error again with `message`: a FileNotFoundError stays one, anything else a ValueError
+  (a subclass such as json's JSONDecodeError takes other arguments)."""
+  return (FileNotFoundError if isinstance(error, FileNotFoundError) else ValueError)(message)
 
 
 def _naming(name: str, error: Exception) -> str:
@@ -206,7 +212,7 @@ def _build(name: DrafterName, target: Target, dtype: str) -> Drafter:
   try:
     drafter = name.kind.build(target, name.arg, dtype, fallback)
   except (ValueError, FileNotFoundError) as e:
-    raise type(e)(_naming(name.text, e)) from None
+    raise _renamed(e, _naming(name.text, e)) from None
   return drafter if name.stop is None else drafter.with_stop(name.stop)
 
 

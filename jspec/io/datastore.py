@@ -147,7 +147,7 @@ def read_metadata(path: str | Path) -> dict:
       meta = f.metadata() or {}
   except Exception as e:  # a text file, a truncated download: say which file
     raise ValueError(f"{path} is not a safetensors datastore ({e})") from None
-  if json.loads(meta.get("format", "null")) != FORMAT:
+  if meta.get("format") != json.dumps(FORMAT):  # compared as text: others' metadata is not JSON
     raise ValueError(f"{path} is not a jspec n-gram datastore (format "
                      f"{meta.get('format')!r}, expected {FORMAT!r}); build one with "
                      f"`jspec build-datastore`")
@@ -217,9 +217,20 @@ def write_table(out: str | Path, sequences: Iterable[np.ndarray], tokenizer: Tok
   return out, int(keys.size), n_tokens
 
 
+def _is_default(meta: dict) -> bool:
+  """Whether a datastore's metadata says it is the default one (ShareGPT, default settings)."""
+  return (meta.get("source"), meta.get("n_max"), meta.get("min_count")) == (
+      "sharegpt", N_MAX, MIN_COUNT)
+
+
 def default_table(tokenizer: Tokenizer, vocab_size: int, progress: bool = True) -> NgramTable:
   """The ShareGPT datastore for this tokenizer, built once (a few minutes) into the cache."""
   path = default_table_path(tokenizer)
+  if path.is_file() and not _is_default(read_metadata(path)):
+    if progress:  # written by an older jspec's build-datastore from another source: replaced
+      print(f"jspec: {path} was not built from ShareGPT with the default settings; building "
+            f"it again", file=sys.stderr)
+    path.unlink()
   if not path.is_file():
     if progress:
       print(f"jspec: building the n-gram datastore for this tokenizer from ShareGPT (once, into "
