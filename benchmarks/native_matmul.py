@@ -5,7 +5,9 @@ The Qwen2.5-Coder-1.5B projections (q/o 1536 x 1536, k/v 1536 x 256, gate/up 153
 down 8960 x 1536) at 1-8 activation rows (a decode step: 1; a verification block: gamma + 1),
 each as `jspec.models.quant.einsum` runs it (per-token activation quantization and scaling
 included), over 8 distinct weight matrices per call so the weights stream from memory rather than
-sit in the cache. GB/s counts int8 weight bytes (q4 reads half as many).
+sit in the cache. GB/s counts int8 weight bytes (q4 reads half as many). "q4" is the format
+`--weights q4` loads (a float16 offset per group: ggml's Q4_1), "q4_symmetric" the one without
+offsets (`quant.quantize_q4(..., offset=False)`).
 
   python benchmarks/native_matmul.py --json benchmarks/issue17_native_matmul_cpu.json
 """
@@ -60,7 +62,8 @@ def main() -> int:
   for name, (K, N) in SHAPES.items():
     dense = [rng.standard_normal((K, N)).astype(np.float32) for _ in range(DISTINCT)]
     by_kernel = {k: [quant.quantize_int8(w, (0,), k) for w in dense] for k in quant.KERNELS}
-    by_kernel["q4"] = [quant.quantize_q4(w, (0,)) for w in dense]
+    by_kernel["q4"] = [quant.quantize_q4(w, (0,)) for w in dense]  # with offsets (Q4_1)
+    by_kernel["q4_symmetric"] = [quant.quantize_q4(w, (0,), offset=False) for w in dense]
     for M in map(int, args.rows.split(",")):
       x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
       s = {k: per_call_seconds(ws, x) for k, ws in by_kernel.items()}
@@ -68,12 +71,14 @@ def main() -> int:
              **{f"{k}_ms": v * 1e3 for k, v in s.items()},
              **{f"{k}_weight_GBps": K * N / v / 1e9 for k, v in s.items()},
              "native_speedup_vs_xla": s["xla"] / s["native"],
-             "q4_speedup_vs_native_int8": s["native"] / s["q4"]}
+             "q4_speedup_vs_native_int8": s["native"] / s["q4"],
+             "q4_offsets_time_vs_symmetric": s["q4"] / s["q4_symmetric"]}
       rows_out.append(row)
       print(f"{name:8s} {K}x{N} rows {M}: native {s['native'] * 1e3:.3f} ms "
             f"({row['native_weight_GBps']:.1f} GB/s), xla {s['xla'] * 1e3:.3f} ms "
             f"({row['xla_weight_GBps']:.1f} GB/s): {row['native_speedup_vs_xla']:.2f}x; q4 "
-            f"{s['q4'] * 1e3:.3f} ms: {row['q4_speedup_vs_native_int8']:.2f}x native int8",
+            f"{s['q4'] * 1e3:.3f} ms: {row['q4_speedup_vs_native_int8']:.2f}x native int8, "
+            f"{row['q4_offsets_time_vs_symmetric']:.2f}x the symmetric q4's time",
             flush=True)
   Path(args.json).write_text(json.dumps(
       {"kernel_path": native.kernel_path(), "distinct_weights": DISTINCT, "results": rows_out,

@@ -575,7 +575,7 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
 
-  project = quant.quantize_q4 if bits == 4 else q8
+  project = quant.quantize_q4 if bits == 4 else q8  # 4 bits: with offsets (Q4_1 blocks kept)
 
   def layer(lp: LayerParams) -> LayerParams:
     return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)

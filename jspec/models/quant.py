@@ -130,16 +130,19 @@ class Int8Weight:
 @dataclasses.dataclass
 class Q4Weight:
   """A weight w (input axes `in_axes` first, output axes after: a decoder projection) in 4 bits:
-  groups of 32 consecutive inputs of an output channel share one float16 scale, w = scale *
-  (code - 8) with codes in 1..15 (symmetric). Stored output-major for jspec's CPU kernel
-  (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte in `pack_q4`'s order,
-  scale [N, K / 32] float16, N and K the flattened output and input sizes. Activations are
-  quantized to int8 per token, as for Int8Weight; its models run the native attention too."""
+  groups of 32 consecutive inputs of an output channel share one float16 scale and, in the
+  asymmetric form, one float16 offset: w = scale * code + offset with codes 0..15 (ggml's Q4_1
+  block), or without offsets w = scale * (code - 8) (its Q4_0 block). Stored output-major for
+  jspec's CPU kernel (`jspec.native.q4_matmul`): codes [N, K / 2] uint8, two codes a byte in
+  `pack_q4`'s order, scale and offset [N, K / 32] float16, N and K the flattened output and
+  input sizes. Activations are quantized to int8 per token, as for Int8Weight; its models run the
+  native attention too."""
 
   codes: Array
   scale: Array
   shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
   in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+  offset: Optional[Array] = None
 
   @property
   def dtype(self):
@@ -155,13 +158,19 @@ class Q4Weight:
       shape = tuple(size // known if d == -1 else d for d in shape)
     if tuple(shape[-n_out:]) != self.shape[-n_out:] or int(np.prod(shape)) != size:
       raise ValueError(f"Q4Weight.reshape keeps the trailing output axes: {self.shape} -> {shape}")
-    return Q4Weight(self.codes, self.scale, tuple(shape), tuple(range(len(shape) - n_out)))
+    return Q4Weight(self.codes, self.scale, tuple(shape), tuple(range(len(shape) - n_out)),
+                    self.offset)
 
   def dense(self) -> Array:
     """w in its own layout, dequantized."""
     N, half = self.codes.shape
-    q = unpack_q4(self.codes).astype(jnp.float32).reshape(N, -1, Q4_GROUP) - 8  # [N, G, 32]
-    w = (q * self.scale[..., None].astype(jnp.float32)).reshape(N, 2 * half)  # [N, K]
+    q = unpack_q4(self.codes).astype(jnp.float32).reshape(N, -1, Q4_GROUP)  # [N, G, 32]
+    scale = self.scale[..., None].astype(jnp.float32)
+    if self.offset is None:
+      w = (q - 8) * scale
+    else:
+      w = q * scale + self.offset[..., None].astype(jnp.float32)
+    w = w.reshape(N, 2 * half)  # [N, K]
     n_in = len(self.in_axes)
     w = w.reshape(*self.shape[n_in:], *self.shape[:n_in])
     n_out = len(self.shape) - n_in
@@ -289,8 +298,11 @@ def dense_native(w: Array, in_axes: tuple[int, ...]) -> DenseWeight:
   return DenseWeight(jnp.transpose(w, _output_major(w.ndim, in_axes)), tuple(in_axes))
 
 
-def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
-  """Symmetric 4 bits in groups of 32 inputs: each group's max |w| maps to 7."""
+def quantize_q4(w: Array, in_axes: tuple[int, ...], offset: bool = True) -> Q4Weight:
+  """4 bits in groups of 32 inputs. offset=True (ggml's Q4_1 rule): each group's range [min, max]
+  in 16 steps, scale (max - min) / 15 and offset min in float16, so a weight dequantized from a
+  Q4_1 block (a GGUF's) comes back to its very codes, scale and offset. offset=False: symmetric,
+  each group's max |w| maps to 7 (15 of the 16 codes used, no offsets to read)."""
   in_axes = tuple(in_axes)
   if in_axes != tuple(range(len(in_axes))):
     raise ValueError(f"q4 weights take their input axes first, got input axes {in_axes}")
@@ -300,6 +312,9 @@ def quantize_q4(w: Array, in_axes: tuple[int, ...]) -> Q4Weight:
     raise ValueError(f"q4 weights need an input size that is a multiple of {Q4_GROUP}, got "
                      f"{K} (weight {w.shape}). Fix: int8 weights (--weights int8, "
                      f"load(..., dtype='int8')).")
+  if offset:
+    codes, scale, offsets = _q4_offset_codes(w, K)
+    return Q4Weight(codes, scale, tuple(w.shape), in_axes, offsets)
   codes, scale = _q4_codes(w, K)
   return Q4Weight(codes, scale, tuple(w.shape), in_axes)
 
@@ -317,6 +332,24 @@ def _q4_codes(w: Array, K: int) -> tuple[Array, Array]:
   q = (jnp.clip(jnp.round(wt / scale[..., None].astype(jnp.float32)), -7, 7) + 8
        ).astype(jnp.uint8)
   return pack_q4(q.reshape(q.shape[0], K)), scale
+
+
+@functools.partial(jax.jit, static_argnames=("K",))
+def _q4_offset_codes(w: Array, K: int) -> tuple[Array, Array, Array]:
+  """quantize_q4's packed codes [N, K / 2], float16 scales and offsets [N, K / 32] (offset=True)."""
+  wt = w.reshape(K, -1).T.reshape(-1, K // Q4_GROUP, Q4_GROUP)  # [N, G, 32]
+  f16 = np.finfo(np.float16).max
+  low, high = jnp.min(wt, axis=-1), jnp.max(wt, axis=-1)  # [N, G]
+  # Codes are rounded against the float16 scale and offset the kernel reads. Rounded from a Q4_1
+  # block's dequantized weights, (max - min) / 15 is its scale to within float32 rounding, and
+  # float16 rounding gives that scale back exactly.
+  scale = jnp.minimum((high - low) / 15.0, f16).astype(jnp.float16)
+  offset = jnp.clip(low, -f16, f16).astype(jnp.float16)
+  scale32 = scale.astype(jnp.float32)
+  inverse = jnp.where(scale32 > 0, 1.0 / jnp.where(scale32 > 0, scale32, 1.0), 0.0)
+  q = jnp.clip(jnp.round((wt - offset[..., None].astype(jnp.float32)) * inverse[..., None]),
+               0, 15).astype(jnp.uint8)
+  return pack_q4(q.reshape(q.shape[0], K)), scale, offset
 
 
 Q4_LANES = 16  # groups in a superblock of the packed layout (one vector lane each)
@@ -351,6 +384,17 @@ def unpack_q4(codes: Array) -> Array:
     nibbles = jnp.stack([block & 15, block >> 4], axis=-1)  # [N, c, l, i, half]
     parts.append(jnp.transpose(nibbles, (0, 2, 4, 1, 3)).reshape(N, g * Q4_GROUP))
   return jnp.concatenate(parts, axis=1)
+
+
+def format_name(params) -> str:
+  """What a model's weights are, for records: "q4" (4-bit projections), "int8", or the float
+  dtype of its embedding ("float32", "bfloat16")."""
+  kinds = (Int8Weight, Q4Weight)
+  weights = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, kinds))
+             if isinstance(x, kinds)]
+  if any(isinstance(w, Q4Weight) for w in weights):
+    return "q4"
+  return "int8" if weights else str(params.embed.dtype)
 
 
 def is_quantized(tree) -> bool:
@@ -463,9 +507,9 @@ def _out_shape(w) -> tuple[int, ...]:
 
 def _kernel_operands(w) -> tuple[Array, ...]:
   """The arrays w's CPU kernel reads: the output-major weight as [N, K] (4 bits: codes [N, K / 2]
-  and scales [N, K / 32]; int8: its [N] scales too)."""
+  and scales (and offsets) [N, K / 32]; int8: its [N] scales too)."""
   if isinstance(w, Q4Weight):
-    return w.codes, w.scale
+    return (w.codes, w.scale) if w.offset is None else (w.codes, w.scale, w.offset)
   stored = w.stored if isinstance(w, DenseWeight) else w.q
   table = stored.reshape(int(np.prod(_out_shape(w))), -1)
   if isinstance(w, DenseWeight):
@@ -491,7 +535,8 @@ def _kernel_einsum(x: Array, w, layer: Optional[Array], preferred_element_type=N
   lead, out_shape = x.shape[:-1], _out_shape(one)
   rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [M, K] (M may be 0)
   if isinstance(one, Q4Weight):
-    y = native.q4_matmul(rows, *operands, layer=layer)
+    y = native.q4_matmul(rows, *operands[:2], layer=layer,
+                         offset=operands[2] if len(operands) > 2 else None)
   elif isinstance(one, Int8Weight):
     y = native.int8_linear(rows, *operands, layer=layer)
   elif rows.shape[0] > NATIVE_F32_MAX_ROWS:

@@ -6,8 +6,9 @@
   weights at 3-13 GB/s at decode shapes, far below memory speed, so a decode step was bound by it
   (`benchmarks/issue17_int8_step_profile_cpu.json`). `int8_matmul` is its integer core alone
   (int8 operands in, int32 out), where tests check the sums are exact.
-- `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each) times
-  float32 activations quantized the same way: 0.56 of the bytes of int8 weights to stream.
+- `q4_matmul` (`q4_matmul.cc`): 4-bit weights (groups of 32 inputs, one float16 scale each, and
+  optionally one float16 offset: ggml's Q4_0 and Q4_1 blocks, exactly) times float32 activations
+  quantized the same way: 0.56 (0.63 with offsets) of the bytes of int8 weights to stream.
 - `f32_linear` (`f32_matmul.cc`): the float32 matmul over output-major weights, each output
   summed in one fixed order whatever the number of rows: XLA:CPU's float32 dot slows to ~20 GB/s
   at 2-8 rows, so a verification block cost ~1.5 one-token steps; this streams at memory speed.
@@ -46,6 +47,7 @@ HEADERS = tuple(Path(__file__).with_name(f) for f in ("parallel.h", "quantize.h"
 INT8 = "jspec_int8_matmul"
 INT8_LINEAR = "jspec_int8_linear"
 Q4 = "jspec_q4_matmul"
+Q4_OFFSET = "jspec_q4_offset_matmul"
 F32_LINEAR = "jspec_f32_linear"
 ATTENTION = "jspec_attention"
 Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
@@ -133,6 +135,8 @@ def _library() -> ctypes.CDLL:
   jax.ffi.register_ffi_target(INT8, jax.ffi.pycapsule(lib.JspecInt8Matmul), platform="cpu")
   jax.ffi.register_ffi_target(INT8_LINEAR, jax.ffi.pycapsule(lib.JspecInt8Linear), platform="cpu")
   jax.ffi.register_ffi_target(Q4, jax.ffi.pycapsule(lib.JspecQ4Matmul), platform="cpu")
+  jax.ffi.register_ffi_target(Q4_OFFSET, jax.ffi.pycapsule(lib.JspecQ4OffsetMatmul),
+                              platform="cpu")
   jax.ffi.register_ffi_target(F32_LINEAR, jax.ffi.pycapsule(lib.JspecF32Linear), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
   return lib
@@ -232,29 +236,39 @@ def _f32_linear_bwd(res, dy):
 _f32_linear.defvjp(_f32_linear_fwd, _f32_linear_bwd)
 
 
-def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, layer=None) -> jax.Array:
+def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, layer=None,
+              offset: jax.Array | None = None) -> jax.Array:
   """y [M, N] float32 = quantize(x) . w^T * x_scale for float32 x [M, K] (quantized per row as
   `jspec.models.quant.quantize_rows` does) and 4-bit w given as codes [N, K / 2] uint8 (two codes
-  a byte in `jspec.models.quant.pack_q4`'s order; value code - 8) and scale [N, K / 32] float16,
-  one per group of 32 inputs (CPU only). `layer` (an integer, traced or not): codes and scale hold
+  a byte in `jspec.models.quant.pack_q4`'s order) and scale [N, K / 32] float16, one per group of
+  32 inputs (CPU only): w = scale * (code - 8), or with `offset` (float16, scale's shape)
+  w = scale * code + offset. `layer` (an integer, traced or not): codes, scale and offset hold
   every layer's on a leading [L] axis, read at `layer` in place."""
-  given = (x.shape, codes.shape, scale.shape)
+  given = (x.shape, codes.shape, scale.shape, None if offset is None else offset.shape)
   codes, index = _with_layer_axis(codes, layer, 2, "q4_matmul")
   scale, _ = _with_layer_axis(scale, layer, 2, "q4_matmul")
+  if offset is not None:
+    offset, _ = _with_layer_axis(offset, layer, 2, "q4_matmul")
   M, K = x.shape
   N = codes.shape[1]
   L = codes.shape[0]
   if (x.ndim != 2 or K % Q4_GROUP or codes.shape != (L, N, K // 2)
-      or scale.shape != (L, N, K // Q4_GROUP)):
+      or scale.shape != (L, N, K // Q4_GROUP)
+      or (offset is not None and offset.shape != scale.shape)):
     raise ValueError(f"q4_matmul takes x [M, K] (K a multiple of {Q4_GROUP}), codes [N, K / 2] "
-                     f"and scale [N, K / {Q4_GROUP}] (codes and scale with a leading [L] with a "
-                     f"layer), got shapes {given}")
-  if x.dtype != jnp.float32 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16:
-    raise ValueError(f"q4_matmul takes float32 x, uint8 codes and float16 scales, got {x.dtype}, "
-                     f"{codes.dtype}, {scale.dtype}")
+                     f"and scale (and offset) [N, K / {Q4_GROUP}] (all but x with a leading [L] "
+                     f"with a layer), got shapes {given}")
+  if (x.dtype != jnp.float32 or codes.dtype != jnp.uint8 or scale.dtype != jnp.float16
+      or (offset is not None and offset.dtype != jnp.float16)):
+    raise ValueError(f"q4_matmul takes float32 x, uint8 codes and float16 scales and offsets, "
+                     f"got {x.dtype}, {codes.dtype}, {scale.dtype}"
+                     f"{'' if offset is None else ', ' + str(offset.dtype)}")
   _library()
   out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-  return jax.ffi.ffi_call(Q4, out, vmap_method="sequential")(x, codes, scale, index)
+  if offset is None:
+    return jax.ffi.ffi_call(Q4, out, vmap_method="sequential")(x, codes, scale, index)
+  return jax.ffi.ffi_call(Q4_OFFSET, out, vmap_method="sequential")(x, codes, scale, offset,
+                                                                     index)
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Array,

@@ -1,11 +1,16 @@
 // 4-bit weights x int8 activations -> float32 for CPU decoding, called from XLA through its FFI.
 //
-//   y[m, n] = x_scale[m] * sum_g scale[n, g] * sum_{k in group g} xq[m, k] * (code[n, k] - 8)
+// Two forms of a group of 32 weights (ggml's Q4_0 and Q4_1 blocks), one handler each:
+//
+//   symmetric:  y[m, n] = x_scale[m] * sum_g scale[n, g] * sum_{k in g} xq[m, k] * (code[n, k] - 8)
+//   offset:     y[m, n] = x_scale[m] * sum_g (scale[n, g] * sum_{k in g} xq[m, k] * code[n, k]
+//                                             + offset[n, g] * sum_{k in g} xq[m, k])
 //
 // x: [M, K] float32, quantized per token here to xq int8 and x_scale (quantize.h, the bits of
-// `quant.quantize_rows`); codes: [N, K / 2] uint8, two 4-bit codes a byte; scale: [N, K / 32]
-// float16, one per group of 32 inputs.
-// Half the bytes of int8 weights (plus 1/16 for the scales): a decode step streams ~0.56 as much.
+// `quant.quantize_rows`); codes: [N, K / 2] uint8, two 4-bit codes a byte; scale and offset:
+// [N, K / 32] float16, one per group of 32 inputs.
+// Half the bytes of int8 weights (plus 1/16 for the scales, 1/8 with offsets): a decode step
+// streams ~0.56 (~0.63) as much.
 //
 // Layout (made for one vector lane per group): a row's groups are taken 16 at a time (a superblock
 // of 512 inputs; the last one holds the g = G mod 16 groups left when G is not a multiple of 16).
@@ -21,6 +26,7 @@
 // gets the same bits in a one-token step and in a verification block.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -53,8 +59,10 @@ constexpr int64_t kPrefetchBytes = 32768;
 struct Operands {
   const int8_t* xp;       // [M, K] x in the codes' superblock order (`PermuteX`)
   const int32_t* x_init;  // [M, S * 16]: -8 * each group's sum of x, lanes past a tail zero
+  const float* x_sum;     // [M, S * 16]: each group's sum of x, lanes past a tail zero
   const uint8_t* codes;   // [N, K / 2]
   const uint16_t* scale;  // [N, G] float16 bits
+  const uint16_t* offset; // [N, G] float16 bits, or null (symmetric)
   const float* x_scale;   // [M]
   float* y;               // [M, N]
   int64_t M, N, K, G, S;  // S: superblocks per row
@@ -65,13 +73,15 @@ inline int64_t LanesOf(int64_t s, int64_t G) { return std::min(kLanes, G - s * k
 
 // x rows in the order a superblock's steps read them: per superblock, per chunk c, the 4 g bytes
 // that meet the chunk's low nibbles (inputs 32 l + 4 c + i), then the 4 g that meet its high ones.
-void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, int64_t M, int64_t K, int64_t G,
-              int64_t S) {
+void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, float* x_sum, int64_t M, int64_t K,
+              int64_t G, int64_t S) {
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* xr = x + m * K;
     int8_t* out = xp + m * K;
     int32_t* init = x_init + m * S * kLanes;
+    float* sums = x_sum + m * S * kLanes;
     std::fill(init, init + S * kLanes, 0);
+    std::fill(sums, sums + S * kLanes, 0.0f);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t g = LanesOf(s, G), g0 = s * kLanes;
       for (int64_t c = 0; c < 4; ++c)
@@ -82,6 +92,7 @@ void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, int64_t M, int64_t K
         int32_t sum = 0;
         for (int64_t i = 0; i < kGroup; ++i) sum += xr[kGroup * (g0 + l) + i];
         init[s * kLanes + l] = -8 * sum;
+        sums[s * kLanes + l] = float(sum);  // exact: |sum| <= 32 * 127
       }
     }
   }
@@ -91,8 +102,9 @@ void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, int64_t M, int64_t K
 
 // Rows [n0, n0 + NR) of y for activation rows [m0, m0 + MR). Integer sums of a superblock in
 // `dot`, float sums over superblocks in `acc`: NR * MR of each, so NR shrinks as MR grows to keep
-// them all in the 32 vector registers.
-template <int NR, int MR>
+// them all in the 32 vector registers. kOffset: codes unshifted, and each group adds
+// offset * (its sum of x) after scale * dot, in that order.
+template <bool kOffset, int NR, int MR>
 inline void Block(const Operands& o, int64_t m0, int64_t n0) {
   const int64_t K = o.K, G = o.G, row_bytes = K / 2;
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -105,7 +117,8 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
     const __mmask16 lanes = __mmask16((1u << g) - 1);
     __m512i dot[NR][MR];
     for (int t = 0; t < MR; ++t) {
-      const __m512i init = _mm512_loadu_si512(o.x_init + ((m0 + t) * o.S + s) * kLanes);
+      const __m512i init = kOffset ? _mm512_setzero_si512()
+                                   : _mm512_loadu_si512(o.x_init + ((m0 + t) * o.S + s) * kLanes);
       for (int r = 0; r < NR; ++r) dot[r][t] = init;
     }
     const uint8_t* codes[NR];
@@ -135,6 +148,13 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
           _mm256_maskz_loadu_epi16(lanes, o.scale + (n0 + r) * G + s * kLanes));
       for (int t = 0; t < MR; ++t)
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), scale, acc[r][t]);
+      if (kOffset) {
+        const __m512 offset = _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16(lanes, o.offset + (n0 + r) * G + s * kLanes));
+        for (int t = 0; t < MR; ++t)
+          acc[r][t] = _mm512_fmadd_ps(
+              _mm512_loadu_ps(o.x_sum + ((m0 + t) * o.S + s) * kLanes), offset, acc[r][t]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -144,27 +164,35 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
 
 constexpr int64_t kMaxTok = 5;
 
-template <int NR>
+template <bool kOffset, int NR>
 inline void BlockRows(const Operands& o, int64_t n0) {
   int64_t m0 = 0;
-  for (; o.M - m0 > kMaxTok; m0 += 4) Block<NR, 4>(o, m0, n0);
+  for (; o.M - m0 > kMaxTok; m0 += 4) Block<kOffset, NR, 4>(o, m0, n0);
   switch (o.M - m0) {
-    case 1: Block<NR, 1>(o, m0, n0); break;
-    case 2: Block<NR, 2>(o, m0, n0); break;
-    case 3: Block<NR, 3>(o, m0, n0); break;
-    case 4: Block<NR, 4>(o, m0, n0); break;
-    case 5: Block<NR, 5>(o, m0, n0); break;
+    case 1: Block<kOffset, NR, 1>(o, m0, n0); break;
+    case 2: Block<kOffset, NR, 2>(o, m0, n0); break;
+    case 3: Block<kOffset, NR, 3>(o, m0, n0); break;
+    case 4: Block<kOffset, NR, 4>(o, m0, n0); break;
+    case 5: Block<kOffset, NR, 5>(o, m0, n0); break;
     default: break;
   }
 }
 
-void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
+template <bool kOffset>
+void RowsOf(const Operands& o, int64_t n_begin, int64_t n_end) {
   // Four output rows share each x load where one or two tokens leave registers for them.
   int64_t n0 = n_begin;
   if (o.M <= 2)
-    for (; n0 + 4 <= n_end; n0 += 4) BlockRows<4>(o, n0);
-  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<2>(o, n0);
-  for (; n0 < n_end; ++n0) BlockRows<1>(o, n0);
+    for (; n0 + 4 <= n_end; n0 += 4) BlockRows<kOffset, 4>(o, n0);
+  for (; n0 + 2 <= n_end; n0 += 2) BlockRows<kOffset, 2>(o, n0);
+  for (; n0 < n_end; ++n0) BlockRows<kOffset, 1>(o, n0);
+}
+
+void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
+  if (o.offset)
+    RowsOf<true>(o, n_begin, n_end);
+  else
+    RowsOf<false>(o, n_begin, n_end);
 }
 
 #else
@@ -199,14 +227,17 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
         const uint8_t* codes = o.codes + n * (K / 2) + s * 256;
         const int8_t* xs = o.xp + m * K + s * 512;
         for (int64_t l = 0; l < g; ++l) {
-          int32_t dot = o.x_init[(m * o.S + s) * kLanes + l];
+          int32_t dot = o.offset ? 0 : o.x_init[(m * o.S + s) * kLanes + l];
           for (int64_t c = 0; c < 4; ++c)
             for (int64_t i = 0; i < 4; ++i) {
               const uint8_t b = codes[c * 4 * g + 4 * l + i];
               dot += int32_t(b & 15) * xs[c * 8 * g + 4 * l + i];
               dot += int32_t(b >> 4) * xs[c * 8 * g + 4 * g + 4 * l + i];
             }
-          acc[l] += float(dot) * HalfToFloat(o.scale[n * G + s * kLanes + l]);
+          acc[l] = std::fma(float(dot), HalfToFloat(o.scale[n * G + s * kLanes + l]), acc[l]);
+          if (o.offset)
+            acc[l] = std::fma(o.x_sum[(m * o.S + s) * kLanes + l],
+                              HalfToFloat(o.offset[n * G + s * kLanes + l]), acc[l]);
         }
       }
       for (int64_t width = kLanes / 2; width > 0; width /= 2)
@@ -218,14 +249,21 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
 
 #endif
 
-ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
-                        ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> y) {
+// offset: null for the symmetric form, else [L, N, K / 32] float16 like scale.
+ffi::Error Q4Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                 ffi::Buffer<ffi::F16> scale, const ffi::Buffer<ffi::F16>* offset,
+                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || xd[1] % kGroup != 0 ||
       cd[2] * 2 != xd[1] || sd[0] != cd[0] || sd[1] != cd[1] || sd[2] * kGroup != xd[1])
     return ffi::Error::InvalidArgument("jspec_q4_matmul: x [M, K], codes [L, N, K / 2], scale "
                                        "[L, N, K / 32], K a multiple of 32");
+  if (offset) {
+    const auto od = offset->dimensions();
+    if (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
+      return ffi::Error::InvalidArgument("jspec_q4_offset_matmul: offset [L, N, K / 32], the "
+                                         "scale's shape");
+  }
   const int64_t l = jspec::LayerOperand(layer, cd[0]);
   if (l < 0)
     return ffi::Error::InvalidArgument("jspec_q4_matmul: layer must be an int32 in [0, L)");
@@ -236,18 +274,35 @@ ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   std::vector<int8_t> xq(o.M * o.K), xp(o.M * o.K);
   std::vector<float> x_scale(o.M);
   std::vector<int32_t> x_init(o.M * o.S * kLanes);
+  std::vector<float> x_sum(o.M * o.S * kLanes);
   jspec::QuantizeRows(x.typed_data(), xq.data(), x_scale.data(), o.M, o.K);
-  PermuteX(xq.data(), xp.data(), x_init.data(), o.M, o.K, o.G, o.S);
+  PermuteX(xq.data(), xp.data(), x_init.data(), x_sum.data(), o.M, o.K, o.G, o.S);
   o.x_scale = x_scale.data();
   o.xp = xp.data();
   o.x_init = x_init.data();
+  o.x_sum = x_sum.data();
   o.codes = codes.typed_data() + l * o.N * (o.K / 2);
   o.scale = reinterpret_cast<const uint16_t*>(scale.typed_data()) + l * o.N * o.G;
+  o.offset = offset ? reinterpret_cast<const uint16_t*>(offset->typed_data()) + l * o.N * o.G
+                    : nullptr;
   o.y = y->typed_data();
   jspec::ParallelFor(pool, (o.N + kChunkRows - 1) / kChunkRows, [=](int64_t c) {
     Rows(o, c * kChunkRows, std::min(o.N, (c + 1) * kChunkRows));
   });
   return ffi::Error::Success();
+}
+
+ffi::Error Q4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                        ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  return Q4Run(pool, x, codes, scale, nullptr, layer, y);
+}
+
+ffi::Error Q4OffsetMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F16> scale,
+                              ffi::Buffer<ffi::F16> offset, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  return Q4Run(pool, x, codes, scale, &offset, layer, y);
 }
 
 }  // namespace
@@ -257,6 +312,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecQ4Matmul, Q4MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecQ4OffsetMatmul, Q4OffsetMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
