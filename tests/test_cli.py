@@ -470,12 +470,20 @@ def test_bench_tau_paired_records(tiny_model, tmp_path, capsys):
   for r in taus:
     assert r["tau"] == 3.0 and r["contexts"] >= 2 and r["rounds_per_context"] == 2
     assert r["dataset"] == "mt-bench" and r["temperature"] == 1.0 and "command" in r
+    # What else changes tau: the weights, the responses' length, the contexts' keys (per batch).
+    assert (r["weights"], r["drafter_weights"], r["max_new_tokens"], r["batch"]) == (
+        "float32", "float32", 6, 2)
   (diff,) = [r for r in records if r["kind"] == "paired_difference"]
   assert (diff["tree_a"], diff["tree_b"], diff["tau_a_minus_b"]) == ("rsd-c:2-1", "specinfer:2-1", 0)
   assert "rsd-c:2-1 - specinfer:2-1: +0.000" in capsys.readouterr().out
   assert main(["bench-tau", "--model", str(tiny_model), "--drafter", "none", "--tree",
                "chain:2"]) == 2
   assert "needs a drafter" in capsys.readouterr().err
+  # Flags the drafter would not read are refused, as in bench and generate.
+  for extra in (["--drafter-weights", "int8"], ["--kv-budget", "64", "--kv-drafter", "keydiff"]):
+    assert main(["bench-tau", "--model", str(tiny_model), "--drafter", "ngram", "--tree",
+                 "chain:2", *extra]) == 2
+    assert "does not read it" in capsys.readouterr().err
 
 
 def test_bench_tau_under_a_kv_budget(tiny_model, tmp_path, capsys):
@@ -497,6 +505,10 @@ def test_bench_tau_under_a_kv_budget(tiny_model, tmp_path, capsys):
   assert main(base) == 0
   assert [r["tau"] for r in json.loads(out.read_text()) if r["kind"] == "paired_tau"] == [3.0, 3.0]
   assert all(r["kv"] is None for r in json.loads(out.read_text()))
+  lookup = [a if a != "self" else "ngram" for a in base]  # no cache of its own: no draft_kv
+  assert main(lookup + ["--kv-budget", "8"]) == 0
+  assert all(r["kv"]["budget"] == 8 and r["draft_kv"] is None
+             for r in json.loads(out.read_text()))
 
 
 def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys):
@@ -511,6 +523,8 @@ def test_generate_with_a_tree_prints_the_autoregressive_text(tiny_model, capsys)
   assert "--tree set(s) how a drafter drafts, but no drafter" in capsys.readouterr().err
   assert main(base + ["--drafter", "self", "--tree", "bushy:3"]) == 2
   assert "unknown tree method" in capsys.readouterr().err
+  assert main(base + ["--drafter", "self@0.5", "--tree", "fixed:2"]) == 2  # the stop: chains only
+  assert "stops chains only" in capsys.readouterr().err
 
 
 def test_a_second_run_compiles_nothing(tiny_model, tmp_path):

@@ -53,6 +53,32 @@ def test_draft_chain_ends_each_row_at_its_first_unsure_draft():
   assert list(np.asarray(n_valid)) == [2, 0] and int(drafts.min()) == 0
 
 
+def test_a_lookup_match_stands_against_the_fallbacks_stop():
+  """ngram+X@P: where the lookup matches, its draft stands whatever the fallback's confidence
+  (so a row's drafts do not depend on the other rows: the round in which every row matches
+  skips the fallback and keeps them all, a batch with a fresh row ran the stop over them)."""
+  from jspec.drafting.base import Features
+  from jspec.models.config import Config
+  from jspec.sampling.processing import GREEDY
+  draft_cfg = Config(arch="llama", vocab_size=TARGET.vocab_size, hidden_size=32,
+                     intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                     head_dim=16, max_position_embeddings=256)
+  fallback = ModelDrafter(init_params(draft_cfg, jax.random.key(5), scale=0.3), draft_cfg)
+  drafter = ngram_drafter(TARGET.vocab_size, fallback=fallback).with_stop(0.99)
+  repeating, fresh = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [9, 8, 7, 6, 5, 11, 12, 13, 14, 10]
+
+  def drafts(rows):
+    prompts = jnp.asarray(rows, jnp.int32)
+    n = jnp.full((len(rows),), prompts.shape[1], jnp.int32)
+    features = Features(hidden=jnp.zeros((len(rows), prompts.shape[1], TARGET.hidden_size)),
+                        tokens=prompts, start=jnp.zeros_like(n))
+    state = drafter.init(prompts, n, 32, features)
+    return np.asarray(drafter.propose(state, prompts[:, -2:], n, jax.random.key(0), GREEDY,
+                                      3)[0])
+  np.testing.assert_array_equal(drafts([repeating]), [[3, 4, 1]])
+  np.testing.assert_array_equal(drafts([repeating, fresh])[0], [3, 4, 1])
+
+
 def test_a_round_with_no_draft_is_a_one_token_step(target):
   """A prompt without a repeated 2-gram: the stop-on-miss lookup drafts nothing in the one round,
   which then verifies nothing (the narrow one-token forward) and emits the target's token."""

@@ -46,6 +46,19 @@ def test_interpreted_records(backend, block_k):
   assert r["machine"]["backend"] == jax.default_backend()
 
 
+def test_recorded_commands_run_again_as_given():
+  """A record's command line, read by a shell, is the argument list that ran (a path with a
+  space in it was two arguments)."""
+  import shlex
+  from jspec.cli.records import command_line, set_command_line
+  argv = ["bench", "--json", "my results/k.json", "--prompt", "it's $HOME"]
+  set_command_line(argv)
+  try:
+    assert shlex.split(command_line()) == ["jspec", *argv]
+  finally:
+    set_command_line(None)
+
+
 def test_cli_interpret_writes_json(tmp_path, capsys):
   out = tmp_path / "k.json"
   assert main(["bench-kernel", "--small", "--interpret", "--block-k", "32", "--repeats", "1",

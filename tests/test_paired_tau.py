@@ -133,3 +133,16 @@ def test_contexts_and_bad_input(target):
   with pytest.raises(ValueError, match="rounds"):
     paired_tau(target, TARGET, drafter, [[1]], [parse_tree("chain:2")], sampling=GREEDY,
                rounds=0, progress=False)
+  # A probe one mask deep read mask 1's logits at every depth of a deeper tree; lookahead's pool
+  # is empty in a context's first round (every tree empty): both were scored without a word.
+  from jspec.drafting.lookahead import lookahead_drafter
+  from jspec.drafting.probe import probe_drafter
+  with pytest.raises(ValueError, match="needs 3 masks"):
+    paired_tau(target, TARGET, probe_drafter(target, TARGET, masks=1), [[1, 2]],
+               [parse_tree("chain:3")], sampling=GREEDY, progress=False)
+  with pytest.raises(ValueError, match="pool is still empty"):
+    paired_tau(target, TARGET, lookahead_drafter(target, TARGET), [[1, 2]],
+               [parse_tree("chain:2")], sampling=GREEDY, progress=False)
+  with pytest.raises(ValueError, match="stops chains only"):
+    paired_tau(target, TARGET, drafter.with_stop(0.5), [[1, 2]], [parse_tree("chain:2")],
+               sampling=GREEDY, progress=False)

@@ -141,6 +141,10 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
     raise ValueError("paired_tau needs at least one context")
   if int(rounds) != rounds or rounds < 1 or int(batch) != batch or batch < 1:
     raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
+  if drafter.window_size:  # its pool starts empty in every context's first round: tau 1 always
+    raise ValueError("bench-tau scores rounds from a prefill, where lookahead's n-gram pool is "
+                     "still empty (every tree empty, tau exactly 1). Fix: measure lookahead "
+                     "with jspec bench")
   sampling.require_uniform("jspec bench-tau").validate()
   if float(sampling.presence_penalty) or float(sampling.frequency_penalty):
     raise ValueError("bench-tau scores rounds from contexts of prompt + response prefix, all read "

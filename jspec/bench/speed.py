@@ -27,6 +27,7 @@ from jspec.decode import plan_cache, prompt_bucket
 from jspec.train.features import feature_width
 from jspec.drafting.base import Drafter, Features
 from jspec.drafting.model import ModelDrafter
+from jspec.drafting.registry import has_draft_model
 from jspec.io.load import resolve_path
 from jspec.kv.policy import KVPolicy
 from jspec.model import Model
@@ -428,7 +429,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "frequency_penalty": float(sampling.frequency_penalty),
           "max_new_tokens": max_new_tokens, "batch": 1, "dtype": str(model.params.embed.dtype),
           "mesh": dict(model.mesh.shape) if getattr(model, "mesh", None) is not None else None,
-          "weights": "int8" if quant.is_quantized(model.params) else str(model.params.embed.dtype),
+          "weights": quant.format_name(model.params),
           "int8_kernel": quant.int8_kernel(model.params),  # "native", "xla" or None
           # "native": jspec's CPU kernels (float32 or quantized weights), "xla": XLA's dots
           "matmul_kernel": "native" if quant.attention_kernel(model.params) == "native" else "xla",
@@ -439,8 +440,9 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           "kv": None if kv is None else dataclasses.asdict(kv),
           "machine": machine_info()}
   # Speculative records: the policy model drafters' own caches were given (others have none).
-  drafted = {} if kv is None else {
-      "draft_kv": None if draft_kv is None else dataclasses.asdict(draft_kv)}
+  drafted = lambda name: {} if kv is None else {
+      "draft_kv": None if draft_kv is None or not has_draft_model(name)
+      else dataclasses.asdict(draft_kv)}
   records = []
   # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).
   methods = [Method(model, max_new_tokens, sampling, seed, kv=kv)] + [
@@ -461,7 +463,8 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
         "tree_nodes": own.num_nodes + 1, "tree_depth": own.max_depth,
         "window_tokens": named.drafter.window_size}
     spec = {"method": "jspec-speculative", "drafter": named.name,
-            "draft_penalties": bool(named.drafter.draft_penalties), **shape, **base, **drafted,
+            "draft_penalties": bool(named.drafter.draft_penalties), **shape, **base,
+            **drafted(named.name),
             **run.summary(), **extra,
             **_speculative_fields(run, gamma if own is None else own.max_depth, ar_run, ar,
                                   sampling)}

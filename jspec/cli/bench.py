@@ -119,7 +119,7 @@ def cmd_bench_kv(args) -> int:
 def cmd_bench_tau(args) -> int:
   from jspec.bench import paired_tau, speed
   from jspec.models.numerics import precision_label
-  from jspec.drafting.registry import load_drafter
+  from jspec.drafting.registry import has_draft_model, load_drafter
   from jspec.model import load
   from jspec.speculative.loop import check_tree_target
   from jspec.tree.shapes import parse_trees
@@ -132,7 +132,8 @@ def cmd_bench_tau(args) -> int:
                      "drop --mesh")
   model = load(args.model, args.dtype, scan_layers=args.scan_layers)
   check_tree_target(model.params)
-  drafter = load_drafter(args.drafter, model, args.drafter_weights or args.dtype)
+  drafter_weights = args.drafter_weights or args.dtype
+  drafter = load_drafter(args.drafter, model, drafter_weights)
   drafter = with_draft_penalties(args, args.drafter, drafter)
   note_eviction_cadence(kv, max(t.max_depth for t in trees))
   prompts = dataset_prompts(model, args.dataset, args.num_prompts)
@@ -145,7 +146,8 @@ def cmd_bench_tau(args) -> int:
   records = result.records()
   for r in records:
     r.update(kv=None if kv is None else dataclasses.asdict(kv),
-             draft_kv=None if draft_kv is None else dataclasses.asdict(draft_kv),
+             draft_kv=None if draft_kv is None or not has_draft_model(args.drafter)
+             else dataclasses.asdict(draft_kv),
              model=args.model, drafter=args.drafter, dataset=args.dataset,
              n_prompts=len(prompts), response_tokens=sum(map(len, responses)),
              stride=args.stride, temperature=args.temperature, top_k=args.top_k,
@@ -153,7 +155,9 @@ def cmd_bench_tau(args) -> int:
              presence_penalty=args.presence_penalty,
              frequency_penalty=args.frequency_penalty,
              draft_penalties=bool(drafter.draft_penalties), seed=args.seed,
-             matmul_precision=precision_label())
+             matmul_precision=precision_label(), weights=args.dtype,
+             drafter_weights=drafter_weights, max_new_tokens=args.max_new_tokens,
+             batch=args.batch)
   stamp = stamp_records(records)
   tag = "" if kv is None else f"_kv{kv.budget}-{kv.method}"
   out = args.json or Path("benchmarks") / (f"paired_tau_{args.dataset}_t{args.temperature:g}"

@@ -61,6 +61,14 @@ def _check_drafter_args(args) -> None:
     raise ValueError(f"--gamma sets a chain's length; --drafter {args.drafter} verifies a tree of "
                      f"its own each round (lookahead's n-gram pool), so it would be ignored. Fix: "
                      f"drop --gamma")
+  if args.tree and any(parsed.stop is not None for parsed in named):
+    raise ValueError("a drafter name ending in @P (adaptive draft length) stops chains only; a "
+                     "tree grows to its shape, so it would be ignored. Fix: drop @P, or drop "
+                     "--tree")
+  if args.command == "bench-tau" and any(kind.own_tree for kind in kinds):
+    raise ValueError(f"bench-tau scores rounds from a prefill, where --drafter {args.drafter}'s "
+                     f"n-gram pool is still empty (tau exactly 1). Fix: measure it with jspec "
+                     f"bench")
   if args.tree and any(kind.chains_only for kind in kinds):
     raise ValueError("layer-skip drafts (--drafter skip:N) draft chains only. Fix: drop --tree "
                      "(--gamma N sets the chain)")
@@ -252,7 +260,10 @@ def check_args(args) -> None:
   if kv_chunk is not None and kv_budget is not None and kv_chunk > kv_budget:
     raise ValueError(f"--kv-chunk {kv_chunk} is larger than --kv-budget {kv_budget}: prefill "
                      f"evicts down to the budget after each chunk. Fix: --kv-chunk <= {kv_budget}")
-  if args.command in ("generate", "bench"):
+  if args.command == "bench-tau" and args.drafter == "none":
+    raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
+                     "self|early-exit:K")
+  if args.command in ("generate", "bench", "bench-tau"):
     _check_drafter_args(args)
   if args.command == "score":
     if not args.text and not args.file:
@@ -272,9 +283,6 @@ def check_args(args) -> None:
   if getattr(args, "stream", False) and len(args.prompt) > 1:
     raise ValueError(f"--stream prints one prompt's text as it comes; {len(args.prompt)} "
                      f"--prompt were given. Fix: one --prompt, or drop --stream")
-  if args.command == "bench-tau" and args.drafter == "none":
-    raise ValueError("bench-tau needs a drafter to draft the trees: --drafter default|model:PATH|"
-                     "self|early-exit:K")
   if hasattr(args, "gen_batch_size") and args.top_k is not None and args.top_k < 1:
     raise ValueError(f"--top-k must be at least 1 for distillation data (the teacher's top-k "
                      f"log-probs are what a drafter learns from), got {args.top_k}")

@@ -3,6 +3,7 @@ on stderr, and the benchmark prompt sets it reads, as token ids."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from datetime import datetime, timezone
 
@@ -18,7 +19,7 @@ def set_command_line(argv: list[str] | None) -> None:
 
 def command_line() -> str:
   """The command line being run, for the records and metadata that say how they were made."""
-  return " ".join(["jspec"] + (sys.argv[1:] if _ARGV is None else _ARGV))
+  return shlex.join(["jspec"] + (sys.argv[1:] if _ARGV is None else _ARGV))  # runnable again
 
 
 def stamp_records(records: list[dict]) -> str:

@@ -44,8 +44,10 @@ from jspec.sharding import Placement
 from jspec.tree.structure import Tree
 
 Array = jax.Array
-# pick(i, drafts so far [B, G] (valid below i), token [B], q [B, V]) -> (token, q) for draft i.
-Pick = Callable[[Array, Array, Array, Array], tuple[Array, Array]]
+# pick(i, drafts so far [B, G] (valid below i), token [B], q [B, V]) -> (token, q, kept [B]) for
+# draft i; kept: the draft stands whatever an adaptive stop says of the drafter's logits (a lookup
+# match in `ngram+X@P`).
+Pick = Callable[[Array, Array, Array, Array], tuple[Array, Array, Array]]
 
 
 @jax.tree_util.register_dataclass
@@ -359,9 +361,9 @@ def sample_full_vocab(key: Array, logits: Array, sampling: SamplingParams, keep_
   return to_full_vocab(token, probs, keep_ids, vocab_size)
 
 
-def keep_draw(i, tokens: Array, token: Array, probs: Array) -> tuple[Array, Array]:
-  """The identity `pick`: every draw stands."""
-  return token, probs
+def keep_draw(i, tokens: Array, token: Array, probs: Array) -> tuple[Array, Array, Array]:
+  """The identity `pick`: every draw stands, none against a stop."""
+  return token, probs, jnp.zeros(token.shape, bool)
 
 
 def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callable,
@@ -372,8 +374,8 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
   first_logits [B, M]: the logits of draft 0; step(carry, token [B]) -> (logits [B, M], carry)
   feeds draft i - 1 and scores draft i; sample(key, logits) -> (token [B], q [B, V]) draws in the
   full vocabulary; `pick` may replace each draw before it is fed. `stop(logits) -> [B] bool`
-  (adaptive draft length): a row whose draft i it marks ends its chain before draft i (drafts
-  i.. are -1), and the loop stops feeding once every row has ended. `penalty(logits, tokens, i)`
+  (adaptive draft length): a row whose draft i it marks, unless `pick` kept that draft, ends its
+  chain before draft i (drafts i.. are -1), and the loop stops feeding once every row has ended. `penalty(logits, tokens, i)`
   (jspec.sampling.penalties.chain_draft_penalty): draft i's logits penalized for the text and the
   drafts before it, before it is drawn. Returns (tokens [B, gamma], q [B, gamma, V], carry).
   """
@@ -383,8 +385,8 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
   B = first_logits.shape[0]
   tokens = jnp.full((B, gamma), -1 if stop is not None else 0, jnp.int32)
   first_logits = penalty(first_logits, tokens, 0)
-  token, probs = pick(0, tokens, *sample(keys[0], first_logits))
-  active = jnp.ones((B,), bool) if stop is None else ~stop(first_logits)
+  token, probs, kept = pick(0, tokens, *sample(keys[0], first_logits))
+  active = jnp.ones((B,), bool) if stop is None else kept | ~stop(first_logits)
   tokens = tokens.at[:, 0].set(jnp.where(active, token, -1))
   all_probs = jnp.zeros((B, gamma, probs.shape[-1]), jnp.float32).at[:, 0].set(probs)
 
@@ -393,9 +395,9 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
     prev = jnp.maximum(jax.lax.dynamic_slice_in_dim(tokens, i - 1, 1, axis=1)[:, 0], 0)  # [B]
     logits, carry = step(carry, prev)
     logits = penalty(logits, tokens, i)
-    token, probs = pick(i, tokens, *sample(keys[i], logits))
+    token, probs, kept = pick(i, tokens, *sample(keys[i], logits))
     if stop is not None:
-      active = active & ~stop(logits)
+      active = active & (kept | ~stop(logits))
       token = jnp.where(active, token, -1)
     tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], i, axis=1)
     all_probs = jax.lax.dynamic_update_slice_in_dim(all_probs, probs[:, None], i, axis=1)

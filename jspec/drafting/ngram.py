@@ -322,7 +322,7 @@ class NgramDrafter(Drafter):
         guess, found = self.guess(history, at)
         previous = jnp.take_along_axis(history, (at - 1)[:, None], axis=1)[:, 0]
         token = jnp.where(found, guess, previous)
-        token, q = outer(i, tokens, token, jax.nn.one_hot(token, V, dtype=jnp.float32))
+        token, q, _ = outer(i, tokens, token, jax.nn.one_hot(token, V, dtype=jnp.float32))
         if self.stop_on_miss:  # the chain ends at the first miss (-1 from there on)
           active = active & found
           token = jnp.where(active, token, -1)
@@ -351,7 +351,8 @@ class NgramDrafter(Drafter):
 
   def _lookup_pick(self, state: NgramState, last2: Array, seq_len: Array, pick: Pick | None):
     """(the history with the last two known tokens written, the `pick` that puts the lookup's
-    match in place of the fallback's draw wherever it finds one)."""
+    match in place of the fallback's draw wherever it finds one, and keeps it against the
+    fallback's stop)."""
     V = self.vocab_size
     history = write_at(state.history, seq_len - 2, last2)
 
@@ -360,7 +361,8 @@ class NgramDrafter(Drafter):
       token, probs = (jnp.where(found, guess, token),
                       jnp.where(found[:, None], jax.nn.one_hot(guess, V, dtype=probs.dtype),
                                 probs))
-      return (pick or keep_draw)(i, tokens, token, probs)
+      token, probs, kept = (pick or keep_draw)(i, tokens, token, probs)
+      return token, probs, kept | found
     return history, mine
 
   def update(self, state: NgramState, seq_len: Array, features: Features) -> NgramState:

@@ -146,6 +146,12 @@ def parse_drafter(name: str) -> DrafterName | None:
   return DrafterName(name, kind, arg, fallback)
 
 
+def has_draft_model(name: str) -> bool:
+  """Whether drafter `name` drafts with a model of its own (a KV cache a --kv-drafter budgets)."""
+  parsed = parse_drafter(name)
+  return parsed is not None and any(kind.draft_model for kind in parsed.kinds)
+
+
 def _renamed(error: Exception, message: str) -> Exception:
   """The error again with `message`: a FileNotFoundError stays one, anything else a ValueError
   (a subclass such as json's JSONDecodeError takes other arguments)."""

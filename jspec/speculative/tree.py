@@ -313,6 +313,11 @@ def check_tree_run(cfg: Config, drafter: Drafter, spec: TreeSpecConfig) -> None:
                     f"speculative_generate and a SpecConfig.")
   check_drafter(cfg, drafter)
   drafter.check_tree(spec.tree)
+  check_probe_round(drafter, depth=spec.tree.max_depth)
+  if drafter.stops_early:  # a tree's drafts grow to its shape: nothing would read the stop
+    raise ValueError("adaptive draft length (a drafter name ending in @P, with_stop) stops "
+                     "chains only; a tree grows to its shape. Fix: drop @P, or drop --tree "
+                     "(chains: SpecConfig)")
   if spec.tree.widest > cfg.vocab_size:
     raise ValueError(f"tree {spec.tree} asks for {spec.tree.widest} distinct children of a node "
                      f"but the vocabulary has {cfg.vocab_size} tokens. Fix: at most "
@@ -345,7 +350,6 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   check_kv(cfg, draft_kv, "draft_kv")
   check_tree_target(params)
   check_shared_cache(drafter, tree=True)
-  check_probe_round(drafter, depth=spec.tree.max_depth)
   # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
   if draft_kv is not None:
     drafter = drafter.with_kv(draft_kv, spec.reserve + 1)
