@@ -380,7 +380,8 @@ def cache_arrays(jaxpr) -> set[tuple[int, ...]]:
   return shapes
 
 
-def test_attention_mass_is_the_weighted_group_mean_of_attention_probabilities():
+@pytest.mark.parametrize("fixed_order", [False, True])
+def test_attention_mass_is_the_weighted_group_mean_of_attention_probabilities(fixed_order):
   rng = np.random.default_rng(6)
   B, T, H, K, D, S = 2, 3, 4, 2, 8, 10
   q = rng.standard_normal((B, T, H, D)).astype(np.float32)
@@ -389,7 +390,7 @@ def test_attention_mass_is_the_weighted_group_mean_of_attention_probabilities():
   visible[..., 0] = True
   w = rng.random((B, T)).astype(np.float32)
   got = np.asarray(attention_mass(jnp.asarray(q), jnp.asarray(k), jnp.asarray(visible),
-                                  jnp.asarray(w)))
+                                  jnp.asarray(w), fixed_order=fixed_order))
   want = np.zeros((B, S, K))
   for b in range(B):
     for t in range(T):
@@ -557,6 +558,39 @@ def test_greedy_speculative_equals_greedy_autoregressive_under_the_same_budget(
   assert out.sequences() == want
   if drafter == "self" and evict_every > 3:
     assert int(out.accept_hist[-1]) > 0  # whole blocks went through between evictions
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova+caote"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int8-xla"])
+def test_speculative_and_autoregressive_decoding_leave_the_same_mass_bits(params, method,
+                                                                         weights):
+  """On jspec's CPU kernels (every token scores the same bits alone or in a block) the attention
+  mass a verification block adds is, bit for bit, what one-token steps add, so near-tied slots
+  are evicted alike in both engines (XLA's softmax and einsums summed by shape: about half the
+  entries differed in their last bits). int8-xla: XLA's fixed-order path."""
+  from jspec.drafting.model import self_drafter
+  from jspec.generate import decode_loop, decode_start
+  from jspec.models.llama import native_float_params, quantize_params
+  from jspec.speculative.chain import SpecConfig, speculative_loop
+  p = native_float_params(params) if weights == "float32" else quantize_params(
+      params, "xla" if weights == "int8-xla" else "native")
+  policy = KVPolicy(method, budget=24, sinks=2, chunk=8, evict_every=8)
+  prompt = jnp.asarray([[int(x) for x in np.random.default_rng(11).integers(0, 97, 40)]])
+  n, key, N = jnp.asarray([40]), jax.random.key(0), 32
+  ar = jax.jit(lambda p: decode_loop(p, CFG, decode_start(
+      p, CFG, prompt, n, key, GREEDY, max_new_tokens=N, cache_size=0, kv=policy), None, GREEDY,
+      max_new_tokens=N, kv=policy))(p)
+  spec = jax.jit(lambda p: speculative_loop(
+      p, CFG, self_drafter(p, CFG), prompt, n, key, GREEDY,
+      spec=SpecConfig(gamma=4, max_new_tokens=N), cache_size=128, kv=policy))(p)
+  assert np.asarray(ar.tokens[0]).tolist() == np.asarray(spec.tokens[0, :N]).tolist()
+  length = int(ar.cache.lengths[0])
+  assert int(spec.cache.lengths[0]) == length and int(ar.evicted[0]) > 0
+  assert int(spec.accept_hist[1:].sum()) > 0  # blocks committed two tokens or more
+  np.testing.assert_array_equal(np.asarray(spec.cache.positions[:, 0, :length]),
+                                np.asarray(ar.cache.positions[:, 0, :length]))
+  np.testing.assert_array_equal(np.asarray(spec.cache.mass[:, 0, :length]),
+                                np.asarray(ar.cache.mass[:, 0, :length]))
 
 
 def test_the_default_cadence_lets_whole_rounds_through_a_full_budget(params, drafters):

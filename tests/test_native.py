@@ -11,7 +11,7 @@ from jspec import native
 from jspec.drafting.model import ModelDrafter
 from jspec.io.load import QUANTIZED, int8_kernel
 from jspec.models import quant
-from jspec.models.attention import masked_attention
+from jspec.models.attention import attention_mass, masked_attention
 from jspec.models.cache import KVCache
 from jspec.models.llama import forward, init_params, native_float_params, quantize_params
 from tests.test_quant import PROJECTIONS, PROMPTS, WIDE, _chain_matches_generate
@@ -132,6 +132,18 @@ def test_native_attention_matches_the_reference(B, T, H, K, D, S):
     clean = lambda a: jnp.nan_to_num(a[layer], nan=0.0)
     want = np.asarray(masked_attention(q, clean(k), clean(v), visible))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    # with_mass: the same outputs, bit for bit, and each token's probabilities averaged over
+    # the query heads of each KV head (0 where the token does not see the slot).
+    out, mass = (np.asarray(a) for a in native.attention(q, k, v, visible, layer,
+                                                          with_mass=True))
+    np.testing.assert_array_equal(out, got)
+    per_head = np.zeros((B, T, S, K))
+    for t in range(T):
+      w = np.zeros((B, T), np.float32)
+      w[:, t] = 1
+      per_head[:, t] = np.asarray(attention_mass(q, clean(k), visible, jnp.asarray(w)))
+    np.testing.assert_allclose(mass, per_head, rtol=2e-5, atol=2e-7)
+    assert np.all(mass[~np.asarray(visible)] == 0)
 
 
 def test_native_attention_refuses_bad_operands():

@@ -160,11 +160,12 @@ def fold_block_mass(policy: KVPolicy, before: KVCache, after: KVCache, n_new: Ar
   mass that decoding the first n_new [B] block tokens one at a time would have left: every one of
   them for H2O, the newest for TOVA and SnapKV (one token per block while decoding)."""
   T = after.mass.shape[-1]
-  reset = reset_mass(policy, before, n_new)
+  mass = reset_mass(policy, before, n_new).mass
   t = jnp.arange(T)[None, :]
-  weights = t < n_new[:, None] if policy.base == "h2o" else t == n_new[:, None] - 1
-  added = jnp.einsum("lbskt,bt->lbsk", after.mass, weights.astype(jnp.float32))
-  return dataclasses.replace(after, mass=reset.mass + added)
+  weights = t < n_new[:, None] if policy.base == "h2o" else t == n_new[:, None] - 1  # [B, T]
+  for j in range(T):  # in token order, as decoding adds them: the same bits as its steps
+    mass = mass + jnp.where(weights[None, :, None, None, j], after.mass[..., j], 0.0)
+  return dataclasses.replace(after, mass=mass)
 
 
 def evict(policy: KVPolicy, cache: KVCache, evicted: Array, due: Array | None = None,

@@ -163,31 +163,104 @@ def _native_attention_bwd(res, dout):
 _native_attention.defvjp(_native_attention_fwd, _native_attention_bwd)
 
 
-def attention_mass(q: Array, k: Array, visible: Array, weights: Array, repeats: int = 1) -> Array:
+def attention_mass(q: Array, k: Array, visible: Array, weights: Array, repeats: int = 1,
+                   fixed_order: bool = False) -> Array:
   """[B, S, K] float32: sum over new tokens t of weights[b, t] times the attention probability
   of t on slot s, averaged over the query heads of KV head k. q [B, T, H, D]; k [B, S, K, D];
   visible [B, T, S]. weights [B, T, J] give [B, S, K, J]. repeats: KV heads stored that many
   times in a row (Config.kv_repeats): each copy gets the mean over the original head's query
-  heads, so every copy scores, and evicts, as the one head would."""
+  heads, so every copy scores, and evicts, as the one head would.
+
+  fixed_order: every sum in an order that depends on neither T nor S (`_token_mass`), so a token
+  adds the same bits to a slot's mass in a one-token step and in a verification block, over any
+  cache size: the batch-invariant forwards (jspec's CPU kernels) then evict the same slots in
+  speculative and autoregressive decoding. XLA's softmax and einsums sum by shape."""
   B, T, H, D = q.shape
   K = k.shape[2]
-  scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * (D ** -0.5)
-  probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
-  spec = "bkgts,bt->bsk" if weights.ndim == 2 else "bkgts,btj->bskj"
-  mass = jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)  # [B, S, K(, J)]
-  if repeats > 1:
-    grouped = mass.reshape(B, -1, K // repeats, repeats, *mass.shape[3:]).mean(axis=3)
-    mass = jnp.repeat(grouped, repeats, axis=2)
-  return mass
+  if fixed_order:
+    mass = _fixed_order_mass(q.reshape(B, T, K, H // K, D), k.astype(q.dtype), visible,
+                             weights.astype(jnp.float32))
+  else:
+    scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, K, H // K, D), k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * (D ** -0.5)
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
+    spec = "bkgts,bt->bsk" if weights.ndim == 2 else "bkgts,btj->bskj"
+    mass = jnp.einsum(spec, probs, weights.astype(jnp.float32)) / (H // K)  # [B, S, K(, J)]
+  return _as_copies(mass, repeats)
 
 
-def recording_mass(attend: Callable, visible: Array, weights: Array, repeats: int = 1):
-  """attend as given, also appending each layer's `attention_mass` to the returned list."""
+def _as_copies(mass: Array, repeats: int) -> Array:
+  """mass [B, S, K, ...] with each original KV head's `repeats` stored copies given their mean."""
+  if repeats == 1:
+    return mass
+  B, S, K = mass.shape[:3]
+  grouped = mass.reshape(B, S, K // repeats, repeats, *mass.shape[3:]).mean(axis=3)
+  return jnp.repeat(grouped, repeats, axis=2)
+
+
+def _token_mass(q: Array, k: Array, visible: Array) -> Array:
+  """[B, S, K]: one token's attention probabilities, averaged over each KV head's query heads,
+  in a fixed order. q [B, K, G, D]; k [B, S, K, D]; visible [B, S]. Each score is a `row_sum`
+  of the D products (XLA's dots and reductions sum by shape: a score's bits moved with S and T),
+  the softmax's sum a `row_sum` over S (its order does not depend on S when the tail is
+  invisible); the heads add in turn."""
+  G, D = q.shape[2], q.shape[3]
+  products = q[:, :, :, None, :] * jnp.swapaxes(k, 1, 2)[:, :, None]  # [B, K, G, S, D]
+  scores = row_sum(products.astype(jnp.float32))[..., 0] * (D ** -0.5)  # [B, K, G, S]
+  seen = visible[:, None, None]  # [B, 1, 1, S]
+  scores = jnp.where(seen, scores, -jnp.inf)
+  top = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
+  e = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = row_sum(e)  # [B, K, G, 1]
+  probs = e / jnp.where(total > 0, total, 1.0)
+  heads = probs[:, :, 0]
+  for g in range(1, G):
+    heads = heads + probs[:, :, g]
+  return jnp.swapaxes(heads / G, 1, 2)  # [B, S, K]
+
+
+def _fixed_order_mass(q: Array, k: Array, visible: Array, weights: Array) -> Array:
+  """attention_mass with fixed_order: q [B, T, K, G, D]; each token's `_token_mass`, added in
+  token order (`in_token_order`)."""
+  per_token = jax.lax.map(lambda qv: _token_mass(qv[0], k, qv[1]),
+                          (jnp.swapaxes(q, 0, 1), jnp.swapaxes(visible, 0, 1)))  # [T, B, S, K]
+  return in_token_order(jnp.swapaxes(per_token, 0, 1), weights)
+
+
+def in_token_order(per_token: Array, weights: Array) -> Array:
+  """sum over t of weights[b, t(, j)] * per_token[b, t] -> [B, S, K(, J)], for per_token
+  [B, T, S, K] float32, added in token order to a zero start: a one-token step adds exactly its
+  own mass, a block's column j of 0/1 weights exactly token j's, and the block's committed
+  tokens fold in the order decoding adds them (`jspec.kv.evict.fold_block_mass`)."""
+  per_column = weights.ndim == 3
+  w = (weights if per_column else weights[..., None]).astype(jnp.float32)  # [B, T, J]
+  B, _, S, K = per_token.shape
+
+  def add(mass, inputs):
+    m_t, w_t = inputs  # [B, S, K], [B, J]
+    return mass + m_t[..., None] * w_t[:, None, None], None
+
+  mass, _ = jax.lax.scan(add, jnp.zeros((B, S, K, w.shape[-1]), jnp.float32),
+                         (jnp.swapaxes(per_token, 0, 1), jnp.swapaxes(w, 0, 1)))
+  return mass if per_column else mass[..., 0]
+
+
+def recording_mass(attend: Callable, visible: Array, weights: Array, repeats: int = 1,
+                   kernel: Optional[str] = None):
+  """attend as given, also appending each layer's `attention_mass` to the returned list. kernel
+  (`visible_attention`'s): "native" takes the probabilities jspec's CPU kernel computes as it
+  attends (`jspec.native.attention(with_mass=True)`: its fixed-order sums, no second pass);
+  "xla" the fixed-order `attention_mass`; None XLA's."""
   masses = []
 
   def attend_and_record(q, k_all, v_all, i):
-    masses.append(attention_mass(q, k_all[i], visible, weights, repeats))
+    if kernel == "native":
+      out, per_token = native.attention(q, k_all, v_all, visible,
+                                        _known_layer(i, k_all.shape[0]), with_mass=True)
+      masses.append(_as_copies(in_token_order(per_token, weights), repeats))
+      return out
+    masses.append(attention_mass(q, k_all[i], visible, weights, repeats,
+                                 fixed_order=kernel is not None))
     return attend(q, k_all, v_all, i)
 
   return attend_and_record, masses

@@ -377,7 +377,8 @@ def forward(params: Params, cfg: Config, tokens: Array, positions: Array, cache:
           f"attention_impl='xla' gives (got {cfg.attention_impl!r}), and a cache with a mass "
           "array. Fix: attention_impl='xla', or a policy that needs no scores (keydiff).")
     attend, masses = recording_mass(attend, attention_mask(cache.lengths, cache.size, mask, T),
-                                     mass_weights, cfg.kv_repeats)
+                                     mass_weights, cfg.kv_repeats,
+                                     kernel=quant.attention_kernel(params))
   tapped = dict.fromkeys(taps)  # the layers to tap, filled by _decoder
   hidden, cache = _decoder(params, cfg, tokens, positions, cache, slots, attend, appended,
                            tapped=tapped if taps else None, records=masses)
@@ -563,11 +564,13 @@ _INT8_INPUT_AXES = {"wq": (0,), "wk": (0,), "wv": (0,), "wo": (0, 1), "w_gate": 
                     "w_down": (0,)}
 
 
-def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Params:
+def quantize_params(params: Params, kernel: str = "xla", bits: int = 8,
+                    q4_offsets: bool = True) -> Params:
   """Every projection, the LM head and the embedding table as int8 per output channel
   (`jspec.models.quant.Int8Weight`, whose matmuls run `kernel`: "xla" or "native"); the
   embedding per row, which is its output channel when it is the tied LM head. bits=4: the
-  decoder layers' projections in 4 bits instead (`quant.Q4Weight`, native kernel only)."""
+  decoder layers' projections in 4 bits instead (`quant.Q4Weight`, native kernel only; with a
+  float16 offset a group unless q4_offsets=False)."""
   if bits not in (4, 8) or (bits == 4 and kernel != "native"):
     raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
                      f"'native'), got {bits} bits with kernel {kernel!r}")
@@ -575,7 +578,10 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8) -> Param
   def q8(w, axes):
     return quant.quantize_int8(w, axes, kernel)
 
-  project = quant.quantize_q4 if bits == 4 else q8  # 4 bits: with offsets (Q4_1 blocks kept)
+  def q4(w, axes):
+    return quant.quantize_q4(w, axes, offset=q4_offsets)
+
+  project = q4 if bits == 4 else q8
 
   def layer(lp: LayerParams) -> LayerParams:
     return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)

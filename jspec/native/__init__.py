@@ -50,6 +50,7 @@ Q4 = "jspec_q4_matmul"
 Q4_OFFSET = "jspec_q4_offset_matmul"
 F32_LINEAR = "jspec_f32_linear"
 ATTENTION = "jspec_attention"
+ATTENTION_MASS = "jspec_attention_mass"
 Q4_GROUP = 32  # inputs sharing one scale in the 4-bit format
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 PATHS = {1: "avx512-vnni", 0: "portable"}  # what JspecInt8MatmulPath() reports
@@ -139,6 +140,8 @@ def _library() -> ctypes.CDLL:
                               platform="cpu")
   jax.ffi.register_ffi_target(F32_LINEAR, jax.ffi.pycapsule(lib.JspecF32Linear), platform="cpu")
   jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.JspecAttention), platform="cpu")
+  jax.ffi.register_ffi_target(ATTENTION_MASS, jax.ffi.pycapsule(lib.JspecAttentionMass),
+                              platform="cpu")
   return lib
 
 
@@ -272,11 +275,12 @@ def q4_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, layer=None,
 
 
 def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Array,
-              layer) -> jax.Array:
+              layer, with_mass: bool = False):
   """GQA attention of q [B, T, H, D] over layer `layer` (an integer, traced or not) of the stacked
   cache k_all, v_all [L, B, S, K, D] (float32), each token seeing the slots visible [B, T, S]
   marks -> [B, T, H, D]. A token's bits depend only on its query and its visible slots (CPU
-  only)."""
+  only). with_mass: also [B, T, S, K], each token's attention probabilities averaged over the
+  query heads of each KV head (0 on slots it does not see), with the same guarantee."""
   B, T, H, D = q.shape
   L, Bk, S, K, Dk = k_all.shape
   index = _layer_index(layer, L, "attention")
@@ -291,5 +295,9 @@ def attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, visible: jax.Arr
                      f"{q.dtype}, {k_all.dtype}, {v_all.dtype}: allocate the KV cache in float32")
   _library()
   out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  if with_mass:
+    mass = jax.ShapeDtypeStruct((B, T, S, K), jnp.float32)
+    return jax.ffi.ffi_call(ATTENTION_MASS, (out, mass), vmap_method="sequential")(
+        q, k_all, v_all, visible.astype(jnp.bool_), index)
   return jax.ffi.ffi_call(ATTENTION, out, vmap_method="sequential")(
       q, k_all, v_all, visible.astype(jnp.bool_), index)

@@ -11,6 +11,11 @@
 // added as zeros), which int8 decoding needs: its activations are re-quantized to int8, where a
 // last-bit difference can become a whole quantization step. XLA's attention gets the same
 // guarantee only by attending one token at a time in products summed by halving (slow).
+//
+// JspecAttentionMass also writes mass[b, t, s, kh] = (sum over the G query heads g of kh, in g
+// order, of p_g[s]) / G, 0 where s is not visible: what attention-scored KV eviction adds up
+// (`jspec.models.attention.attention_mass`), with the same bits for a token in any block, over
+// any cache size, at no cost beyond the writes.
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +40,7 @@ struct Operands {
   const float *q, *k, *v;
   const bool* visible;
   float* out;
+  float* mass;  // [B, T, S, K] or null
   int64_t B, T, H, S, K, D, layer;
 };
 
@@ -47,6 +53,7 @@ struct ItemRows {
   int64_t G, n;
   const float* const* keys;
   const float* const* values;
+  const int64_t* slots;  // the visible slots' indices, in order
 };
 
 inline ItemRows VisibleRows(const Operands& o, int64_t item) {
@@ -55,14 +62,31 @@ inline ItemRows VisibleRows(const Operands& o, int64_t item) {
   const bool* vis = o.visible + (b * T + t) * S;
   const int64_t row = ((o.layer * o.B + b) * S) * K + kh;  // slot s at (row + s * K) * D
   thread_local std::vector<const float*> keys, values;
-  keys.clear(), values.clear();
+  thread_local std::vector<int64_t> slots;
+  keys.clear(), values.clear(), slots.clear();
   for (int64_t s = 0; s < S; ++s)
     if (vis[s]) {
       keys.push_back(o.k + (row + s * K) * D);
       values.push_back(o.v + (row + s * K) * D);
+      slots.push_back(s);
     }
   const int64_t first = ((b * T + t) * H + kh * G) * D;
-  return {o.q + first, o.out + first, G, int64_t(keys.size()), keys.data(), values.data()};
+  return {o.q + first, o.out + first, G, int64_t(keys.size()), keys.data(), values.data(),
+          slots.data()};
+}
+
+// The item's row of mass (see the top): p_g[i] = e[g * n + i] * inv[g] of its visible slot i,
+// summed over g in order, divided by G; the slots it does not see get 0.
+inline void WriteMass(const Operands& o, int64_t item, const ItemRows& r, const float* e,
+                      const float* inv) {
+  const int64_t K = o.K, S = o.S, kh = item % K, bt = item / K;
+  float* row = o.mass + bt * S * K + kh;  // slot s at row[s * K]
+  for (int64_t s = 0; s < S; ++s) row[s * K] = 0.0f;
+  for (int64_t i = 0; i < r.n; ++i) {
+    float sum = 0.0f;
+    for (int64_t g = 0; g < r.G; ++g) sum += e[g * r.n + i] * inv[g];
+    row[r.slots[i] * K] = sum / float(r.G);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -165,6 +189,7 @@ void Item(const Operands& o, int64_t item) {
     }
     inv[g] = n > 0 ? 1.0f / _mm512_reduce_add_ps(sum) : 0.0f;  // no visible slot: zeros
   }
+  if (o.mass) WriteMass(o, item, r, p.data(), inv);
   // p . v over blocks of slots whose value rows stay in L1, the sums of one head's 16 x NC
   // outputs in registers across a block.
   for (int64_t i0 = 0; i0 < n; i0 += kBlockSlots) {
@@ -229,6 +254,11 @@ void Item(const Operands& o, int64_t item) {
     }
     for (int64_t i = 0; i < n; ++i) pg[i] /= sum;
   }
+  if (o.mass) {
+    float ones[kMaxGroup];
+    std::fill(ones, ones + G, 1.0f);
+    WriteMass(o, item, r, p.data(), ones);
+  }
   for (int64_t i = 0; i < n; ++i) {
     const float* vs = r.values[i];
     for (int64_t g = 0; g < G; ++g) {
@@ -241,9 +271,10 @@ void Item(const Operands& o, int64_t item) {
 
 #endif
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible,
-                         ffi::Buffer<ffi::S32> layer_operand, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible,
+                  ffi::Buffer<ffi::S32> layer_operand, ffi::ResultBuffer<ffi::F32> out,
+                  float* mass) {
   const auto qd = q.dimensions();  // [B, T, H, D]
   const auto kd = k.dimensions();  // [L, B, S, K, D]
   const auto md = visible.dimensions();  // [B, T, S]
@@ -263,10 +294,28 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   o.v = v.typed_data();
   o.visible = visible.typed_data();
   o.out = out->typed_data();
+  o.mass = mass;
   o.B = qd[0], o.T = qd[1], o.H = qd[2], o.D = qd[3];
   o.S = kd[2], o.K = kd[3], o.layer = layer;
   jspec::ParallelFor(pool, o.B * o.T * o.K, [=](int64_t item) { Item(o, item); });
   return ffi::Error::Success();
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> visible,
+                         ffi::Buffer<ffi::S32> layer_operand, ffi::ResultBuffer<ffi::F32> out) {
+  return Attend(pool, q, k, v, visible, layer_operand, out, nullptr);
+}
+
+ffi::Error AttentionMassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                             ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::S32> layer_operand,
+                             ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> mass) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), md = mass->dimensions();
+  if (md.size() != 4 || qd.size() != 4 || kd.size() != 5 || md[0] != qd[0] || md[1] != qd[1] ||
+      md[2] != kd[2] || md[3] != kd[3])
+    return ffi::Error::InvalidArgument("jspec_attention_mass: mass [B, T, S, K]");
+  return Attend(pool, q, k, v, visible, layer_operand, out, mass->typed_data());
 }
 
 }  // namespace
@@ -279,4 +328,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttention, AttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecAttentionMass, AttentionMassImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
