@@ -165,11 +165,26 @@ def transformers_on_cpu(monkeypatch):
   monkeypatch.setattr("jspec.bench.speed.torch_placement", lambda model: ("cpu", "float32"))
 
 
-def test_bench_writes_records(tiny_model, tmp_path, capsys, transformers_on_cpu):
+def test_bench_writes_records(tiny_model, tmp_path, capsys, transformers_on_cpu, monkeypatch):
   import jax
+  from jspec.bench import speed
+  timed = []  # (method, prompt length), in the order the prompts were timed
+
+  def recording(cls, name):
+    original = cls.time_prompt
+    def time_prompt(self, run, p):
+      timed.append((name, len(p)))
+      return original(self, run, p)
+    monkeypatch.setattr(cls, "time_prompt", time_prompt)
+  recording(speed.Method, "jspec")
+  recording(speed.TransformersMethod, "transformers")
   out = tmp_path / "bench.json"
   assert main(["bench", "--model", str(tiny_model), "--dataset", "humaneval", "--num-prompts", "2",
                "--max-new-tokens", "6", "--json", str(out)]) == 0
+  # transformers is timed side by side with jspec, prompt by prompt (it once ran after jspec's
+  # runs, so a machine that slowed midway landed in the ratio).
+  assert [name for name, _ in timed[:4]] == ["jspec", "transformers"] * 2
+  assert timed[0][1] == timed[1][1] and timed[2][1] == timed[3][1]
   records = json.loads(out.read_text())
   assert [r["method"] for r in records] == ["jspec-autoregressive", "transformers-generate"]
   for r in records:

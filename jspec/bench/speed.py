@@ -143,7 +143,8 @@ def bench_interleaved(methods: Sequence[Method], prompts: Sequence[list[int]]
   for m in methods:  # a line each: compiling them all can take minutes before any timing
     start = time.perf_counter()
     extras.append(m.warm(prompts))
-    what = "autoregressive" if m.drafter is None else type(m.drafter).__name__
+    what = getattr(m, "label", None) or (
+        "autoregressive" if m.drafter is None else type(m.drafter).__name__)
     print(f"jspec bench: compiled {what}{' (tree)' if m.tree else ''} in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
   runs = [Run() for _ in methods]
@@ -236,79 +237,106 @@ def _dtype_name(hf) -> str:
   return str(hf.dtype).replace("torch.", "")
 
 
-def _run_transformers(hf, model: Model, prompts, max_new_tokens: int, sampling: SamplingParams,
-                      seed: int, extra_kwargs: dict, desc: str) -> tuple[Run, dict]:
-  import torch
+@dataclasses.dataclass
+class TransformersMethod:
+  """transformers' `generate` with `hf` (the target loaded by transformers) as a method
+  `bench_interleaved` times beside jspec's, prompt by prompt: `extra_kwargs` pick its cache or
+  its assistant (`transformers_method`, `transformers_assisted_method`)."""
 
-  stop = list(model.tokenizer.stop_token_ids)
-  kwargs = dict(eos_token_id=stop, pad_token_id=stop[0], top_k=None, top_p=None,
-                temperature=None, do_sample=False, **extra_kwargs)
-  if float(sampling.temperature) > 0:
-    kwargs.update(do_sample=True, temperature=float(sampling.temperature),
-                  top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p),
-                  min_p=float(sampling.min_p) or None)
-  if float(sampling.repetition_penalty) != 1:  # transformers has no presence/frequency penalty
-    kwargs.update(repetition_penalty=float(sampling.repetition_penalty))
-  torch.manual_seed(seed)
+  hf: object
+  model: Model
+  max_new_tokens: int
+  sampling: SamplingParams
+  seed: int
+  extra_kwargs: dict
+  label: str
+  drafter = None  # for bench_interleaved's progress lines
+  tree = None
 
-  device = hf.device
+  def _kwargs(self) -> dict:
+    stop = list(self.model.tokenizer.stop_token_ids)
+    kwargs = dict(eos_token_id=stop, pad_token_id=stop[0], top_k=None, top_p=None,
+                  temperature=None, do_sample=False, **self.extra_kwargs)
+    sampling = self.sampling
+    if float(sampling.temperature) > 0:
+      kwargs.update(do_sample=True, temperature=float(sampling.temperature),
+                    top_k=int(sampling.top_k) or None, top_p=float(sampling.top_p),
+                    min_p=float(sampling.min_p) or None)
+    if float(sampling.repetition_penalty) != 1:  # transformers has no presence/frequency penalty
+      kwargs.update(repetition_penalty=float(sampling.repetition_penalty))
+    return kwargs
 
-  def gen(p, n):
+  def _generate(self, p: list[int], n: int):
+    import torch
     with torch.no_grad():
-      ids = torch.tensor([p], device=device)
-      out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, **kwargs)
-      if device.type == "cuda":
+      ids = torch.tensor([p], device=self.hf.device)
+      out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             **self.kwargs)
+      if self.hf.device.type == "cuda":
         torch.cuda.synchronize()
       return out
 
-  if kwargs.get("cache_implementation") == "static":
-    # One cache size for every prompt, and its compiled decode step built before any timing:
-    # transformers compiles the static-cache step, and would rebuild it per new cache size.
-    longest = max(prompts, key=len)
-    kwargs["max_cache_len"] = len(longest) + max_new_tokens
-    for _ in range(2):
-      gen(longest, max_new_tokens)
-  else:
-    gen(prompts[0], 4)  # warm-up
-  run = Run()
-  for p in tqdm(prompts, desc=desc, leave=False):
+  def warm(self, prompts: Sequence[list[int]]) -> dict:
+    import torch
+    self.kwargs = self._kwargs()
+    if self.kwargs.get("cache_implementation") == "static":
+      # One cache size for every prompt, and its compiled decode step built before any timing:
+      # transformers compiles the static-cache step, and would rebuild it per new cache size.
+      longest = max(prompts, key=len)
+      self.kwargs["max_cache_len"] = len(longest) + self.max_new_tokens
+      for _ in range(2):
+        self._generate(longest, self.max_new_tokens)
+    else:
+      self._generate(prompts[0], 4)  # warm-up
+    return {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "torch_device": str(self.hf.device), "torch_dtype": _dtype_name(self.hf),
+            "cache": self.extra_kwargs.get("cache_implementation", "dynamic")}
+
+  def time_prompt(self, run: Run, p: list[int]) -> None:
+    import torch
+    torch.manual_seed(self.seed)  # each prompt's draws alike however the methods interleave
     start = time.perf_counter()
-    gen(p, 1)
+    self._generate(p, 1)
     ttft = time.perf_counter() - start
     start = time.perf_counter()
-    out = gen(p, max_new_tokens)[0, len(p):].tolist()
+    out = self._generate(p, self.max_new_tokens)[0, len(p):].tolist()
     run.wall_s.append(time.perf_counter() - start)
     run.ttft_s.append(ttft)
     run.new_tokens.append(len(out))
-    run.target_calls.append(len(out))  # plain decoding: one call per token (assisted: unknown)
+    # Plain decoding: one call per token; assisted generation does not report its calls.
+    if "assistant_model" not in self.extra_kwargs:
+      run.target_calls.append(len(out))
     run.outputs.append(out)
-  return run, {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-               "torch_device": str(device), "torch_dtype": _dtype_name(hf),
-               "cache": extra_kwargs.get("cache_implementation", "dynamic")}
 
 
-def bench_transformers(hf, model: Model, prompts, max_new_tokens, sampling, seed,
-                       cache: str = "dynamic") -> tuple[Run, dict]:
-  """transformers' `generate` with `hf`, the target loaded by transformers (a GGUF is dequantized
-  by it), with its default cache or `cache="static"` (a fixed-size cache transformers compiles
-  the forward for)."""
+def transformers_method(hf, model: Model, max_new_tokens: int, sampling: SamplingParams,
+                        seed: int, cache: str = "dynamic") -> TransformersMethod:
+  """transformers' `generate` with `hf` (a GGUF is dequantized by transformers), with its default
+  cache or `cache="static"` (a fixed-size cache transformers compiles the forward for)."""
   extra = {} if cache == "dynamic" else {"cache_implementation": cache}
-  return _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed, extra,
-                           f"transformers ({cache} cache)")
+  return TransformersMethod(hf, model, max_new_tokens, sampling, seed, extra,
+                            f"transformers ({cache} cache)")
 
 
-def bench_transformers_assisted(hf, model: Model, assistant_source: str | None, prompts,
-                                max_new_tokens, sampling, seed, gamma) -> tuple[Run, dict]:
+def transformers_assisted_method(hf, model: Model, assistant_source: str | None,
+                                 max_new_tokens: int, sampling: SamplingParams, seed: int,
+                                 gamma: int) -> TransformersMethod:
   """transformers' assisted generation (`assistant_model=`, constant gamma) on the same pair;
   `assistant_source` None means the target drafts for itself."""
   assistant = hf if assistant_source is None else _load_transformers(
       assistant_source, hf.device, _dtype_name(hf))
   assistant.generation_config.num_assistant_tokens = gamma
   assistant.generation_config.num_assistant_tokens_schedule = "constant"
-  run, extra = _run_transformers(hf, model, prompts, max_new_tokens, sampling, seed,
-                                 {"assistant_model": assistant}, "transformers assisted")
-  run.target_calls = []  # transformers does not report its verification calls
-  return run, extra
+  return TransformersMethod(hf, model, max_new_tokens, sampling, seed,
+                            {"assistant_model": assistant}, "transformers assisted")
+
+
+def bench_transformers(hf, model: Model, prompts, max_new_tokens, sampling, seed,
+                       cache: str = "dynamic") -> tuple[Run, dict]:
+  """`transformers_method` timed alone over the prompts."""
+  (result,) = bench_interleaved(
+      [transformers_method(hf, model, max_new_tokens, sampling, seed, cache)], prompts)
+  return result
 
 
 def _bandwidth_fields(decode_tokens_per_s: float | None, weights: int) -> dict:
@@ -444,11 +472,27 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
       "draft_kv": None if draft_kv is None or not has_draft_model(name)
       else dataclasses.asdict(draft_kv)}
   records = []
-  # AR and every chain timed side by side, prompt by prompt (see bench_interleaved).
+  # AR, every chain and transformers' runs timed side by side, prompt by prompt (see
+  # bench_interleaved).
   methods = [Method(model, max_new_tokens, sampling, seed, kv=kv)] + [
       Method(model, max_new_tokens, sampling, seed, named.drafter, gamma,
              measure_ttft=measure_ttft, kv=kv, draft_kv=draft_kv) for named in drafters]
-  (ar_run, extra), *chain_runs = bench_interleaved(methods, prompts)
+  hf_methods = {}
+  if compare_transformers:
+    device, dtype = torch_placement(model)
+    target_hf = _load_transformers(model.source, device, dtype)
+    hf_methods["generate"] = transformers_method(target_hf, model, max_new_tokens, sampling,
+                                                 seed)
+    if device == "cuda":  # on a GPU also its best plain decoding: a static, compiled cache
+      hf_methods["static"] = transformers_method(target_hf, model, max_new_tokens, sampling,
+                                                 seed, cache="static")
+    for i, named in enumerate(drafters):
+      if named.transformers_equivalent:
+        hf_methods[i] = transformers_assisted_method(target_hf, model, named.assistant_source,
+                                                     max_new_tokens, sampling, seed, gamma)
+  (ar_run, extra), *runs = bench_interleaved(methods + list(hf_methods.values()), prompts)
+  chain_runs = runs[:len(drafters)]
+  hf_runs = dict(zip(hf_methods, runs[len(drafters):]))
   ar = {"method": "jspec-autoregressive", "drafter": "none", **base, **ar_run.summary(), **extra}
   if measure_bandwidth:
     ar.update(_bandwidth_fields(ar["decode_tokens_per_s"],
@@ -505,9 +549,7 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
           context=median, cache_size=size)
 
   if compare_transformers:
-    device, dtype = torch_placement(model)
-    target_hf = _load_transformers(model.source, device, dtype)
-    hf_run, extra = bench_transformers(target_hf, model, prompts, max_new_tokens, sampling, seed)
+    hf_run, extra = hf_runs["generate"]
     hf = {"method": "transformers-generate", "drafter": "none", **base, **hf_run.summary(),
           **extra}
     if greedy:
@@ -516,20 +558,18 @@ def run_bench(model: Model, model_name: str, dataset: str, prompts: Sequence[lis
     if ar["decode_tokens_per_s"] and hf["decode_tokens_per_s"]:
       ar["decode_speedup_vs_transformers"] = ar["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
     records.append(hf)
-    if device == "cuda":  # on a GPU also its best plain decoding: a static, compiled cache
-      st_run, st_extra = bench_transformers(target_hf, model, prompts, max_new_tokens, sampling,
-                                            seed, cache="static")
+    if "static" in hf_runs:
+      st_run, st_extra = hf_runs["static"]
       static = {"method": "transformers-generate-static", "drafter": "none", **base,
                 **st_run.summary(), **st_extra}
       if greedy:
         static["identical_to_jspec"] = _identical(ar_run, st_run)
       ar["speedup_vs_transformers_static"] = ar["tokens_per_s"] / static["tokens_per_s"]
       records.append(static)
-    for named, spec in specs:
-      if not named.transformers_equivalent:
+    for i, (named, spec) in enumerate(specs):
+      if i not in hf_runs:
         continue
-      as_run, extra = bench_transformers_assisted(target_hf, model, named.assistant_source,
-                                                  prompts, max_new_tokens, sampling, seed, gamma)
+      as_run, extra = hf_runs[i]
       assisted = {"method": "transformers-assisted", "drafter": named.name, "gamma": gamma,
                   **base, **as_run.summary(), **extra}
       if greedy:
