@@ -61,35 +61,58 @@ _SEP = re.compile(r"[\s,]*")  # whitespace and the commas between array items
 
 
 def json_array_items(f: TextIO, stats: collections.Counter, chunk_chars: int = 1 << 20
-                     ) -> Iterator:
-  """The items of the JSON array in `f`, decoded one at a time; a truncated tail ends the iteration
-  and its length is added to stats["truncated_chars"]."""
+                     ) -> Iterator[dict]:
+  """The objects of the JSON array in `f`, decoded one at a time; a truncated tail (a file cut
+  short) ends the iteration and its length is added to stats["truncated_chars"]. A malformed item
+  before the end, or an item that is not an object, is an error naming its offset (it and every
+  item after it were once dropped as if the file had been cut there)."""
   decoder = json.JSONDecoder()
   buf = f.read(chunk_chars).lstrip()
   if not buf:
     return
   if buf[0] != "[":
     raise ValueError(f"expected a JSON array, got {buf[:40]!r}")
-  pos, eof = 1, False
+  pos, eof, before = 1, False, 0  # before: the file's characters ahead of buf (after lstrip)
   while True:
     pos = _SEP.match(buf, pos).end()
     if buf.startswith("]", pos):
       return
+    error = None
     if pos < len(buf):
       try:
         # Items are objects: they end with "}", so a cut one fails rather than decoding short.
-        item, pos = decoder.raw_decode(buf, pos)
-      except json.JSONDecodeError:
-        pass  # the item runs past the end of the buffer (or of the file)
+        item, end = decoder.raw_decode(buf, pos)
+      except json.JSONDecodeError as e:
+        error = e  # the item runs past the end of the buffer (or of the file), or is malformed
       else:
+        if not isinstance(item, dict):
+          raise ValueError(f"JSON array item at character {before + pos} is a "
+                           f"{type(item).__name__}, not an object")
+        pos = end
         yield item
         continue
     if eof:
+      if error is not None and not _runs_to_the_end(error, buf):
+        raise ValueError(f"malformed JSON array item at character {before + pos}: "
+                         f"{error.msg} at character {before + error.pos}")
       stats["truncated_chars"] += len(buf) - pos
       return
     # Keep the undecoded rest; reading at least its length again keeps huge items linear overall.
     more = f.read(max(chunk_chars, len(buf) - pos))
+    before += pos
     buf, pos, eof = buf[pos:] + more, 0, not more
+
+
+_CUT_LITERAL = re.compile(r"(t|tr|tru|f|fa|fal|fals|n|nu|nul|-|[-0-9.eE+]+)")
+
+
+def _runs_to_the_end(error: json.JSONDecodeError, buf: str) -> bool:
+  """Whether a decode error says the text ended inside the item (a cut file), not that the item
+  is malformed: the decoder failed at the very end, in a string it never saw close, or at a
+  literal or number the end cut short."""
+  text = buf.rstrip()
+  return (error.pos >= len(text) or error.msg.startswith("Unterminated string")
+          or _CUT_LITERAL.fullmatch(text[error.pos:]) is not None)
 
 
 def iter_sharegpt(path: str | Path, stats: collections.Counter | None = None

@@ -77,6 +77,21 @@ def test_missing_tensor_is_named(tmp_path):
     load_hf(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.0.input_layernorm.weight"])
+def test_a_tensor_in_two_shards_is_refused(tmp_path, name):
+  """Without an index every *.safetensors is read: a stale copy beside the model gave its
+  tensors silently (whichever file sorted last won)."""
+  import numpy as np
+  from safetensors.numpy import save_file
+  write_config(tmp_path, tie_word_embeddings=True)
+  save_file({"model.embed_tokens.weight": np.zeros((8, 8), np.float32)},
+            str(tmp_path / "model.safetensors"))
+  save_file({name: np.ones(8, np.float32)}, str(tmp_path / "a.safetensors"))
+  save_file({name: np.full(8, 7.0, np.float32)}, str(tmp_path / "b.safetensors"))
+  with pytest.raises(ValueError, match=f"tensor '{name}'.*is given twice"):
+    load_hf(tmp_path)
+
+
 def test_truncated_safetensors_is_named(tmp_path):
   import numpy as np
   from safetensors.numpy import save_file

@@ -49,6 +49,24 @@ def test_array_items_stream_across_chunks_and_stop_at_the_cut(ensure_ascii, chun
   assert complete["truncated_chars"] == 0
 
 
+def test_array_items_of_a_file_cut_anywhere_are_the_whole_items_before_the_cut():
+  """Every prefix of an array (a download cut at any character) gives the items that end before
+  the cut, never an error; a malformed item before the end is an error, not a cut (it and every
+  item after it were dropped), and so is an item that is not an object."""
+  items = [{"id": "a", "n": -12.5e3, "ok": True, "x": None, "t": "q\"u"}, {"id": "b", "f": False}]
+  full = json.dumps(items)
+  for cut in range(1, len(full) - 1):
+    stats = collections.Counter()
+    got = list(data.json_array_items(io.StringIO(full[:cut]), stats, chunk_chars=5))
+    assert got == [item for item in items if full.index(json.dumps(item)) + len(
+        json.dumps(item)) <= cut], cut
+  malformed = '[{"id": "a"}, {"id": "b", "x": [}, {"id": "c"}]'
+  with pytest.raises(ValueError, match="malformed JSON array item at character 14"):
+    list(data.json_array_items(io.StringIO(malformed), collections.Counter(), 8))
+  with pytest.raises(ValueError, match="is a int, not an object"):
+    list(data.json_array_items(io.StringIO("[1, 2, 123456789, 4]"), collections.Counter(), 8))
+
+
 def test_array_items_reject_a_non_array():
   with pytest.raises(ValueError, match="JSON array"):
     list(data.json_array_items(io.StringIO('{"id": 1}'), collections.Counter()))

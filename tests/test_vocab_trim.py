@@ -134,6 +134,8 @@ def test_compact_drafter_round_trip(target, tmp_path, trim):
     out = save_drafter(tmp_path / "h", dcfg, params, target.tokenizer, {}, keep_ids=keep,
                        share_target_table=True, dtype="float16")
     assert not drafter_format(out)["head_is_table"]
+    import json  # config.json says what is stored (it said float32 whatever the dtype)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
     back = load_model_drafter(out, target)
     np.testing.assert_allclose(np.asarray(back.params.lm_head), np.asarray(params.lm_head),
                                rtol=1e-3, atol=1e-3)

@@ -106,10 +106,14 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, Any]], dtype,
           value = array(reshape, cfg)
         else:
           value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
-        if field.startswith("layers."):
-          per_layer.setdefault(field[7:], {})[int(m.group(1))] = value
-        else:
-          top[field] = value
+        slot = (per_layer.setdefault(field[7:], {}), int(m.group(1))) if field.startswith(
+            "layers.") else (top, field)
+        if slot[1] in slot[0]:  # two shards (a stale copy beside the model) give one tensor
+          raise ValueError(f"{source}: tensor {name!r} ({field}) is given twice: the weights "
+                           f"would depend on which file is read last. Fix: remove the stale "
+                           f"*.safetensors, or add a model.safetensors.index.json naming the "
+                           f"files to read")
+        slot[0][slot[1]] = value
         break
     else:
       if not _HF_IGNORED.match(name):

@@ -94,7 +94,7 @@ def save_drafter(path: str | Path, cfg: Config, params: Params, tokenizer, metad
   tensors = {k: np.asarray(jnp.asarray(v, DTYPES[dtype])) for k, v in tensors.items()}
   if keep_ids is not None:
     tensors[KEEP_IDS] = keep_ids
-  (path / "config.json").write_text(json.dumps(config_to_hf(cfg, tokenizer), indent=2))
+  (path / "config.json").write_text(json.dumps(config_to_hf(cfg, tokenizer, dtype), indent=2))
   safetensors.numpy.save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
   if tokenizer is not None:
     save_tokenizer(path, tokenizer)

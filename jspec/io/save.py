@@ -20,7 +20,8 @@ _HF_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2
                "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 
 
-def config_to_hf(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+def config_to_hf(cfg: Config, tokenizer: Tokenizer | None = None,
+                 dtype: str = "float32") -> dict[str, Any]:
   """The config.json dict transformers (and `config_from_hf`) read back into `cfg`."""
   model_type, cls = _HF_CLASSES[cfg.arch]
   scaling = cfg.rope_scaling
@@ -46,7 +47,7 @@ def config_to_hf(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str, A
       "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
       "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
       "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
-      "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "torch_dtype": "float32",
+      "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "torch_dtype": dtype,
   }
   if cfg.arch != "qwen2":  # qwen2's q/k/v biases are implied by its architecture
     hf.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
@@ -104,8 +105,11 @@ def save_hf(path: str | Path, cfg: Config, params: Params, tokenizer: Tokenizer 
 
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  (path / "config.json").write_text(json.dumps(config_to_hf(cfg, tokenizer), indent=2))
-  safetensors.numpy.save_file(params_to_hf(cfg, params), str(path / "model.safetensors"),
+  tensors = params_to_hf(cfg, params)
+  dtype = str(tensors["model.embed_tokens.weight"].dtype) if "model.embed_tokens.weight" in (
+      tensors) else "float32"
+  (path / "config.json").write_text(json.dumps(config_to_hf(cfg, tokenizer, dtype), indent=2))
+  safetensors.numpy.save_file(tensors, str(path / "model.safetensors"),
                               metadata={"format": "pt"})
   if tokenizer is not None:
     save_tokenizer(path, tokenizer)
