@@ -88,6 +88,23 @@ def test_kl_is_zero_without_eviction_and_positive_with_it(tiny):
   np.testing.assert_allclose(ref, jax.nn.log_softmax(logits[0, 159:199]), rtol=1e-4, atol=1e-4)
 
 
+def test_pallas_attention_runs_the_continuation_and_counts_the_slots_it_allocates(tiny):
+  """Under the tree-attention kernel the cache is rounded up to its 16-slot blocks: the KL task
+  allocated the policy's 58 slots (refused by the kernel) and the bytes counted those 58."""
+  import dataclasses
+  cfg = dataclasses.replace(tiny.cfg, attention_impl="pallas-interpret")
+  policy = KVPolicy("keydiff", budget=42, sinks=2, chunk=16)
+  assert policy.slots % 16
+  itemsize = 4
+  per_slot = cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim * itemsize + 4)
+  assert bench_kv.cache_bytes(cfg, policy, itemsize) == -(-policy.slots // 16) * 16 * per_slot
+  assert bench_kv.cache_bytes(tiny.cfg, policy, itemsize) == policy.slots * per_slot
+  tokens = jnp.asarray([bench_kv.haystack_ids(tiny.tokenizer, texts(), 72)])
+  params = load(tiny.source, "float32-xla").params  # the tree kernel takes XLA's formats
+  out = bench_kv._continuation_jit(params, cfg, tokens, 64, policy)
+  assert out.shape == (8, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(out)))
+
+
 def test_records_and_plot(tiny, tmp_path):
   setup = bench_kv.BenchKV(methods=["full", "keydiff", "h2o+caote"], budgets=[48], context=160,
                            tasks=["passkey", "kl", "ppl"], num_samples=1, chunk=16, continuation=8,

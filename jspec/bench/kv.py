@@ -38,6 +38,7 @@ import numpy as np
 from jspec.bench.profiling import CompileCounter
 from jspec.kv.policy import METHODS, KVPolicy
 from jspec.kv.prefill import budgeted_step, chunked_prefill
+from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.llama import Params
@@ -158,7 +159,7 @@ def continuation_logprobs(params: Params, cfg: Config, tokens: Array, n_prefix: 
   tokens [1, T] from n_prefix - 1 on, under `policy`: the prefix chunk-prefilled, the rest
   teacher-forced one token at a time with eviction as decoding does it."""
   prefix = tokens[:, :n_prefix]
-  cache = KVCache.init(cfg, 1, policy.slots, params.embed.dtype)
+  cache = KVCache.init(cfg, 1, attention_slots(cfg, policy.slots), params.embed.dtype)
   logits, cache, evicted, _ = chunked_prefill(params, cfg, prefix, jnp.asarray([n_prefix]),
                                               cache, policy)
   M = tokens.shape[1] - n_prefix
@@ -199,9 +200,10 @@ def policy_for(method: str, budget: int, context: int, max_new: int, chunk: int,
 
 
 def cache_bytes(cfg: Config, policy: KVPolicy, itemsize: int) -> int:
-  """Peak KV-cache bytes of one row: keys and values of every slot, each slot's recorded position
-  (int32) and, for attention-score methods, its attention mass (float32)."""
-  entries = cfg.num_layers * policy.slots * cfg.num_kv_heads
+  """Peak KV-cache bytes of one row: keys and values of every slot the engines allocate (the
+  policy's, rounded up to the Pallas kernel's blocks: `attention_slots`), each slot's recorded
+  position (int32) and, for attention-score methods, its attention mass (float32)."""
+  entries = cfg.num_layers * attention_slots(cfg, policy.slots) * cfg.num_kv_heads
   per_entry = 2 * cfg.head_dim * itemsize + 4 + (4 if policy.needs_attention else 0)
   return entries * per_entry
 
