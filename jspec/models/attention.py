@@ -194,8 +194,11 @@ def _as_copies(mass: Array, repeats: int) -> Array:
   if repeats == 1:
     return mass
   B, S, K = mass.shape[:3]
-  grouped = mass.reshape(B, S, K // repeats, repeats, *mass.shape[3:]).mean(axis=3)
-  return jnp.repeat(grouped, repeats, axis=2)
+  copies = mass.reshape(B, S, K // repeats, repeats, *mass.shape[3:])
+  total = copies[:, :, :, 0]
+  for r in range(1, repeats):  # in copy order: the same bits whatever the shape around it
+    total = total + copies[:, :, :, r]
+  return jnp.repeat(total / repeats, repeats, axis=2)
 
 
 def _token_mass(q: Array, k: Array, visible: Array) -> Array:
