@@ -164,7 +164,8 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
     passes = confu_passes(params, drafter.cfg, TARGET, batch, steps)
     state = prefilled(drafter, target, j + 1)
     truth = jnp.asarray(SEQ[j + 2: j + 2 + steps])
-    force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs)
+    force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs,
+                                             jnp.zeros(token.shape, bool))
     _, q, _ = drafter.propose(state, None, jnp.asarray([j + 2]), jax.random.key(0),
                               SamplingParams(temperature=1.0), steps, pick=force)
     plain = ttt_logits(drafter.params, drafter.cfg, drafter.embed, seq, taps, steps)

@@ -220,7 +220,8 @@ def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter
     state = drafter.init(jnp.asarray([seq[:P]]), jnp.asarray([P]), 32, Features(
         hidden=taps[:, :P], tokens=jnp.asarray([seq[1:P + 1]]), start=jnp.asarray([0])))
     truth = jnp.asarray(seq[P + 1: P + 1 + steps])
-    force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs)
+    force = lambda i, tokens, token, probs: (jnp.full_like(token, truth[i]), probs,
+                                             jnp.zeros(token.shape, bool))
     return drafter.propose(state, None, jnp.asarray([P + 1]), jax.random.key(0),
                            SamplingParams(temperature=1.0), steps, pick=force)[1]
 
