@@ -140,6 +140,10 @@ BAD_INPUTS = [
      r"tree_mask must be \[B, T, T\]"),
     ("mask dtype", lambda a: _replace(a, 4, jnp.ones((2, 8, 8), jnp.int32)), {},
      r"tree_mask must be bool"),
+    ("mask diagonal", lambda a: _replace(a, 4, ~jnp.eye(8, dtype=bool)[None].repeat(2, 0)), {},
+     r"tree_mask must let every new token see itself"),
+    ("past the cache", lambda a: _replace(a, 3, jnp.asarray([0, 250], jnp.int32)), {},
+     r"lengths \+ T must be <= the cache size S=256"),
     ("block_k divides S", lambda a: a, {"block_sizes": BlockSizes(96)},
      r"block_k=96 does not divide the cache size S=256"),
     ("tpu block_k", lambda a: a, {"block_sizes": BlockSizes(64), "backend": "tpu"},
@@ -273,3 +277,21 @@ def test_gpu_tiles_need_a_compute_capability_unless_interpreted(monkeypatch):
   assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_DEFAULT
   monkeypatch.setattr(jax, "devices", lambda: [Device(platform="gpu", compute_capability="9.0")])
   assert ta._gpu_smem_budget(False) == ta._GPU_SMEM_BYTES[(9, 0)]
+
+
+def test_a_query_that_sees_nothing_gets_zeros_in_kernel_and_reference():
+  """Under a caller's jit the mask is not checked: a row without its diagonal over an empty
+  prefix attends to nothing, and the reference (NaN before) agrees with the kernel's zeros."""
+  B, T, H, K, D, S = 1, 4, 2, 1, 16, 16
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)).astype(np.float32))
+  k = jnp.asarray(rng.standard_normal((B, S, K, D)).astype(np.float32))
+  v = jnp.asarray(rng.standard_normal((B, S, K, D)).astype(np.float32))
+  lengths = jnp.zeros((B,), jnp.int32)
+  mask = jnp.tril(jnp.ones((T, T), bool))[None].at[0, 2, 2].set(False)  # row 2 sees 0, 1
+  mask = mask.at[0, 2].set(False)  # row 2 sees nothing
+  got = jax.jit(lambda *a: tree_attention(*a, interpret=True, backend="gpu",
+                                          block_sizes=BlockSizes(16)))(q, k, v, lengths, mask)
+  want = tree_attention_reference(q, k, v, lengths, mask)
+  np.testing.assert_array_equal(np.asarray(want)[0, 2], 0)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -111,6 +111,15 @@ def test_ancestor_mask_matches_walk(N, D, seed):
   assert_well_formed(tree)
 
 
+def test_set_node_columns_drops_columns_outside_the_row():
+  """Columns outside [0, L) are dropped; a negative one wrapped into the neighbouring node's row."""
+  from jspec.tree.structure import set_node_columns
+  x = jnp.zeros((1, 2, 4))
+  cols = jnp.asarray([[[-1, 1], [4, 2]]])  # [B, W, 2]
+  got = np.asarray(set_node_columns(x, cols, 1.0))
+  np.testing.assert_array_equal(got, [[[0, 1, 0, 0], [0, 0, 1, 0]]])
+
+
 def test_positions_path_to_and_path_tokens():
   B, N, D = 32, 16, 5
   tree = random_tree(np.random.default_rng(3), B, N, 5, D)

@@ -273,6 +273,18 @@ greedy_jit = jax.jit(verify_tree_greedy)
 sampled_jit = jax.jit(verify_tree_sampled)
 
 
+def test_logits_without_a_slot_per_context_are_refused():
+  """target_logits [B, N, V] (the root's context forgotten) were clipped onto other nodes'
+  contexts: a plausible wrong path, greedy and sampled, no error."""
+  rng = np.random.default_rng(2)
+  tree = random_tree(rng, 2, 5, 4, 3, marks=False)
+  short = jnp.asarray(rng.standard_normal((2, 5, 4)).astype(np.float32))
+  with pytest.raises(ValueError, match=r"target_logits must be \[B, N \+ 1, V\]"):
+    verify_tree_greedy(tree, short)
+  with pytest.raises(ValueError, match=r"target_logits must be \[B, N \+ 1, V\]"):
+    verify_tree(jax.random.key(0), tree, short, SamplingParams(temperature=1.0))
+
+
 def test_greedy_is_the_deepest_argmax_path():
   rng = np.random.default_rng(1)
   B, N, vocab, D = 256, 12, 3, 5

@@ -66,7 +66,9 @@ def visibility(slots: Array, lengths: Array, tree_mask: Optional[Array], T: int)
 
 def tree_attention_reference(q: Array, k: Array, v: Array, lengths: Array,
                              tree_mask: Optional[Array]) -> Array:
-  """Pure-jnp tree attention in float32: q [B, T, H, D], k, v [B, S, K, D] → [B, T, H, D]."""
+  """Pure-jnp tree attention in float32: q [B, T, H, D], k, v [B, S, K, D] → [B, T, H, D]. A
+  query that sees no slot (a tree mask without its diagonal over an empty prefix) gets zeros, as
+  the kernel gives (a softmax over nothing is NaN)."""
   B, T, H, D = q.shape
   S, K = k.shape[1], k.shape[2]
   lengths = lengths.astype(jnp.int32)
@@ -81,6 +83,7 @@ def tree_attention_reference(q: Array, k: Array, v: Array, lengths: Array,
                       precision=lax.Precision.HIGHEST) * (D ** -0.5)
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S]
   probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], probs, 0.0)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v32, precision=lax.Precision.HIGHEST)
   return out.reshape(B, T, H, D).astype(q.dtype)
 
@@ -238,6 +241,13 @@ def validate_inputs(q: Array, k: Array, v: Array, lengths: Array, tree_mask: Opt
     if tree_mask.dtype != jnp.bool_:
       raise ValueError(
           f"tree_mask must be bool, got {tree_mask.dtype}: pass tree_mask.astype(bool).")
+    if not isinstance(tree_mask, jax.core.Tracer) and not bool(
+        jnp.all(jnp.diagonal(tree_mask, axis1=1, axis2=2))):
+      raise ValueError("tree_mask must let every new token see itself (its diagonal all True): "
+                       "a token that sees nothing attends to nothing")
+  if not isinstance(lengths, jax.core.Tracer) and int(jnp.max(lengths)) + T > S:
+    raise ValueError(f"lengths + T must be <= the cache size S={S} (the new tokens' K/V sit at "
+                     f"slots lengths[b] + t), got max(lengths) = {int(jnp.max(lengths))}, T = {T}")
   if backend == "gpu" and (not _is_pow2(D) or not 16 <= D <= 256):
     raise ValueError(
         f"head_dim D={D} is not supported by the GPU kernel: Triton tiles need a power of two in "
@@ -498,7 +508,6 @@ def _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, in
 # 4. Public entry point.
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "backend", "layer"))
 def tree_attention(q: Array, k: Array, v: Array, lengths: Array, tree_mask: Optional[Array],
                    *, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
                    backend: Optional[str] = None, layer: Optional[int] = None) -> Array:
@@ -520,6 +529,16 @@ def tree_attention(q: Array, k: Array, v: Array, lengths: Array, tree_mask: Opti
       kernel then reads layer `layer` in place.
   """
   backend = resolve_backend(backend, interpret)
+  # Checked before the jit, so that concrete lengths and masks (a direct call) are checked too;
+  # inside a caller's jit they are traced and only their shapes are.
   validate_inputs(q, k, v, lengths, tree_mask, block_sizes, backend, layer)
+  return _tree_attention_jit(q, k, v, lengths, tree_mask, block_sizes=block_sizes,
+                             interpret=interpret, backend=backend, layer=layer)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "backend", "layer"))
+def _tree_attention_jit(q: Array, k: Array, v: Array, lengths: Array, tree_mask: Optional[Array],
+                        *, block_sizes: BlockSizes, interpret: bool, backend: str,
+                        layer: Optional[int]) -> Array:
   return _pallas_tree_attention(q, k, v, lengths, tree_mask, block_sizes, backend, interpret,
                                 layer)

@@ -40,11 +40,27 @@ from jspec.tree.structure import Siblings, Tree, ancestor_mask, path_to, path_to
 Array = jax.Array
 
 
+def check_tree_logits(tree: Tree, target_logits: Array,
+                      target_logprobs: Array | None = None) -> None:
+  """Host-side: the target's logits (and log-probabilities) hold the root's context and each
+  node's, [B, N + 1, V], as the tree's q does (a missing slot was clipped onto another node's
+  context: a plausible wrong path, no error)."""
+  B, N = tree.tokens.shape
+  for name, x in (("target_logits", target_logits), ("target_logprobs", target_logprobs)):
+    if x is not None and (x.ndim != 3 or x.shape[:2] != (B, N + 1)):
+      raise ValueError(f"{name} must be [B, N + 1, V] = [{B}, {N + 1}, V] for a tree of {N} "
+                       f"nodes (the root's context first, then each node's), got {x.shape}")
+  if tree.q.shape[:2] != (B, N + 1) or tree.q.shape[-1] != target_logits.shape[-1]:
+    raise ValueError(f"the tree's q must be [B, N + 1, V] like target_logits "
+                     f"{target_logits.shape}, got {tree.q.shape}")
+
+
 def verify_tree_greedy(tree: Tree, target_logits: Array) -> tuple[Array, Array, Array]:
   """Accept the deepest path whose every token is the target's argmax at its parent's context.
 
   Ties between equally deep paths (duplicate siblings) go to the lowest node index.
   """
+  check_tree_logits(tree, target_logits)
   best = argmax(target_logits)  # [B, N+1]
   ok = tree.valid & (tree.tokens == take(best, tree.parents + 1))  # [B, N]
   path_ok = tree.valid & jnp.all(~ancestor_mask(tree) | ok[:, None, :], axis=-1)  # [B, N]
@@ -80,6 +96,7 @@ def verify_tree_sampled(key: Array, tree: Tree, target_logits: Array, sampling: 
   target_logits [B, N + 1, V] are processed here with `sampling`, as the tree's q was drafted
   (target_logprobs: processed already, when the caller has them).
   """
+  check_tree_logits(tree, target_logits, target_logprobs)
   B, N = tree.tokens.shape
   k_accept, k_next = jax.random.split(key)
   proposal = PROPOSALS[tree.siblings]

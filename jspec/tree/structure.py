@@ -73,11 +73,11 @@ def take(x: Array, idx: Array) -> Array:
 
 def set_node_columns(x: Array, cols: Array, value) -> Array:
   """x [B, W, L] with x[b, w, cols[b, w, ...]] = value (shaped as cols, or broadcast); columns
-  >= L are dropped. One scatter over each row's flattened [W L] (`set_rows`), so a mesh's devices
+  outside [0, L) are dropped. One scatter over each row's flattened [W L] (`set_rows`), so a mesh's devices
   each write their own rows."""
   B, W, L = x.shape
   w = jnp.arange(W).reshape((1, W) + (1,) * (cols.ndim - 2))
-  flat = jnp.where(cols < L, w * L + cols, W * L).reshape(B, -1)
+  flat = jnp.where((cols >= 0) & (cols < L), w * L + cols, W * L).reshape(B, -1)
   value = jnp.broadcast_to(value, cols.shape).reshape(B, -1)
   return set_rows(x.reshape(B, W * L), flat, value, mode="drop").reshape(B, W, L)
 
