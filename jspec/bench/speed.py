@@ -250,6 +250,7 @@ class TransformersMethod:
   seed: int
   extra_kwargs: dict
   label: str
+  kwargs: dict = dataclasses.field(init=False, default_factory=dict)  # generate's, set by warm
   drafter = None  # for bench_interleaved's progress lines
   tree = None
 
