@@ -32,6 +32,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -241,13 +242,14 @@ def validate_inputs(q: Array, k: Array, v: Array, lengths: Array, tree_mask: Opt
     if tree_mask.dtype != jnp.bool_:
       raise ValueError(
           f"tree_mask must be bool, got {tree_mask.dtype}: pass tree_mask.astype(bool).")
-    if not isinstance(tree_mask, jax.core.Tracer) and not bool(
-        jnp.all(jnp.diagonal(tree_mask, axis1=1, axis2=2))):
+    if not isinstance(tree_mask, jax.core.Tracer) and not np.diagonal(
+        np.asarray(tree_mask), axis1=1, axis2=2).all():  # numpy: no trace op under make_jaxpr
       raise ValueError("tree_mask must let every new token see itself (its diagonal all True): "
                        "a token that sees nothing attends to nothing")
-  if not isinstance(lengths, jax.core.Tracer) and int(jnp.max(lengths)) + T > S:
+  if not isinstance(lengths, jax.core.Tracer) and int(np.max(np.asarray(lengths))) + T > S:
     raise ValueError(f"lengths + T must be <= the cache size S={S} (the new tokens' K/V sit at "
-                     f"slots lengths[b] + t), got max(lengths) = {int(jnp.max(lengths))}, T = {T}")
+                     f"slots lengths[b] + t), got max(lengths) = {int(np.max(np.asarray(lengths)))}"
+                     f", T = {T}")
   if backend == "gpu" and (not _is_pow2(D) or not 16 <= D <= 256):
     raise ValueError(
         f"head_dim D={D} is not supported by the GPU kernel: Triton tiles need a power of two in "
