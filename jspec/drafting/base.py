@@ -375,9 +375,9 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
   feeds draft i - 1 and scores draft i; sample(key, logits) -> (token [B], q [B, V]) draws in the
   full vocabulary; `pick` may replace each draw before it is fed. `stop(logits) -> [B] bool`
   (adaptive draft length): a row whose draft i it marks, unless `pick` kept that draft, ends its
-  chain before draft i (drafts i.. are -1), and the loop stops feeding once every row has ended. `penalty(logits, tokens, i)`
-  (jspec.sampling.penalties.chain_draft_penalty): draft i's logits penalized for the text and the
-  drafts before it, before it is drawn. Returns (tokens [B, gamma], q [B, gamma, V], carry).
+  chain before draft i (drafts i.. are -1), and the loop stops feeding once every row has ended.
+  `penalty(logits, tokens, i)` (jspec.sampling.penalties.chain_draft_penalty): draft i's logits
+  penalized for the text and the drafts before it, before it is drawn. Returns (tokens [B, gamma], q [B, gamma, V], carry).
   """
   penalty = penalty or (lambda logits, tokens, i: logits)
   pick = pick or keep_draw

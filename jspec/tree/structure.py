@@ -73,8 +73,8 @@ def take(x: Array, idx: Array) -> Array:
 
 def set_node_columns(x: Array, cols: Array, value) -> Array:
   """x [B, W, L] with x[b, w, cols[b, w, ...]] = value (shaped as cols, or broadcast); columns
-  outside [0, L) are dropped. One scatter over each row's flattened [W L] (`set_rows`), so a mesh's devices
-  each write their own rows."""
+  outside [0, L) are dropped. One scatter over each row's flattened [W L] (`set_rows`), so a
+  mesh's devices each write their own rows."""
   B, W, L = x.shape
   w = jnp.arange(W).reshape((1, W) + (1,) * (cols.ndim - 2))
   flat = jnp.where((cols >= 0) & (cols < L), w * L + cols, W * L).reshape(B, -1)
