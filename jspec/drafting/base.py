@@ -377,7 +377,8 @@ def draft_chain(key: Array, gamma: int, first_logits: Array, carry, step: Callab
   (adaptive draft length): a row whose draft i it marks, unless `pick` kept that draft, ends its
   chain before draft i (drafts i.. are -1), and the loop stops feeding once every row has ended.
   `penalty(logits, tokens, i)` (jspec.sampling.penalties.chain_draft_penalty): draft i's logits
-  penalized for the text and the drafts before it, before it is drawn. Returns (tokens [B, gamma], q [B, gamma, V], carry).
+  penalized for the text and the drafts before it, before it is drawn. Returns (tokens
+  [B, gamma], q [B, gamma, V], carry).
   """
   penalty = penalty or (lambda logits, tokens, i: logits)
   pick = pick or keep_draw

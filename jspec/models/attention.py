@@ -54,23 +54,31 @@ def masked_attention(q: Array, k: Array, v: Array, mask: Array, per_token: bool 
   K = k.shape[2]
   q = q.reshape(B, T, K, H // K, D)
   if per_token:
-    # q . k as products summed in row_sum's order: XLA:CPU's dot picks its accumulation order by
-    # the number of cache slots on some CPUs (AVX2 without AVX-512: a 64-slot and a 128-slot cache
-    # scored a token differently), and a token must score alike over any cache size.
-    terms = (jnp.moveaxis(q, 1, 3)[:, :, :, :, None].astype(jnp.float32)
-             * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32))  # [B, K, G, T, S, D]
-    scores = row_sum(terms)[..., 0]  # [B, K, G, T, S]
+    probs = fixed_order_probs(q, k, mask).astype(v.dtype)
   else:
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (D ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-  if per_token:  # the softmax's sum in row_sum's fixed order too
-    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    probs = (e / row_sum(e)).astype(v.dtype)
-  else:
+    scores = jnp.where(mask[:, None, None], scores * (D ** -0.5), -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(B, T, H, D)
+
+
+def fixed_order_probs(q: Array, k: Array, visible: Array) -> Array:
+  """Attention probabilities [B, K, G, T, S] float32 of q [B, T, K, G, D] over k [B, S, K, D]
+  where visible [B, T, S], every sum in row_sum's fixed order: q . k as products summed by
+  halving (XLA:CPU's dot picks its accumulation order by the number of cache slots on some
+  CPUs: AVX2 without AVX-512 scored a token differently over 64 and 128 slots) and the softmax's
+  sum too, so a token's probabilities do not depend on T or on S. A query that sees nothing
+  gets zeros."""
+  D = q.shape[-1]
+  terms = (jnp.moveaxis(q, 1, 3)[:, :, :, :, None].astype(jnp.float32)
+           * jnp.moveaxis(k, 1, 2)[:, :, None, None].astype(jnp.float32))  # [B, K, G, T, S, D]
+  seen = visible[:, None, None]  # [B, 1, 1, T, S]
+  scores = jnp.where(seen, row_sum(terms)[..., 0] * (D ** -0.5), -jnp.inf)  # [B, K, G, T, S]
+  top = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
+  e = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = row_sum(e)
+  return e / jnp.where(total > 0, total, 1.0)
 
 
 # The tree-attention kernel reads the cache in blocks of at least this many slots.
@@ -202,20 +210,10 @@ def _as_copies(mass: Array, repeats: int) -> Array:
 
 
 def _token_mass(q: Array, k: Array, visible: Array) -> Array:
-  """[B, S, K]: one token's attention probabilities, averaged over each KV head's query heads,
-  in a fixed order. q [B, K, G, D]; k [B, S, K, D]; visible [B, S]. Each score is a `row_sum`
-  of the D products (XLA's dots and reductions sum by shape: a score's bits moved with S and T),
-  the softmax's sum a `row_sum` over S (its order does not depend on S when the tail is
-  invisible); the heads add in turn."""
-  G, D = q.shape[2], q.shape[3]
-  products = q[:, :, :, None, :] * jnp.swapaxes(k, 1, 2)[:, :, None]  # [B, K, G, S, D]
-  scores = row_sum(products.astype(jnp.float32))[..., 0] * (D ** -0.5)  # [B, K, G, S]
-  seen = visible[:, None, None]  # [B, 1, 1, S]
-  scores = jnp.where(seen, scores, -jnp.inf)
-  top = jnp.max(scores, axis=-1, keepdims=True)  # exact in any order
-  e = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
-  total = row_sum(e)  # [B, K, G, 1]
-  probs = e / jnp.where(total > 0, total, 1.0)
+  """[B, S, K]: one token's `fixed_order_probs`, averaged over each KV head's query heads in
+  turn. q [B, K, G, D]; k [B, S, K, D]; visible [B, S]."""
+  G = q.shape[2]
+  probs = fixed_order_probs(q[:, None], k, visible[:, None])[:, :, :, 0]  # [B, K, G, S]
   heads = probs[:, :, 0]
   for g in range(1, G):
     heads = heads + probs[:, :, g]

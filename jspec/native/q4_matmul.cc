@@ -58,8 +58,7 @@ constexpr int64_t kPrefetchBytes = 32768;
 
 struct Operands {
   const int8_t* xp;       // [M, K] x in the codes' superblock order (`PermuteX`)
-  const int32_t* x_init;  // [M, S * 16]: -8 * each group's sum of x, lanes past a tail zero
-  const float* x_sum;     // [M, S * 16]: each group's sum of x, lanes past a tail zero
+  const int32_t* x_sum;   // [M, S * 16]: each group's sum of x, lanes past a tail zero
   const uint8_t* codes;   // [N, K / 2]
   const uint16_t* scale;  // [N, G] float16 bits
   const uint16_t* offset; // [N, G] float16 bits, or null (symmetric)
@@ -73,15 +72,13 @@ inline int64_t LanesOf(int64_t s, int64_t G) { return std::min(kLanes, G - s * k
 
 // x rows in the order a superblock's steps read them: per superblock, per chunk c, the 4 g bytes
 // that meet the chunk's low nibbles (inputs 32 l + 4 c + i), then the 4 g that meet its high ones.
-void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, float* x_sum, int64_t M, int64_t K,
-              int64_t G, int64_t S) {
+void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_sum, int64_t M, int64_t K, int64_t G,
+              int64_t S) {
   for (int64_t m = 0; m < M; ++m) {
     const int8_t* xr = x + m * K;
     int8_t* out = xp + m * K;
-    int32_t* init = x_init + m * S * kLanes;
-    float* sums = x_sum + m * S * kLanes;
-    std::fill(init, init + S * kLanes, 0);
-    std::fill(sums, sums + S * kLanes, 0.0f);
+    int32_t* sums = x_sum + m * S * kLanes;
+    std::fill(sums, sums + S * kLanes, 0);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t g = LanesOf(s, G), g0 = s * kLanes;
       for (int64_t c = 0; c < 4; ++c)
@@ -91,8 +88,7 @@ void PermuteX(const int8_t* x, int8_t* xp, int32_t* x_init, float* x_sum, int64_
       for (int64_t l = 0; l < g; ++l) {
         int32_t sum = 0;
         for (int64_t i = 0; i < kGroup; ++i) sum += xr[kGroup * (g0 + l) + i];
-        init[s * kLanes + l] = -8 * sum;
-        sums[s * kLanes + l] = float(sum);  // exact: |sum| <= 32 * 127
+        sums[s * kLanes + l] = sum;
       }
     }
   }
@@ -116,9 +112,9 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
     const __mmask64 bytes = g == kLanes ? ~__mmask64(0) : (__mmask64(1) << (4 * g)) - 1;
     const __mmask16 lanes = __mmask16((1u << g) - 1);
     __m512i dot[NR][MR];
-    for (int t = 0; t < MR; ++t) {
-      const __m512i init = kOffset ? _mm512_setzero_si512()
-                                   : _mm512_loadu_si512(o.x_init + ((m0 + t) * o.S + s) * kLanes);
+    for (int t = 0; t < MR; ++t) {  // symmetric: -8 * the group's sum of x pays for code - 8
+      const __m512i init = kOffset ? _mm512_setzero_si512() : _mm512_mullo_epi32(
+          _mm512_loadu_si512(o.x_sum + ((m0 + t) * o.S + s) * kLanes), _mm512_set1_epi32(-8));
       for (int r = 0; r < NR; ++r) dot[r][t] = init;
     }
     const uint8_t* codes[NR];
@@ -152,8 +148,9 @@ inline void Block(const Operands& o, int64_t m0, int64_t n0) {
         const __m512 offset = _mm512_cvtph_ps(
             _mm256_maskz_loadu_epi16(lanes, o.offset + (n0 + r) * G + s * kLanes));
         for (int t = 0; t < MR; ++t)
-          acc[r][t] = _mm512_fmadd_ps(
-              _mm512_loadu_ps(o.x_sum + ((m0 + t) * o.S + s) * kLanes), offset, acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(  // the sum is exact in float: |sum| <= 32 * 127
+              _mm512_cvtepi32_ps(_mm512_loadu_si512(o.x_sum + ((m0 + t) * o.S + s) * kLanes)),
+              offset, acc[r][t]);
       }
     }
   }
@@ -227,7 +224,8 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
         const uint8_t* codes = o.codes + n * (K / 2) + s * 256;
         const int8_t* xs = o.xp + m * K + s * 512;
         for (int64_t l = 0; l < g; ++l) {
-          int32_t dot = o.offset ? 0 : o.x_init[(m * o.S + s) * kLanes + l];
+          const int32_t x_sum = o.x_sum[(m * o.S + s) * kLanes + l];
+          int32_t dot = o.offset ? 0 : -8 * x_sum;
           for (int64_t c = 0; c < 4; ++c)
             for (int64_t i = 0; i < 4; ++i) {
               const uint8_t b = codes[c * 4 * g + 4 * l + i];
@@ -236,8 +234,8 @@ void Rows(const Operands& o, int64_t n_begin, int64_t n_end) {
             }
           acc[l] = std::fma(float(dot), HalfToFloat(o.scale[n * G + s * kLanes + l]), acc[l]);
           if (o.offset)
-            acc[l] = std::fma(o.x_sum[(m * o.S + s) * kLanes + l],
-                              HalfToFloat(o.offset[n * G + s * kLanes + l]), acc[l]);
+            acc[l] = std::fma(float(x_sum), HalfToFloat(o.offset[n * G + s * kLanes + l]),
+                              acc[l]);
         }
       }
       for (int64_t width = kLanes / 2; width > 0; width /= 2)
@@ -273,13 +271,11 @@ ffi::Error Q4Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
   // Per call O(M K) host work beside the O(N K) weights: negligible for a few tokens.
   std::vector<int8_t> xq(o.M * o.K), xp(o.M * o.K);
   std::vector<float> x_scale(o.M);
-  std::vector<int32_t> x_init(o.M * o.S * kLanes);
-  std::vector<float> x_sum(o.M * o.S * kLanes);
+  std::vector<int32_t> x_sum(o.M * o.S * kLanes);
   jspec::QuantizeRows(x.typed_data(), xq.data(), x_scale.data(), o.M, o.K);
-  PermuteX(xq.data(), xp.data(), x_init.data(), x_sum.data(), o.M, o.K, o.G, o.S);
+  PermuteX(xq.data(), xp.data(), x_sum.data(), o.M, o.K, o.G, o.S);
   o.x_scale = x_scale.data();
   o.xp = xp.data();
-  o.x_init = x_init.data();
   o.x_sum = x_sum.data();
   o.codes = codes.typed_data() + l * o.N * (o.K / 2);
   o.scale = reinterpret_cast<const uint16_t*>(scale.typed_data()) + l * o.N * o.G;
