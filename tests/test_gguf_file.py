@@ -1,6 +1,7 @@
 """jspec's GGUF reader against gguf-py's: the same metadata, and every block format decoded to the
 same floats, bit for bit (random blocks, so a wrong nibble order or scale index cannot pass)."""
 
+import struct
 import sys
 from pathlib import Path
 
@@ -116,3 +117,52 @@ def test_a_truncated_file_says_so_with_the_missing_bytes(tmp_path):
   empty.write_bytes(b"")
   with pytest.raises(ValueError, match="is empty"):
     GGUFFile(empty)
+
+
+def _table_field(raw: bytes, name: str) -> int:
+  """Byte position of the tensor-table entry of `name` (a one-character name), after its name."""
+  return raw.index(b"\x01" + bytes(7) + name.encode()) + 9
+
+
+@pytest.mark.parametrize("corruption, message", [
+    ("overlap", "tensor 'b' has offset 0, expected 256"),
+    ("misaligned", "tensor 'b' has offset 260, not a multiple of the alignment 32"),
+    ("duplicate", "tensor 'a' is listed twice"),
+    ("alignment", "general.alignment=0 is not a power of two"),
+    ("no dims", "tensor 'a' has 0 dimensions"),
+    ("overflow", "more than 2\\*\\*63 elements"),
+])
+def test_a_corrupt_tensor_table_is_refused(tmp_path, corruption, message):
+  """The table was read as written: a tensor pointed into another's bytes, at a misaligned
+  offset, or named twice loaded the wrong numbers without an error (llama.cpp refuses each);
+  other corrupt fields surfaced as ZeroDivisionError / IndexError / a numpy reshape error."""
+  path = tmp_path / "two.gguf"
+  writer = gguf.GGUFWriter(path, "llama")
+  writer.add_uint32("general.alignment", 32)  # gguf's default, stated
+  writer.add_tensor("a", np.arange(64, dtype=np.float32).reshape(2, 32))
+  writer.add_tensor("b", -np.arange(64, dtype=np.float32).reshape(2, 32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  intact = path.read_bytes()
+  assert np.asarray(GGUFFile(path).tensor("b"))[0, 1] == -1  # the check passes a good file
+  raw = bytearray(intact)
+  b = _table_field(raw, "b")  # n_dims (4 bytes), dims (8 each), type (4), offset (8)
+  if corruption == "alignment":
+    key = raw.index(b"general.alignment") + len("general.alignment")
+    struct.pack_into("<I", raw, key + 4, 0)  # after the value type
+  elif corruption == "overlap":
+    struct.pack_into("<Q", raw, b + 4 + 16 + 4, 0)
+  elif corruption == "misaligned":
+    struct.pack_into("<Q", raw, b + 4 + 16 + 4, 260)
+  elif corruption == "duplicate":
+    raw[b - 1] = ord("a")
+  elif corruption == "no dims":
+    a = _table_field(raw, "a")
+    raw[a:a + 4 + 16] = struct.pack("<I", 0) + bytes(16)  # zero dims; the 16 bytes become noise
+  elif corruption == "overflow":
+    struct.pack_into("<Q", raw, b + 4 + 8, 2**59)
+  path.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=f"truncated or corrupt.*{message}"):
+    GGUFFile(path)

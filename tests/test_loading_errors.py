@@ -220,6 +220,16 @@ def test_gguf_metadata_jspec_cannot_run_is_refused(extra, message):
     config_from_gguf(gguf_meta(**extra), {"output.weight"})
 
 
+@pytest.mark.parametrize("key", ["embedding_length", "attention.head_count",
+                                 "feed_forward_length", "block_count", "vocab_size"])
+def test_a_gguf_without_a_hyperparameter_names_the_key(key):
+  """A missing size was int(None): a TypeError naming nothing (and the CLI printed a traceback)."""
+  from jspec.io.checkpoint import config_from_gguf
+  meta = {k: v for k, v in gguf_meta().items() if k != f"llama.{key}"}
+  with pytest.raises(ValueError, match=f"no llama.{key},.*Fix"):
+    config_from_gguf(meta, {"output.weight"})
+
+
 def test_a_tied_config_beside_another_stored_head_is_refused(tmp_path):
   """tie_word_embeddings=true with an lm_head.weight that is not the embedding: the head was
   dropped silently (transformers uses it, untied); a stored copy of the embedding still loads."""

@@ -285,6 +285,21 @@ def test_missing_files_say_what_to_do(tmp_path):
     Tokenizer.from_gguf(tmp_path / "missing.gguf")
 
 
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_a_gguf_token_spelled_twice_keeps_its_id(model):
+  """A vocabulary repeating a token string held only the first id: the tokenizer came out one
+  id short (another fingerprint) and the later id decoded to nothing."""
+  tokens = ["<s>", "a", "b", "ab", "c", "ab"]  # id 5 spells id 3's token
+  meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": [3, 1, 1, 1, 1, 1], "tokenizer.ggml.merges": ["a b"],
+          "tokenizer.ggml.scores": [0.0, -1.0, -1.0, -0.5, -1.0, -0.5],
+          "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
+  with pytest.warns(UserWarning, match="1 duplicate token strings"):
+    tok = Tokenizer.from_gguf_metadata(meta)
+  assert tok.vocab_size == 6 and tok.tokens[5] == tok.tokens[3]
+  assert tok.decode([5, 4]) == tok.decode([3, 4]) != tok.decode([4])
+
+
 def test_unsupported_gguf_tokenizers_are_refused():
   tokens = {"tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": []}
   with pytest.raises(ValueError, match="'bert' is not supported.*'gpt2'.*'llama'"):

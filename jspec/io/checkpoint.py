@@ -232,14 +232,22 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
   if arch not in ("llama", "qwen2", "qwen3"):
     raise ValueError(f"unsupported GGUF architecture {arch!r}; jspec loads llama, qwen2 and qwen3")
   get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
-  hidden = int(get("embedding_length"))
-  heads = int(get("attention.head_count"))
+
+  def need(key: str) -> int:
+    value = get(key)
+    if value is None:
+      raise ValueError(f"the GGUF file has no {arch}.{key}, which every {arch} model states. "
+                       f"Fix: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    return int(value)
+
+  hidden = need("embedding_length")
+  heads = need("attention.head_count")
   kv_heads = get("attention.head_count_kv", heads)
   if not np.isscalar(kv_heads):
     raise ValueError(f"{arch}.attention.head_count_kv gives a KV head count per layer "
                      f"({list(kv_heads)[:8]}...): jspec runs decoders whose layers all have the same "
                      f"number of KV heads")
-  vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+  vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or need("vocab_size")
   head_dim = int(get("attention.key_length") or hidden // heads)
   rotated = get("rope.dimension_count")
   if rotated is not None and int(rotated) != head_dim:
@@ -262,8 +270,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> Config:
       arch=arch,
       vocab_size=int(vocab),
       hidden_size=hidden,
-      intermediate_size=int(get("feed_forward_length")),
-      num_layers=int(get("block_count")),
+      intermediate_size=need("feed_forward_length"),
+      num_layers=need("block_count"),
       num_heads=heads,
       num_kv_heads=int(kv_heads),
       head_dim=head_dim,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -44,6 +45,7 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,7 @@ class TensorInfo:
     if self.ggml_type not in GGML_QUANT_SIZES:
       raise ValueError(f"tensor {self.name!r} has unknown ggml type {self.ggml_type}")
     block, size = GGML_QUANT_SIZES[self.ggml_type]
-    return int(np.prod(self.shape)) // block * size
+    return math.prod(self.shape) // block * size
 
 
 @jax.tree_util.register_dataclass
@@ -112,18 +114,51 @@ class GGUFFile:
       key = self._string()
       (kind,) = self._unpack("<I")
       self.metadata[key] = self._value(kind)
-    infos = []
+    align = self.metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+      raise ValueError(f"general.alignment={align!r} is not a power of two")
+    self.tensors: dict[str, TensorInfo] = {}
     for _ in range(n_tensors):
       name = self._string()
       (n_dims,) = self._unpack("<I")
+      if not 1 <= n_dims <= MAX_DIMS:
+        raise ValueError(f"tensor {name!r} has {n_dims} dimensions (GGUF tensors have 1 to "
+                         f"{MAX_DIMS})")
       dims = self._unpack(f"<{n_dims}Q")
       kind, offset = self._unpack("<IQ")
-      infos.append((name, tuple(int(d) for d in reversed(dims)), kind, offset))
-    align = int(self.metadata.get("general.alignment", 32))
+      if math.prod(dims) >= 2**63:
+        raise ValueError(f"tensor {name!r} has dimensions {list(dims)}: more than 2**63 elements")
+      if name in self.tensors:
+        raise ValueError(f"tensor {name!r} is listed twice in the tensor table")
+      self.tensors[name] = TensorInfo(name, tuple(int(d) for d in reversed(dims)), kind, offset)
     data_start = -(-self._pos // align) * align
-    self.tensors: dict[str, TensorInfo] = {
-        name: TensorInfo(name, shape, kind, data_start + offset)
-        for name, shape, kind, offset in infos}
+    self._check_layout(align)
+    self.tensors = {name: dataclasses.replace(t, offset=data_start + t.offset)
+                    for name, t in self.tensors.items()}
+
+  def _check_layout(self, align: int) -> None:
+    """Tensor offsets (relative to the data) as ggml writes them and llama.cpp requires: each
+    tensor starts where the one before it ends, padded to the alignment, so a corrupt table is an
+    error rather than tensors read from the wrong bytes. Past a tensor whose type this gguf
+    package does not know (its size unknown) offsets are only checked for alignment."""
+    expected = 0
+    for t in self.tensors.values():
+      if t.offset % align:
+        raise ValueError(f"tensor {t.name!r} has offset {t.offset}, not a multiple of the "
+                         f"alignment {align}")
+      if expected is None:
+        continue
+      if t.offset != expected:
+        raise ValueError(f"tensor {t.name!r} has offset {t.offset}, expected {expected} (where "
+                         f"the tensor before it ends)")
+      if t.ggml_type not in GGML_QUANT_SIZES:
+        expected = None
+        continue
+      block, _ = GGML_QUANT_SIZES[t.ggml_type]
+      if t.shape[-1] % block:
+        raise ValueError(f"tensor {t.name!r} rows of {t.shape[-1]} are not whole "
+                         f"{t.type_name} blocks of {block}")
+      expected += -(-t.nbytes // align) * align
 
   def _check_complete(self) -> None:
     """A file cut short (an interrupted download) fails here, naming the bytes it lacks, not later
@@ -167,7 +202,7 @@ class GGUFFile:
   def raw(self, name: str) -> np.ndarray:
     """The tensor's bytes as [rows, bytes per row] uint8, a view of the mapped file."""
     info = self.tensors[name]
-    rows = int(np.prod(info.shape[:-1]))
+    rows = math.prod(info.shape[:-1])
     return np.frombuffer(self._map, np.uint8, info.nbytes, info.offset).reshape(rows, -1)
 
   def check_decodable(self, name: str) -> TensorInfo:
@@ -177,10 +212,6 @@ class GGUFFile:
           f"{self.path}: tensor {name!r} is stored as {info.type_name}, which jspec does not "
           f"decode (it reads {', '.join(TYPE_NAMES.values())}). Fix: re-quantize the model to one "
           f"of those (llama.cpp's `llama-quantize`).")
-    block, _ = BLOCK[info.ggml_type]
-    if info.shape[-1] % block:
-      raise ValueError(f"{self.path}: tensor {name!r} rows of {info.shape[-1]} are not whole "
-                       f"{info.type_name} blocks of {block}")
     return info
 
   def tensor(self, name: str, layout: Optional[Callable[[Array], Array]] = None,

@@ -81,16 +81,21 @@ class Tokenizer:
   def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None = None,
                eos_token_id: int | None = None, add_bos: bool = False,
                chat_template: str | None = None, extra_stop_ids: Iterable[int] = (),
-               bos_token: str | None = None, eos_token: str | None = None):
+               bos_token: str | None = None, eos_token: str | None = None,
+               aliases: Mapping[int, int] | None = None):
     self.backend = backend
+    # GGUF vocabularies can spell two ids alike; the backend holds the first, so a later one is
+    # decoded (and fingerprinted) as the first id it repeats.
+    self.aliases = dict(aliases or {})
     self.bos_token_id = bos_token_id
     self.eos_token_id = eos_token_id
     self.add_bos = bool(add_bos) and bos_token_id is not None
     self.chat_template = chat_template or None
     # Ids can have holes (a tokenizer.json may skip some); the embedding still has a row for them.
     vocab = backend.get_vocab(with_added_tokens=True)
-    self.vocab_size = max(vocab.values()) + 1 if vocab else 0
-    self.tokens: list[str] = [backend.id_to_token(i) or "" for i in range(self.vocab_size)]
+    self.vocab_size = max([*vocab.values(), *self.aliases]) + 1 if vocab else 0
+    self.tokens: list[str] = [backend.id_to_token(self.aliases.get(i, i)) or ""
+                              for i in range(self.vocab_size)]
     self.bos_token = bos_token if bos_token is not None else self._token_or_none(bos_token_id)
     self.eos_token = eos_token if eos_token is not None else self._token_or_none(eos_token_id)
     stops = [eos_token_id, *extra_stop_ids]
@@ -124,7 +129,8 @@ class Tokenizer:
 
   def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
     """Text of `ids` (any iterable of ints, e.g. a numpy row)."""
-    return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    ids = [self.aliases.get(int(i), int(i)) for i in ids]
+    return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
   def special_tokens(self) -> dict[str, int]:
     """{text: id} of the special tokens, which `decode` skips by default."""
@@ -222,9 +228,9 @@ class Tokenizer:
     """From GGUF metadata already read into a dict ({"tokenizer.ggml.tokens": [...], ...})."""
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":
-      backend, add_bos_default = _byte_level_bpe(meta)
+      backend, add_bos_default, aliases = _byte_level_bpe(meta)
     elif kind == "llama":
-      backend, add_bos_default = _sentencepiece_bpe(meta), True
+      (backend, aliases), add_bos_default = _sentencepiece_bpe(meta), True
     elif kind is None or kind == "none":
       raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing or "
                        "'none'). Fix: use a GGUF converted with its vocabulary.")
@@ -238,7 +244,7 @@ class Tokenizer:
     return cls(backend, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
                add_bos=meta.get("tokenizer.ggml.add_bos_token", add_bos_default),
-               chat_template=meta.get("tokenizer.chat_template"),
+               chat_template=meta.get("tokenizer.chat_template"), aliases=aliases,
                extra_stop_ids=[meta.get(f"tokenizer.ggml.{name}_token_id")
                                for name in ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")] + ends)
 
@@ -295,14 +301,17 @@ def _gguf_tokens(meta: Mapping[str, Any]) -> tuple[list[str], list[int]]:
   return tokens, types
 
 
-def _vocab(tokens: Sequence[str]) -> dict[str, int]:
+def _vocab(tokens: Sequence[str]) -> tuple[dict[str, int], dict[int, int]]:
+  """{token: id} with the first id of a repeated token string (as llama.cpp's text -> id map),
+  and {later id: first id} for the repeats."""
   vocab: dict[str, int] = {}
   for i, token in enumerate(tokens):
-    vocab.setdefault(token, i)  # First id wins, as in llama.cpp's text -> id map.
-  if len(vocab) != len(tokens):
-    warnings.warn(f"GGUF vocabulary has {len(tokens) - len(vocab)} duplicate token strings; "
-                  f"their later ids cannot be produced by encoding")
-  return vocab
+    vocab.setdefault(token, i)
+  aliases = {i: vocab[token] for i, token in enumerate(tokens) if vocab[token] != i}
+  if aliases:
+    warnings.warn(f"GGUF vocabulary has {len(aliases)} duplicate token strings; their later ids "
+                  f"cannot be produced by encoding (they decode as the first)")
+  return vocab, aliases
 
 
 def _add_special(backend: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int]):
@@ -314,7 +323,8 @@ def _add_special(backend: tokenizers.Tokenizer, tokens: Sequence[str], types: Se
                       for t, k in zip(tokens, types) if k == _USER_DEFINED])
 
 
-def _byte_level_bpe(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, bool]:
+def _byte_level_bpe(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, bool,
+                                                       dict[int, int]]:
   """GPT-2-style byte-level BPE, as llama.cpp's LLAMA_VOCAB_TYPE_BPE; also the BOS default."""
   pre = meta.get("tokenizer.ggml.pre") or "default"
   if pre not in _PRE_SPLITS:
@@ -331,24 +341,26 @@ def _byte_level_bpe(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer, bool
              for t, k in zip(tokens, types)]
   merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
   ignore_merges = pre in _LLAMA3_PRES
+  vocab, aliases = _vocab(spelled)
   backend = tokenizers.Tokenizer(models.BPE(
-      vocab=_vocab(spelled), merges=merges, ignore_merges=ignore_merges, fuse_unk=False))
+      vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False))
   backend.pre_tokenizer = pre_tokenizers.Sequence(
       [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]]
       + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   backend.decoder = decoders.ByteLevel()
   _add_special(backend, spelled, types)
-  return backend, ignore_merges
+  return backend, ignore_merges, aliases
 
 
-def _sentencepiece_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(meta: Mapping[str, Any]) -> tuple[tokenizers.Tokenizer,
+                                                         dict[int, int]]:
   """SentencePiece BPE (llama.cpp's LLAMA_VOCAB_TYPE_SPM) from tokens and scores."""
   tokens, types = _gguf_tokens(meta)
   scores = meta.get("tokenizer.ggml.scores")
   if scores is None or len(scores) != len(tokens):
     raise ValueError("GGUF SentencePiece vocabulary ('llama') needs tokenizer.ggml.scores, one per "
                      "token, to rank merges; this file has none or the wrong number.")
-  vocab = _vocab(tokens)
+  vocab, aliases = _vocab(tokens)
   # SentencePiece BPE merges the adjacent pair whose concatenation is the highest-scoring piece.
   # BPE ranks reproduce that: every split of a plain piece into two pieces is a merge, ranked by
   # the piece's score. Only plain pieces take part: the others are matched whole or never arise.
@@ -379,4 +391,4 @@ def _sentencepiece_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
     steps.append(decoders.Strip(content=" ", left=1))
   backend.decoder = decoders.Sequence(steps)
   _add_special(backend, tokens, types)
-  return backend
+  return backend, aliases
