@@ -47,6 +47,22 @@ def check_cache_width(prompt_width: int, cache_size: int) -> None:
                      f"speculative round reserves), or pad the prompts less.")
 
 
+def check_padded_prompts(prompt: Array, prompt_lengths: Array, max_new_tokens: int) -> None:
+  """Trace time, in the pure engines: what their shapes and statics show (their ids and lengths
+  are the caller's to get right; the checked wrappers check those too), so that a wrong rank or
+  dtype is named here rather than by an indexing error deep in the trace."""
+  shape, dtype = jnp.shape(prompt), jnp.result_type(prompt)
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"prompt must be [B, P] integer token ids (right-padded rows), got {dtype} "
+                     f"{list(shape)}. Fix: jspec.decode.pad_prompts, or generate() on id lists")
+  lengths_shape, lengths_dtype = jnp.shape(prompt_lengths), jnp.result_type(prompt_lengths)
+  if lengths_shape != shape[:1] or not jnp.issubdtype(lengths_dtype, jnp.integer):
+    raise ValueError(f"prompt_lengths must be [B] = [{shape[0]}] integers (each row's length), "
+                     f"got {lengths_dtype} {list(lengths_shape)}")
+  if not is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
 def cache_full(lengths: Array, reserve: int, cache_size: int) -> Array:
   """[B] bool: rows whose next step, which writes `reserve` cache slots from slot `lengths` [B]
   on, would run past the cache's `cache_size` slots. The pure engines end such a row there (its
@@ -88,7 +104,8 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
   how to need fewer, e.g. "lower gamma") must fit an explicit cache_size too; the text must fit
   the model's positions (without a cache_size, the cache is sized for text and reserve).
   """
-  longest = max(prompt_lengths)
+  longest, max_new_tokens, reserve = int(max(prompt_lengths)), int(max_new_tokens), int(reserve)
+  cache_size = None if cache_size is None else int(cache_size)
   positions = longest + max_new_tokens  # RoPE positions a row's text reaches
   need = positions + reserve  # cache slots, the reserve past the text included
   reserved = (f" + {reserve} slots reserved" + (f" for {reserve_for}" if reserve_for else "")
@@ -161,6 +178,9 @@ def as_prompt_list(prompts) -> list:
   is one prompt; other iterables (a generator) are read into a list. The prompts themselves are
   checked by `pad_prompts`."""
   if isinstance(prompts, (np.ndarray, jax.Array)):
+    if np.ndim(prompts) == 0:
+      raise ValueError(f"prompts is one id ({prompts!r}); generation takes a list of token-id "
+                       f"lists. Fix: [[{int(prompts)}]] for a one-token prompt")
     return [prompts] if np.ndim(prompts) == 1 else list(prompts)
   if isinstance(prompts, (str, bytes)):
     raise ValueError(f"prompts is one text ({prompts[:20]!r}); generation takes token ids. Fix: "
@@ -170,6 +190,12 @@ def as_prompt_list(prompts) -> list:
   prompts = list(prompts)
   if prompts and all(is_int(t) for t in prompts):
     return [prompts]
+  for b, p in enumerate(prompts):  # len() of each row comes next (the cache plan)
+    if isinstance(p, (np.ndarray, jax.Array)) and np.ndim(p) == 1 or (
+        isinstance(p, Sequence) and not isinstance(p, bytes)):  # text: pad_prompts says so
+      continue
+    raise ValueError(f"prompt {b} is {type(p).__name__} {p!r:.40}, not a sequence of token ids. "
+                     f"Fix: prompts as a list of token-id lists, e.g. [[1, 2, 3], [4, 5]]")
   return prompts
 
 
@@ -230,6 +256,9 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   if cache_size is not None and (not is_int(cache_size) or cache_size < 1):
     raise ValueError(f"cache_size must be a positive integer (None: sized for the prompts), got "
                      f"{cache_size!r}")
+  # NumPy integers of a small dtype would wrap in plan_cache's sums, and hash apart as statics.
+  max_new_tokens = int(max_new_tokens)
+  cache_size = None if cache_size is None else int(cache_size)
   if not isinstance(sampling, SamplingParams):
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "

@@ -13,13 +13,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jspec.decode import (PAD, cache_full, check_cache_width, is_stop, on_mesh, prefill,
-                          prepare_batch, trimmed_rows)
+from jspec.decode import (PAD, cache_full, check_cache_width, check_padded_prompts, is_stop,
+                          on_mesh, prefill, prepare_batch, trimmed_rows)
 from jspec.kv.policy import KVPolicy, check_kv
 from jspec.kv.prefill import budgeted_step, chunked_prefill
 from jspec.models.attention import attention_slots
 from jspec.models.cache import KVCache
-from jspec.models.config import Config
+from jspec.models.config import Config, is_int
 from jspec.models.llama import Params, forward
 from jspec.models.numerics import engine_jit
 from jspec.sampling.first_token import first_token
@@ -86,6 +86,10 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
                  placement: Placement | None = None) -> DecodeState:
   """Prefill and sample the first token: the decode loop's state before its first step (see
   `generate_tokens` for the arguments)."""
+  check_padded_prompts(prompt, prompt_lengths, max_new_tokens)
+  if not is_int(record_top_k) or not 0 <= record_top_k <= cfg.vocab_size:
+    raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (the vocabulary), "
+                     f"got {record_top_k!r}")
   B, P = prompt.shape
   evicted = None
   if kv is None:

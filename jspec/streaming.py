@@ -90,7 +90,9 @@ class TokenStream:
     if not is_int(every) or every < 1:
       raise ValueError(f"every (loop iterations between reads) must be an integer >= 1, got "
                        f"{every!r}")
-    self._run, self._every, self._owners = run, int(every), owners
+    # No segment needs more iterations than there are tokens; a larger int32 `step + every`
+    # wrapped negative and every segment ran none.
+    self._run, self._every, self._owners = run, min(int(every), run.max_new_tokens), owners
     self._halted: np.ndarray | None = None  # [B] rows the reader has stopped (`halt`)
     self.output = None
 
@@ -129,8 +131,13 @@ class TokenStream:
       if any(new):
         yield new
       if (done | self._halted).all():
-        self.output = readable(run.finish(state if pending is None else pending[0]))
-        return
+        if pending is None:
+          self.output = readable(run.finish(state))
+          return
+        state, segment = pending  # the segment queued behind this one: its tokens are yielded too
+        pending = None
+        current = jax.device_get(readable(segment))
+        continue
       state, segment = pending
       if (self._halted & ~applied).any():  # newly stopped rows: done from the next segment on
         applied = self._halted.copy()  # done stays set in the state: sent to the device once

@@ -4,6 +4,7 @@ from-scratch teacher-forced pass (target features fused for known positions, its
 past them), speculative output stays exactly the target's (greedy chains and trees, sampled
 distribution), one compiled program."""
 
+import dataclasses
 import functools
 
 import jax
@@ -203,6 +204,25 @@ def test_a_head_without_its_vocabulary_is_refused(target):
     eagle3_drafter(params, dcfg, target_params=target)
   with pytest.raises(ValueError, match="12 ids"):
     eagle3_drafter(params, dcfg, np.arange(12), target_params=target)
+
+
+def test_weights_that_do_not_fit_the_target_are_refused_before_a_trace(target):
+  """check_weights compared only the borrowed table with the target: taps=() (the dataclass
+  default), two taps, or a narrower target's weights failed as an einsum's label sizes in the
+  engine's trace; neither embed nor target_params read .embed off None."""
+  params, dcfg = eagle3.init_eagle3(target, TARGET, jax.random.key(0))
+  narrow = dataclasses.replace(TARGET, hidden_size=32, head_dim=8)
+  small_params, _ = eagle3.init_eagle3(init_params(narrow, jax.random.key(1)), narrow,
+                                       jax.random.key(0))
+  spec = SpecConfig(gamma=2, max_new_tokens=4)
+  for bad, match in ((dataclasses.replace(params, taps=()), r"three target layers.*\(\)"),
+                     (dataclasses.replace(params, taps=(1, 2)), r"taps are \(1, 2\)"),
+                     (small_params, r"fc \(96, 32\).*the target's width 64")):
+    with pytest.raises(ValueError, match=match):
+      speculative_generate(target, TARGET, eagle3_drafter(bad, dcfg, target_params=target),
+                           PROMPTS, spec=spec)
+  with pytest.raises(ValueError, match="embed=.*or target_params="):
+    eagle3_drafter(params, dcfg)
 
 
 def test_training_time_test_passes_are_the_drafts_decoding_makes(target, drafter):

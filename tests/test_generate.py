@@ -289,6 +289,10 @@ def test_loop_is_one_program(params):
      r"temperature must be one number for the whole batch or one per row \(1, one per prompt"),
     (dict(prompts=[[1]], key=2**70), "does not fit a signed 64-bit integer"),
     (dict(prompts="Hello"), "prompts is one text"),
+    # rows that are no sequences died in len() (a TypeError naming no row)
+    (dict(prompts=[[2, 3], 1]), "prompt 1 is int 1, not a sequence of token ids.*Fix"),
+    (dict(prompts=[[2, 3], None]), "prompt 1 is NoneType"),
+    (dict(prompts=np.array(5)), r"prompts is one id.*Fix: \[\[5\]\]"),
     # a key per row passed the check and failed inside the trace
     (dict(prompts=[[1], [2]], key=jax.random.split(jax.random.key(0), 2)),
      r"key must be one PRNG key, got 2 keys \(shape \(2,\)\).*a call per prompt"),
@@ -313,6 +317,39 @@ def test_bad_input(params, kwargs, match):
 def test_wrong_types_are_refused_before_jit(params, kwargs, match):
   with pytest.raises(TypeError, match=match):
     generate(params, CFG, [[1, 2]], max_new_tokens=4, **kwargs)
+
+
+def test_numpy_integer_sizes_count_as_their_values(params):
+  """max_new_tokens as a small NumPy integer wrapped in the cache plan's sums: np.uint8(250) after
+  a 10-token prompt passed the position check and ended at 55 tokens, np.int8(100) failed in a
+  reshape; np.int64 sizes hashed apart from ints and compiled the same program again."""
+  prompt = [list(range(1, 11))]
+  with pytest.raises(ValueError, match="260 positions"):
+    generate(params, CFG, prompt, max_new_tokens=np.uint8(250))
+  for small in (np.uint8(200), np.int8(100)):
+    out = generate(params, CFG, prompt, max_new_tokens=small, stop_ids=())
+    assert out.lengths.tolist() == [int(small)] and out.tokens.shape == (1, int(small))
+  generate(params, CFG, [[1, 2, 3]], max_new_tokens=6, cache_size=64)
+  with CompileCounter() as counter:
+    generate(params, CFG, [[1, 2, 3]], max_new_tokens=np.int64(6), cache_size=np.int64(64))
+  assert counter.compiles == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(prompt=jnp.asarray([1, 2, 3])), r"prompt must be \[B, P\] integer token ids"),
+    (dict(prompt=jnp.asarray([[1.0, 2.0]])), r"prompt must be \[B, P\] integer.*float32"),
+    (dict(prompt_lengths=jnp.asarray(2)), r"prompt_lengths must be \[B\] = \[1\]"),
+    (dict(prompt_lengths=jnp.asarray([2, 2])), r"prompt_lengths must be \[B\] = \[1\]"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(record_top_k=200), r"record_top_k must be an integer in \[0, 97\]"),
+])
+def test_the_pure_engine_names_what_its_shapes_show(params, change, match):
+  """generate_tokens took these to an IndexError, a broadcast or top_k error deep in the trace."""
+  args = {**dict(prompt=jnp.asarray([[1, 2, 3, 0]]), prompt_lengths=jnp.asarray([3]),
+                 max_new_tokens=4), **change}
+  with pytest.raises(ValueError, match=match):
+    generate_tokens(params, CFG, args.pop("prompt"), args.pop("prompt_lengths"),
+                    jax.random.key(0), cache_size=16, **args)
 
 
 def test_the_checked_wrappers_inside_a_jit():

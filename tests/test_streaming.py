@@ -2,6 +2,8 @@
 makes them, for every engine, greedy and sampled, under a KV budget; its programs compile once;
 the caller's arrays survive the donated state; text pieces join to the whole text."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -263,6 +265,33 @@ def test_halted_rows_stop_and_the_others_run_on(params):
   assert got[0] == want[0][:len(got[0])] and len(got[0]) <= 2 * 2 + 3  # halted within 2 segments
   assert compiled.built == 0  # a halt changes the state's values, not its shapes or placement
   # (so the segment program runs on: no second one for the halted state)
+
+
+def test_a_halt_that_ends_the_run_yields_what_output_keeps(params):
+  """Halting the last running row ended the iteration at once, and `output` held the queued
+  segment's tokens, which were never yielded."""
+  kw = dict(max_new_tokens=30, stop_ids=())
+  stream = generate_stream(params, CFG, PROMPTS, every=2, **kw)
+  rows = [[] for _ in PROMPTS]
+  for i, segment in enumerate(stream):
+    rows = [row + new for row, new in zip(rows, segment)]
+    if i == 0:
+      stream.halt([0, 1])
+  assert rows == stream.output.sequences()
+  assert 2 < len(rows[0]) < 30  # the queued segment's tokens came too, and the run stopped
+
+
+def test_an_every_past_the_run_streams_it_whole(params):
+  """every near 2**31: `step + every` wrapped negative in int32, every segment ran no iteration
+  and the host loop re-dispatched forever; 2**31 overflowed when the iteration began."""
+  want = generate(params, CFG, PROMPTS, max_new_tokens=6).sequences()
+  for every in (2**31 - 1, 2**31, 2**62):
+    stream = generate_stream(params, CFG, PROMPTS, every=every, max_new_tokens=6)
+    got = []  # read in a thread: the old loop never returned
+    reader = threading.Thread(target=lambda: got.append(joined(stream)[0]), daemon=True)
+    reader.start()
+    reader.join(timeout=120)
+    assert got == [want], f"every={every}: " + ("no end" if reader.is_alive() else "wrong ids")
 
 
 def test_halt_refuses_what_is_not_a_row_of_a_running_stream(params):

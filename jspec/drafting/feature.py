@@ -72,6 +72,9 @@ class EagleDrafter(HeadDrafter):
                        f"(its embedding table {got}); this target's is {target_cfg.hidden_size} "
                        f"(table {want}). Fix: a drafter trained for this target (jspec "
                        f"train-eagle --model ...)")
+    rows = None if self.keep_ids is None else self.keep_ids.shape[0]
+    eagle3.check_feature_widths(self.params, target_cfg.hidden_size,
+                                head_rows=target_cfg.vocab_size if rows is None else rows)
 
   def _forward(self, tokens, feats, positions, cache, slots=None, visible=None):
     """Pairs (feats [B, T, E], tokens [B, T]) -> (the features the next pairs read, cache)."""
@@ -201,6 +204,9 @@ def eagle3_drafter(params: Eagle3Params, cfg: Config, keep_ids=None,
   """An EAGLE-3 drafter over the target's input table (`embed`, or `target_params.embed`); its head
   is its own, over the draft vocabulary `keep_ids` (None: the target's whole vocabulary)."""
   if embed is None:
+    if target_params is None:
+      raise ValueError("an EAGLE-3 drafter reads the target's input table: pass embed= (the "
+                       "target's embedding) or target_params=")
     embed = target_params.embed
   dtype = params.fc.dtype
   M = params.head.shape[0]

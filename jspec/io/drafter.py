@@ -36,7 +36,7 @@ from jspec.models.config import Config
 from jspec.models.drafter import drafter_config
 from jspec.models.eagle import EagleParams
 from jspec.models.confu import ConFuParams, ContemplateParams, check_contemplate
-from jspec.models.eagle3 import Eagle3Params, fusion_taps
+from jspec.models.eagle3 import Eagle3Params, check_feature_widths, fusion_taps
 from jspec.models.llama import LayerParams, Params
 from jspec.models.vocab_trim import check_keep_ids, output_table
 from jspec.sharding import to_host
@@ -272,16 +272,8 @@ def load_feature(stored: DrafterDir | str | Path, target_cfg: Config, dtype=jnp.
   except (KeyError, TypeError) as e:
     raise ValueError(f"{file} lacks drafter weights ({e}): not a complete feature "
                      f"drafter") from e
-  E = cfg.hidden_size
-  wide = (3 if eagle3 else 2) * E, 2 * E if eagle3 else E  # fc rows, the projections' input
-  if eagle3:
-    rows = cfg.vocab_size if keep is None else len(keep)
-    if params.head.shape != (rows, E):
-      raise ValueError(f"{file}: head {params.head.shape}, expected {(rows, E)} (the draft "
-                       f"vocabulary by the target's width)")
-  if params.fc.shape != (wide[0], E) or params.layer.wq.shape[0] != wide[1]:
-    raise ValueError(f"{file}: fc {params.fc.shape} / layer width {params.layer.wq.shape[0]} do "
-                     f"not fit the target's width {E}")
+  check_feature_widths(params, cfg.hidden_size,
+                       head_rows=cfg.vocab_size if keep is None else len(keep), where=str(file))
   if contemplate is not None:
     check_contemplate(contemplate, params, cfg)
     params = ConFuParams(drafter=params, contemplate=contemplate)

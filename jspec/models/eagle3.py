@@ -59,6 +59,27 @@ class Eagle3Params:
   taps: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
 
 
+def check_feature_widths(params, width: int, head_rows: int | None = None,
+                         where: str = "the feature drafter") -> None:
+  """An EAGLE-1 (`EagleParams`) or EAGLE-3 drafter's own weights against the target's width E:
+  fc [2E, E] over [embedding; feature], or [3E, E] over three taps (and projections reading
+  [2E]); an EAGLE-3 head of `head_rows` draft ids (None: unchecked). A mismatch fails here, not
+  as an einsum's label sizes inside a trace."""
+  eagle3 = isinstance(params, Eagle3Params)
+  if eagle3 and len(params.taps) != 3:
+    raise ValueError(f"{where}: EAGLE-3 fuses three target layers, its taps are {params.taps}. "
+                     f"Fix: Eagle3Params(..., taps=fusion_taps(num_layers))")
+  E = width
+  fc_rows, layer_in = (3 * E, 2 * E) if eagle3 else (2 * E, E)
+  if tuple(params.fc.shape) != (fc_rows, E) or params.layer.wq.shape[0] != layer_in:
+    raise ValueError(f"{where}: fc {tuple(params.fc.shape)} / layer width "
+                     f"{params.layer.wq.shape[0]} do not fit the target's width {E} (fc "
+                     f"{(fc_rows, E)}, layer {layer_in}). Fix: a drafter trained for this target")
+  if eagle3 and head_rows is not None and tuple(params.head.shape) != (head_rows, E):
+    raise ValueError(f"{where}: head {tuple(params.head.shape)}, expected {(head_rows, E)} (the "
+                     f"draft vocabulary by the target's width)")
+
+
 def fuse(params: Eagle3Params, taps_hidden: Array) -> Array:
   """Target taps [..., 3E] (low, middle, high) -> the feature g [..., E]."""
   return jnp.einsum("...f,fe->...e", taps_hidden.astype(params.fc.dtype), params.fc)

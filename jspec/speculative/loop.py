@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import PAD, cache_full, check_cache_width, is_stop, prefill, trimmed_rows
+from jspec.decode import (PAD, cache_full, check_cache_width, check_padded_prompts, is_stop,
+                          prefill, trimmed_rows)
 from jspec.drafting import debug
 from jspec.drafting.base import Drafter, DraftState, Features
 from jspec.kv.policy import KVPolicy
@@ -104,6 +105,7 @@ def initial_state(params: Params, cfg: Config, drafter: Drafter, prompt: Array,
   the drafter sizes its own cache (`cache_size` slots, or its own budget: `Drafter.with_kv`).
   placement: the target cache pinned to a mesh (jspec.sharding); the drafter's follows its inputs.
   """
+  check_padded_prompts(prompt, prompt_lengths, spec.max_new_tokens)
   B, P = prompt.shape
   N = spec.max_new_tokens
   evicted = None

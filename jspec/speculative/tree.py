@@ -70,6 +70,7 @@ class TreeSpecConfig:
                        f"parse_tree, got {self.tree!r}")
     if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+    object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))  # one hash a value
     object.__setattr__(self, "stop_ids", stop_id_tuple(self.stop_ids))
 
   @property
