@@ -59,8 +59,9 @@ class SpecOutput:
 
   @property
   def acceptance_rate(self) -> np.ndarray:
-    """Per draft position, the fraction of verified drafts accepted (every active row verifies
-    every position each round)."""
+    """Per draft position i, the fraction of rounds (of active rows) whose accepted prefix covers
+    position i: P(more than i drafts accepted). A position a round did not draft or verify (past
+    an adaptive drafter's stop or a KV budget's eviction cut) counts as not accepted."""
     return np.asarray(self.accepted_at) / max(int(self.row_rounds), 1)
 
   def sequences(self) -> list[list[int]]:
