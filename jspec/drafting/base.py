@@ -62,8 +62,8 @@ class Features:
   start: Array  # [B] int32
   # Probing drafters (Drafter.probe_masks = k > 0): the target's final-normed hidden states
   # [B, k, E] (or its `feature_layers`, as `hidden`) at the k mask positions that followed the
-  # last accepted token (at prefill: the last prompt token; None without a probe, e.g. a prefill
-  # under a KV budget).
+  # last accepted token (at prefill: the last prompt token, under a KV budget probed after the
+  # chunked prefill; None for drafters that do not probe).
   probe_hidden: Array | None = None
   # Drafters with a lookahead window (Drafter.window_size = X > 0): the target's final-normed
   # hidden states [B, X, E] at the window tokens of the round (None at prefill).
