@@ -88,8 +88,8 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
   `generate_tokens` for the arguments)."""
   check_padded_prompts(prompt, prompt_lengths, max_new_tokens)
   if not is_int(record_top_k) or not 0 <= record_top_k <= cfg.vocab_size:
-    raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (the vocabulary), "
-                     f"got {record_top_k!r}")
+    raise ValueError(f"record_top_k must be an integer in [0, {cfg.vocab_size}] (0 = off), got "
+                     f"{record_top_k!r}")
   B, P = prompt.shape
   evicted = None
   if kv is None:
