@@ -1,6 +1,8 @@
 """The GGUF test writer matches llama.cpp's conventions: transformers, which reads GGUF the way
 llama.cpp writes it (un-permuting llama q/k), loads its files into the original model."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -85,6 +87,36 @@ def test_llama3_rope_freqs(tmp_path):
   cfg = transformers.AutoConfig.from_pretrained(d)
   assert np.abs(_logits(_load_gguf(path, config=cfg), ids) - want).max() < TOL["F32"]
   assert np.abs(_logits(_load_gguf(path), ids) - want).max() > 1e-3
+
+
+def test_a_llama3_gguf_saves_as_a_config_transformers_runs(tmp_path):
+  """rope_freqs (per-frequency factors) had no config.json form: saving a Llama 3 GGUF model, or
+  a drafter made for one (which takes the target's RoPE), failed, train-drafter only after its
+  whole run. Saved, they are the Llama 3 parameters, and transformers gives the original logits."""
+  from jspec.io.checkpoint import load_gguf
+  from jspec.io.save import save_hf
+  _, config, sd, ids, want = _reference(tmp_path, "llama", rope_parameters=LLAMA3_ROPE)
+  path = ggufutil.write_gguf(tmp_path / "gguf" / "m.gguf", config, sd, "llama")
+  cfg, params = load_gguf(path)
+  assert cfg.rope_scaling.kind == "factors"
+  saved = save_hf(tmp_path / "saved", cfg, params)
+  written = json.loads((saved / "config.json").read_text())["rope_scaling"]
+  assert {k: written[k] for k in LLAMA3_ROPE if k != "rope_theta"} == {
+      k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+  model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+  assert np.abs(_logits(model, ids) - want).max() < TOL["F32"]
+
+
+def test_factors_no_llama3_ramp_gives_are_refused_on_save():
+  import dataclasses
+  from jspec.io.save import config_to_hf
+  from jspec.models.config import Config, RopeScaling
+  cfg = Config(arch="llama", vocab_size=8, hidden_size=32, intermediate_size=8, num_layers=1,
+               num_heads=2, num_kv_heads=2, head_dim=16)
+  odd = dataclasses.replace(cfg, rope_scaling=RopeScaling(
+      kind="factors", freq_factors=(1.0, 3.0, 1.5, 8.0, 2.0, 8.0, 8.0, 8.0)))  # no ramp
+  with pytest.raises(ValueError, match="not Llama 3's ramp"):
+    config_to_hf(odd)
 
 
 @pytest.mark.parametrize("vocab_size", [128, 256, 320])

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from jspec.io.checkpoint import load_gguf, load_hf, load_model
@@ -162,6 +163,31 @@ def test_attention_biases_follow_transformers():
   qwen3 = config_from_hf({**BASE_HF, "model_type": "qwen3", "attention_bias": True})
   assert qwen3.qkv_bias and qwen3.o_bias
   assert not config_from_hf({**BASE_HF, "model_type": "qwen3"}).qkv_bias
+
+
+def test_config_keys_read_as_transformers_reads_them():
+  """A top-level rope_theta beside rope_parameters' won (transformers 5 reads the nested one:
+  other logits, silently); Qwen2's mlp_bias made jspec demand MLP biases Qwen2MLP never has;
+  Qwen3 without head_dim took hidden / heads where Qwen3Config defaults to 128."""
+  both = config_from_hf({**BASE_HF, "rope_theta": 500000.0,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+  assert both.rope_theta == 10000.0
+  assert config_from_hf({**BASE_HF, "rope_theta": 500000.0}).rope_theta == 500000.0
+  for arch in ("qwen2", "qwen3"):
+    assert not config_from_hf({**BASE_HF, "model_type": arch, "mlp_bias": True}).mlp_bias
+  assert config_from_hf({**BASE_HF, "mlp_bias": True}).mlp_bias  # Llama's MLP has them
+  assert config_from_hf({**BASE_HF, "model_type": "qwen3"}).head_dim == 128
+  assert config_from_hf({**BASE_HF, "model_type": "qwen2"}).head_dim == 4
+
+
+def test_projections_that_do_not_fit_the_heads_name_the_tensor():
+  """A q/k/v/o weight split by another head count failed in numpy's reshape, naming nothing."""
+  from jspec.io.checkpoint import assemble_params
+  cfg = config_from_hf({**BASE_HF, "num_key_value_heads": 1})
+  k = np.zeros((8, 8), np.float32)  # two KV heads' rows: the config says one
+  with pytest.raises(ValueError, match=r"src: tensor 'model.layers.0.self_attn.k_proj.weight' "
+                                       r"does not fit the config.*1 KV heads.*Fix"):
+    assemble_params(cfg, [("model.layers.0.self_attn.k_proj.weight", k)], np.float32, "src")
 
 
 QWEN = {**BASE_HF, "model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 16}

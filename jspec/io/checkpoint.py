@@ -102,10 +102,16 @@ def assemble_params(cfg: Config, tensors: Iterator[tuple[str, Any]], dtype,
     for pattern, field, reshape in _HF_PATTERNS:
       m = pattern.match(name)
       if m:
-        if callable(array):  # a loader that lays the tensor out itself (GGUF: on the device)
-          value = array(reshape, cfg)
-        else:
-          value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
+        try:
+          if callable(array):  # a loader that lays the tensor out itself (GGUF: on the device)
+            value = array(reshape, cfg)
+          else:
+            value = np.asarray(reshape(np.asarray(array), cfg))  # keeps bf16/f16 as stored
+        except (ValueError, TypeError) as e:  # q/k/v/o split into heads by the config's sizes
+          raise ValueError(
+              f"{source}: tensor {name!r} does not fit the config ({e}): hidden_size="
+              f"{cfg.hidden_size}, {cfg.num_heads} heads, {cfg.num_kv_heads} KV heads, "
+              f"head_dim={cfg.head_dim}. Fix: the config that came with these weights") from None
         slot = (per_layer.setdefault(field[7:], {}), int(m.group(1))) if field.startswith(
             "layers.") else (top, field)
         if slot[1] in slot[0]:  # two shards (a stale copy beside the model) give one tensor

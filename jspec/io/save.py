@@ -6,6 +6,7 @@ The inverse of `checkpoint.load_hf`: trained drafters are written this way so th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,18 +14,51 @@ from typing import Any
 import numpy as np
 
 from jspec.io.tokenizer import Tokenizer
-from jspec.models.config import Config
+from jspec.models.config import Config, RopeScaling, rope_frequencies
 from jspec.models.llama import Params, layer_list
 
 _HF_CLASSES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 
 
+def llama3_scaling(cfg: Config) -> RopeScaling | None:
+  """Llama 3's scaling parameters (low_freq_factor 1, as every Llama 3 has) that give the same
+  frequencies as the per-frequency factors a GGUF's rope_freqs holds (llama.cpp writes Llama 3's
+  ramp that way), to float32 rounding; None if no such ramp gives them. The mid-band factors
+  fix the ramp: 1/f = (1 - s)/factor + s with s = (L * inv / 2pi - 1) / (high - 1)."""
+  s = cfg.rope_scaling
+  f = np.asarray(s.freq_factors, np.float64)
+  if s.factor not in (0.0, 1.0) or f.min() < 1.0 or f.max() <= 1.0:
+    return None  # a linear factor as well, or no factor above 1: not Llama 3's form
+  factor = float(f.max())
+  plain = rope_frequencies(dataclasses.replace(cfg, rope_scaling=RopeScaling())).astype(
+      np.float64)
+  smooth = (1 / f - 1 / factor) / (1 - 1 / factor)
+  mid = (smooth > 1e-6) & (smooth < 1 - 1e-6)
+  candidates = [(1.0, 4.0, 8192)]  # Llama 3.1 / 3.2's own, for heads too narrow to fit a ramp
+  if mid.sum() >= 2:  # smooth = a * inv / 2pi + b, b = -1 / (high - 1), a = L / (high - 1)
+    a, b = np.polyfit(plain[mid] / (2 * np.pi), smooth[mid], 1)
+    if b < 0:
+      high = 1 - 1 / b
+      candidates.insert(0, (1.0, float(f"{high:.6g}"), int(round(-a / b))))
+  want = rope_frequencies(cfg)
+  for low, high, length in candidates:
+    guess = RopeScaling(kind="llama3", factor=float(f"{factor:.6g}"), low_freq_factor=low,
+                        high_freq_factor=high, original_max_position=length)
+    got = rope_frequencies(dataclasses.replace(cfg, rope_scaling=guess))
+    if high > low and length > 0 and np.allclose(got, want, rtol=1e-6, atol=0):
+      return guess
+  return None
+
+
 def config_to_hf(cfg: Config, tokenizer: Tokenizer | None = None,
                  dtype: str = "float32") -> dict[str, Any]:
-  """The config.json dict transformers (and `config_from_hf`) read back into `cfg`."""
+  """The config.json dict transformers (and `config_from_hf`) read back into `cfg`; a GGUF's
+  per-frequency RoPE factors as the Llama 3 parameters that give them (`llama3_scaling`)."""
   model_type, cls = _HF_CLASSES[cfg.arch]
   scaling = cfg.rope_scaling
+  if scaling.kind == "factors" and (llama3 := llama3_scaling(cfg)) is not None:
+    scaling = llama3
   if scaling.kind == "none":
     rope_scaling = None
   elif scaling.kind == "linear":
@@ -35,8 +69,9 @@ def config_to_hf(cfg: Config, tokenizer: Tokenizer | None = None,
                     "high_freq_factor": scaling.high_freq_factor,
                     "original_max_position_embeddings": scaling.original_max_position}
   else:
-    raise ValueError(f"RoPE scaling {scaling.kind!r} has no config.json form; save such a model "
-                     f"as GGUF or convert its rope factors to the llama3 parameters")
+    raise ValueError(f"RoPE scaling {scaling.kind!r} has no config.json form: these per-frequency "
+                     f"factors (rope_freqs.weight) are not Llama 3's ramp, which config.json "
+                     f"can state")
   if cfg.qkv_bias != cfg.o_bias and cfg.arch != "qwen2":
     raise ValueError("config.json has one attention_bias flag for q/k/v and o; this model has "
                      f"qkv_bias={cfg.qkv_bias}, o_bias={cfg.o_bias}")

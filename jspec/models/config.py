@@ -186,15 +186,17 @@ def config_from_hf(hf: dict[str, Any]) -> Config:
       num_layers=_required_int(hf, "num_hidden_layers"),
       num_heads=num_heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-      head_dim=int(hf.get("head_dim") or hidden // num_heads),
+      # Qwen3Config's head_dim defaults to 128 (not hidden / heads, as Llama's and Qwen2's do).
+      head_dim=int(hf.get("head_dim") or (128 if arch == "qwen3" else hidden // num_heads)),
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+      # Both given (a config edited into the newer layout): transformers 5 reads the nested one.
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
       rope_scaling=rope_scaling_from_hf(scaling),
       max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=bias,
       o_bias=bias and arch in ("llama", "qwen3"),
-      mlp_bias=bool(hf.get("mlp_bias", False)),
+      mlp_bias=arch == "llama" and bool(hf.get("mlp_bias", False)),  # Qwen's MLPs have none
       qk_norm=arch == "qwen3",
   )
 

@@ -20,6 +20,7 @@ from jspec.drafting.feature import EagleDrafter
 from jspec.drafting.registry import load_model_drafter
 from jspec.io.drafter import FORMAT_KEY, read_drafter_dir, save_drafter, shares_table
 from jspec.io.load import resolve_path
+from jspec.io.save import config_to_hf
 from jspec.model import Model
 from jspec.models.confu import ConFuParams
 from jspec.models.drafter import drafter_config
@@ -60,6 +61,9 @@ def distill_texts(cfg: distill.DataConfig, prompt_offset: int = 0) -> list[str]:
 def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
                   progress: bool = True, command: str = "") -> Path:
   out = Path(out)
+  # The drafter is saved as config.json + safetensors: a config without that form fails here, not
+  # after the distillation and the training.
+  config_to_hf(drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size))
   out.mkdir(parents=True, exist_ok=True)
   trainer.check_resume(out / "work", {"command": "train-drafter", "num_layers": recipe.num_layers,
                                       "hidden_size": recipe.hidden_size, "init": recipe.init,
