@@ -23,7 +23,9 @@ class _DefaultsShown(argparse.HelpFormatter):
 
   def _get_help_string(self, action):
     text = action.help or ""
-    if not _has_default(action) or "default" in text:
+    # "(default ..." or a leading "default:" states it; "default" in prose (the default model,
+    # the backend's default) does not.
+    if not _has_default(action) or "(default" in text or text.startswith("default:"):
       return text
     return f"{text} (default: {action.default})" if text else f"default: {action.default}"
 
