@@ -63,7 +63,8 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   out = Path(out)
   # The drafter is saved as config.json + safetensors: a config without that form fails here, not
   # after the distillation and the training.
-  config_to_hf(drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size))
+  dcfg = drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size)
+  config_to_hf(dcfg)
   out.mkdir(parents=True, exist_ok=True)
   trainer.check_resume(out / "work", {"command": "train-drafter", "num_layers": recipe.num_layers,
                                       "hidden_size": recipe.hidden_size, "init": recipe.init,
@@ -88,7 +89,6 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   train_rows = trainer.make_rows(train_examples, recipe.train.seq_len, vocab_map)
   eval_rows = trainer.make_rows(examples[-n_eval:], recipe.train.seq_len, vocab_map,
                                 allow_empty=True)
-  dcfg = drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size)
   params = init_drafter(target.params, target.cfg, dcfg, jax.random.key(recipe.train.seed),
                         recipe.init)
   if keep is not None:
