@@ -892,3 +892,12 @@ def test_data_and_output_paths_are_checked_before_anything_loads(monkeypatch, ca
     assert main(argv) == 2, argv
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_score_takes_no_drafter_flag():
+  """score listed --kv-drafter in its --help and refused it whenever it was given."""
+  from jspec.cli.parser import build_parser
+  with pytest.raises(SystemExit):
+    build_parser().parse_args(["score", "--text", "x", "--kv-budget", "8", "--kv-drafter", "full"])
+  assert "--kv-drafter" not in build_parser()._subparsers._group_actions[0].choices[
+      "score"].format_help()

@@ -251,7 +251,7 @@ def check_args(args) -> None:
     if isinstance(value, int) and not isinstance(value, bool) and value < least:
       raise ValueError(f"{flag_of(name)} must be at least {least}, got {value}")
   if hasattr(args, "kv_budget") and args.kv_budget is None:
-    given = [flag_of(name) for name in _KV_SETTINGS if getattr(args, name) is not None]
+    given = [flag_of(name) for name in _KV_SETTINGS if getattr(args, name, None) is not None]
     if given:
       raise ValueError(f"{', '.join(given)} set(s) how a KV budget evicts, but no --kv-budget is "
                        f"given (the cache holds every token). Fix: add --kv-budget N (entries "
@@ -268,9 +268,6 @@ def check_args(args) -> None:
   if args.command == "score":
     if not args.text and not args.file:
       raise ValueError("score needs something to score: --text TEXT or --file PATH")
-    if args.kv_drafter is not None:
-      raise ValueError("--kv-drafter budgets a drafter's cache; score runs no drafter. Fix: drop "
-                       "it")
     for path in args.file:
       if not path.is_file():
         raise FileNotFoundError(f"--file {path}: no such file")

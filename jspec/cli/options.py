@@ -149,7 +149,8 @@ def add_tree_arg(p: argparse.ArgumentParser) -> None:
                       "(needs --drafter): " + TREE_HELP)
 
 
-def add_kv_args(p: argparse.ArgumentParser) -> None:
+def add_kv_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+  """The --kv-* flags; `drafter`: --kv-drafter too (commands that may run a drafter)."""
   from jspec.kv.policy import METHODS
   p.add_argument("--kv-budget", type=int, default=None,
                  help="KV-cache entries kept per row after each eviction (a row holds at most "
@@ -170,6 +171,8 @@ def add_kv_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kv-evict-every", type=int, default=None,
                  help="decoded tokens between evictions (default 16: speculative rounds of up to "
                       "15 drafts run whole; 1 evicts after every token, so a round can use one)")
+  if not drafter:
+    return
   p.add_argument("--kv-drafter", default=None, choices=("auto", "full", "keydiff", "streaming"),
                  help="a model drafter's own cache under --kv-budget: 'auto' (the default) evicts "
                       "it like the target's with --kv-policy when that scores keys, else with "
@@ -187,7 +190,7 @@ def kv_policies(args):
   chunk = min(128, args.kv_budget) if args.kv_chunk is None else args.kv_chunk
   make = lambda method: KVPolicy(method, budget=args.kv_budget, chunk=chunk, **given)
   target = args.kv_policy or "keydiff"
-  method = args.kv_drafter or "auto"
+  method = getattr(args, "kv_drafter", None) or "auto"
   if method == "auto":  # a drafter's forwards record no attention: key scores only
     method = target if target in KEY_METHODS else "keydiff"
   return make(target), None if method == "full" else make(method)

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
   sc.add_argument("--chunk", type=int, default=None,
                   help="tokens read at a time (the logits held: chunk x vocabulary a row); "
                        "default 128; under a KV budget, --kv-chunk's")
-  add_kv_args(sc)
+  add_kv_args(sc, drafter=False)  # score runs no drafter
   sc.set_defaults(fn=generate.cmd_score)
   v = sub.add_parser("bench-kv", help="KV-cache eviction policies on long contexts from real "
                                       "text (passkey, multi-key, variable tracking; KL vs the "
