@@ -104,6 +104,7 @@ def plan_cache(cfg: Config, prompt_lengths: Sequence[int], max_new_tokens: int,
   how to need fewer, e.g. "lower gamma") must fit an explicit cache_size too; the text must fit
   the model's positions (without a cache_size, the cache is sized for text and reserve).
   """
+  # NumPy integers of a small dtype would wrap in the sums below, and hash apart as statics.
   longest, max_new_tokens, reserve = int(max(prompt_lengths)), int(max_new_tokens), int(reserve)
   cache_size = None if cache_size is None else int(cache_size)
   positions = longest + max_new_tokens  # RoPE positions a row's text reaches
@@ -256,9 +257,6 @@ def prepare_batch(cfg: Config, prompts: Sequence[Sequence[int]], *, max_new_toke
   if cache_size is not None and (not is_int(cache_size) or cache_size < 1):
     raise ValueError(f"cache_size must be a positive integer (None: sized for the prompts), got "
                      f"{cache_size!r}")
-  # NumPy integers of a small dtype would wrap in plan_cache's sums, and hash apart as statics.
-  max_new_tokens = int(max_new_tokens)
-  cache_size = None if cache_size is None else int(cache_size)
   if not isinstance(sampling, SamplingParams):
     raise TypeError(f"sampling must be a jspec SamplingParams, got {type(sampling).__name__}. "
                     f"Fix: sampling=SamplingParams(temperature=..., top_k=..., top_p=...), or "

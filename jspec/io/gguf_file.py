@@ -146,19 +146,17 @@ class GGUFFile:
       if t.offset % align:
         raise ValueError(f"tensor {t.name!r} has offset {t.offset}, not a multiple of the "
                          f"alignment {align}")
-      if expected is None:
-        continue
-      if t.offset != expected:
+      known = t.ggml_type in GGML_QUANT_SIZES
+      if known and t.shape[-1] % GGML_QUANT_SIZES[t.ggml_type][0]:
+        raise ValueError(f"tensor {t.name!r} rows of {t.shape[-1]} are not whole "
+                         f"{t.type_name} blocks of {GGML_QUANT_SIZES[t.ggml_type][0]}")
+      if expected is not None and t.offset != expected:
         raise ValueError(f"tensor {t.name!r} has offset {t.offset}, expected {expected} (where "
                          f"the tensor before it ends)")
-      if t.ggml_type not in GGML_QUANT_SIZES:
-        expected = None
-        continue
-      block, _ = GGML_QUANT_SIZES[t.ggml_type]
-      if t.shape[-1] % block:
-        raise ValueError(f"tensor {t.name!r} rows of {t.shape[-1]} are not whole "
-                         f"{t.type_name} blocks of {block}")
-      expected += -(-t.nbytes // align) * align
+      if not known:
+        expected = None  # its size is unknown: the offsets after it are checked for alignment only
+      elif expected is not None:
+        expected += -(-t.nbytes // align) * align
 
   def _check_complete(self) -> None:
     """A file cut short (an interrupted download) fails here, naming the bytes it lacks, not later
