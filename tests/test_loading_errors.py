@@ -180,6 +180,18 @@ def test_config_keys_read_as_transformers_reads_them():
   assert config_from_hf({**BASE_HF, "model_type": "qwen2"}).head_dim == 4
 
 
+def test_absent_position_limit_is_the_config_class_default():
+  """A config without max_position_embeddings got 4096 for every architecture: Llama's limit is
+  2048 and Qwen's 32768 in transformers, and the prompt-length check reads it."""
+  transformers = pytest.importorskip("transformers")
+  classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+             "qwen3": transformers.Qwen3Config}
+  for arch, cls in classes.items():
+    hf = {k: v for k, v in {**BASE_HF, "model_type": arch}.items()
+          if k != "max_position_embeddings"}
+    assert config_from_hf(hf).max_position_embeddings == cls().max_position_embeddings, arch
+
+
 def test_projections_that_do_not_fit_the_heads_name_the_tensor():
   """A q/k/v/o weight split by another head count failed in numpy's reshape, naming nothing."""
   from jspec.io.checkpoint import assemble_params

@@ -192,7 +192,9 @@ def config_from_hf(hf: dict[str, Any]) -> Config:
       # Both given (a config edited into the newer layout): transformers 5 reads the nested one.
       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
       rope_scaling=rope_scaling_from_hf(scaling),
-      max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+      # Absent: each transformers config class's own default (the length check reads it).
+      max_position_embeddings=int(hf.get("max_position_embeddings")
+                                  or (2048 if arch == "llama" else 32768)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=bias,
       o_bias=bias and arch in ("llama", "qwen3"),
