@@ -41,6 +41,32 @@ def test_greedy_rounds_equal_the_engines_first_round(target, tree):
   assert 0 < n.mean() < shape.max_depth  # rejections and acceptances both happened
 
 
+def test_a_context_whose_first_token_is_a_stop_starts_no_round(target):
+  """The engine ends a row whose first sampled token is a stop id: bench-tau must not score
+  rounds from it (nor pair it), and scores every other context as before."""
+  drafter = noised_drafter(target, 0.1)
+  shape = parse_tree("chain:3")
+  contexts = [p + [11, 12][:i % 3] for i, p in enumerate(PROMPTS * 2)]
+  first = [int(np.argmax(np.asarray(jitted_forward(
+      target, TARGET, jnp.asarray([c]), jnp.arange(len(c))[None],
+      KVCache.init(TARGET, 1, len(c)))[0][0, -1]))) for c in contexts]
+  stop = first[0]
+  ends = np.array([f == stop for f in first])
+  assert ends.any() and not ends.all()
+  plain = paired_tau(target, TARGET, drafter, contexts, [shape, parse_tree("chain:2")],
+                     sampling=GREEDY, rounds=2, batch=3, progress=False)
+  res = paired_tau(target, TARGET, drafter, contexts, [shape, parse_tree("chain:2")],
+                   sampling=GREEDY, rounds=2, batch=3, progress=False, stop_ids=[stop])
+  np.testing.assert_array_equal(res.scored, ~ends)
+  assert (res.n_acc[:, ends] == -1).all()
+  np.testing.assert_array_equal(res.n_acc[:, ~ends], plain.n_acc[:, ~ends])
+  rec = res.records()[0]
+  assert rec["contexts"] == (~ends).sum() and rec["contexts_at_stop"] == ends.sum()
+  assert [t is None for t in rec["per_context_tau"]] == ends.tolist()
+  assert rec["tau"] == pytest.approx(plain.n_acc[0, ~ends].mean() + 1)
+  assert sum(rec["accept_hist"]) == (~ends).sum() * 2
+
+
 @pytest.mark.parametrize("method,every", [("h2o", 4), ("keydiff", 4), ("keydiff", 1)])
 def test_greedy_rounds_under_a_budget_equal_the_budgeted_engines_first_round(target, method,
                                                                               every):

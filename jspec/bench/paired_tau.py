@@ -8,9 +8,14 @@ token. Each context is prefilled once per tree, then `rounds` independent draft 
 from it (nothing advanced), so every shape is scored on identical contexts and their difference is
 measured pairwise, context by context.
 
-The quantity is the expected tokens per round, E[accepted + 1], at the context distribution of
-the target's own text: the same per-round law the engine's tau averages (rounds start at contexts
-that follow the target's distribution, since the output is lossless).
+The quantity is the expected tokens per round, E[accepted + 1], averaged over the positions of
+the target's own text (uniformly: every `stride`-th context weighs alike). The engine's tau is
+another average of the same per-round law: generated tokens over rounds, where a round that
+accepts much covers many positions and starts few rounds, so contexts weigh by how often a round
+starts there (about a harmonic mean). Differences between shapes measured here are valid; a
+bench-tau number next to a `jspec bench` block efficiency is not a like-for-like comparison.
+A context whose first sampled token is a stop id starts no round in the engine: it is left out
+(its per-context tau is None), so the rounds scored are rounds decoding would run.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jspec.decode import pad_prompts, plan_cache
+from jspec.decode import is_stop, pad_prompts, plan_cache, stop_id_tuple
 from jspec.kv.policy import KVPolicy
 from jspec.model import Model
 from jspec.models.config import Config
@@ -39,8 +44,10 @@ Array = jax.Array
 
 def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt_lengths: Array,
                      key: Array, sampling: SamplingParams, *, shape: TreeShape, cache_size: int,
-                     rounds: int, kv: KVPolicy | None = None) -> Array:
-  """Accepted drafts [rounds, B] of `rounds` independent rounds of `shape` from each prompt.
+                     rounds: int, kv: KVPolicy | None = None,
+                     stop_ids: tuple[int, ...] = ()) -> Array:
+  """Accepted drafts [rounds, B] of `rounds` independent rounds of `shape` from each prompt;
+  -1 in every round of a row whose first token is one of `stop_ids` (the engine ends there).
 
   Target and drafter prefill the prompt and the target samples one token (as the engine's first
   step, from `key`'s first split: equal keys give equal contexts across shapes); every round then
@@ -65,11 +72,13 @@ def round_acceptance(params: Params, cfg: Config, drafter, prompt: Array, prompt
       return n_acc
     return jnp.minimum(n_acc, eviction_cut(kv, state.cache.lengths))
 
-  return jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
+  n_acc = jax.lax.map(one_round, jax.random.split(k_rounds, rounds))  # [rounds, B]
+  return jnp.where(is_stop(state.tokens[:, 0], stop_ids)[None], -1, n_acc)
 
 
 _round_acceptance_jit = jax.jit(round_acceptance, static_argnums=(1,),
-                                static_argnames=("shape", "cache_size", "rounds", "kv"))
+                                static_argnames=("shape", "cache_size", "rounds", "kv",
+                                                 "stop_ids"))
 
 
 def contexts_from_responses(prompts: Sequence[Sequence[int]],
@@ -85,32 +94,43 @@ def contexts_from_responses(prompts: Sequence[Sequence[int]],
 
 @dataclasses.dataclass
 class PairedResult:
-  """Accepted drafts per (shape, context, round): n_acc [S, C, R]."""
+  """Accepted drafts per (shape, context, round): n_acc [S, C, R]; -1 for a context that starts
+  no round (its first token a stop id: the same contexts for every shape, the target's token)."""
 
   shapes: list[TreeShape]
   n_acc: np.ndarray  # [S, C, R]
 
+  @property
+  def scored(self) -> np.ndarray:
+    """Contexts a round starts from, [C] bool."""
+    return (self.n_acc >= 0).all(axis=(0, 2))
+
   def per_context_tau(self) -> np.ndarray:
-    return self.n_acc.mean(axis=2) + 1.0  # [S, C]
+    """[S, C]; NaN where no round starts."""
+    return np.where(self.scored, self.n_acc.mean(axis=2) + 1.0, np.nan)
 
   def records(self) -> list[dict]:
     """One record per shape (tau with its standard error over contexts), then one per pair of
     shapes with the same node budget (the paired difference of their tau and its error)."""
-    x = self.per_context_tau()
+    full = self.per_context_tau()
+    keep = self.scored
+    x = full[:, keep]
     C = x.shape[1]
     se = lambda v: float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
     out = []
     for s, shape in enumerate(self.shapes):
       D = shape.max_depth
-      hist = np.bincount(self.n_acc[s].ravel(), minlength=D + 1)[:D + 1]
+      hist = np.bincount(self.n_acc[s][keep].ravel(), minlength=D + 1)[:D + 1]
       out.append({"kind": "paired_tau", "tree": str(shape), "method": shape.method,
                   "tree_nodes": shape.num_nodes + 1, "num_nodes": shape.num_nodes,
-                  "tau": float(x[s].mean()), "tau_se": se(x[s]), "contexts": C,
+                  "tau": float(x[s].mean()) if C else None, "tau_se": se(x[s]),
+                  "contexts": C, "contexts_at_stop": int((~keep).sum()),
                   "rounds_per_context": int(self.n_acc.shape[2]),
                   "accept_hist": hist.tolist(),
                   # per context, in order: two runs on the same contexts (another budget, say)
                   # pair context by context from their records
-                  "per_context_tau": [round(float(t), 4) for t in x[s]]})
+                  "per_context_tau": [None if np.isnan(t) else round(float(t), 4)
+                                      for t in full[s]]})
     for a in range(len(self.shapes)):
       for b in range(a + 1, len(self.shapes)):
         if self.shapes[a].num_nodes != self.shapes[b].num_nodes:
@@ -118,15 +138,16 @@ class PairedResult:
         d = x[a] - x[b]
         out.append({"kind": "paired_difference", "tree_a": str(self.shapes[a]),
                     "tree_b": str(self.shapes[b]), "num_nodes": self.shapes[a].num_nodes,
-                    "tau_a_minus_b": float(d.mean()), "se": se(d),
-                    "z": float(d.mean() / se(d)) if se(d) > 0 else None})
+                    "tau_a_minus_b": float(d.mean()) if C else None, "se": se(d),
+                    "z": float(d.mean() / se(d)) if C and se(d) > 0 else None})
     return out
 
 
 def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence[int]],
                shapes: Sequence[TreeShape], *, sampling: SamplingParams, seed: int = 0,
                rounds: int = 8, batch: int = 16, progress: bool = True,
-               kv: KVPolicy | None = None, draft_kv: KVPolicy | None = None) -> PairedResult:
+               kv: KVPolicy | None = None, draft_kv: KVPolicy | None = None,
+               stop_ids: Sequence[int] = ()) -> PairedResult:
   """Score every shape on the same contexts: n_acc [S, C, R].
 
   All contexts are padded to one prompt bucket (one compiled program per shape); batches of
@@ -134,6 +155,8 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   kv: the target under this KV budget (`round_acceptance`); draft_kv: a model drafter's own
   cache under this one (`Drafter.with_kv`). The same contexts and keys with and without them, so
   runs that differ only in the budget are paired too.
+  stop_ids: the ids that end decoding (the chat's): a context whose first sampled token is one
+  starts no round in the engine, and is left out of every shape's score.
   """
   if not shapes:
     raise ValueError("paired_tau needs at least one tree shape")
@@ -180,7 +203,8 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
       key = jax.random.fold_in(base, i)  # the same contexts and keys for every shape
       out = _round_acceptance_jit(params, cfg, drafter, jnp.asarray(tokens[i:i + batch]),
                                   jnp.asarray(lengths[i:i + batch]), key, sampling_arrays,
-                                  shape=shape, cache_size=cache_size, rounds=rounds, kv=kv)
+                                  shape=shape, cache_size=cache_size, rounds=rounds, kv=kv,
+                                  stop_ids=stop_id_tuple(stop_ids))
       n_acc[s, i:i + batch] = np.asarray(out).T
       bar.update(1)
     jax.clear_caches()  # one program per shape: drop it (LLVM memory maps, see jspec bench)

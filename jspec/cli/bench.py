@@ -142,7 +142,8 @@ def cmd_bench_tau(args) -> int:
   contexts = paired_tau.contexts_from_responses(prompts, responses, args.stride)
   result = paired_tau.paired_tau(model.params, model.cfg, drafter, contexts, trees,
                                  sampling=sampling, seed=args.seed, rounds=args.rounds,
-                                 batch=args.batch, kv=kv, draft_kv=draft_kv)
+                                 batch=args.batch, kv=kv, draft_kv=draft_kv,
+                                 stop_ids=model.tokenizer.stop_token_ids)
   records = result.records()
   for r in records:
     r.update(kv=None if kv is None else dataclasses.asdict(kv),
