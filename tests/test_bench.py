@@ -66,3 +66,41 @@ def test_decode_rate_is_withheld_when_the_first_token_took_longer_than_the_run()
   assert run.summary()["decode_tokens_per_s"] == 14 / 1.25
   run = Run(new_tokens=[8], wall_s=[1.0], ttft_s=[1.1], target_calls=[8])
   assert run.summary()["decode_tokens_per_s"] is None
+
+
+def test_round_time_falls_back_to_the_wall_time_when_the_decode_time_is_not_positive():
+  """A negative decode time (the first token's separate call outlasting the run) must not become
+  a negative time per round (nor a negative engine overhead after it)."""
+  import numpy as np
+  from jspec.bench.speed import _speculative_fields
+  from jspec.sampling.processing import SamplingParams
+  ar = {"tokens_per_s": 8.0}
+  hist = np.array([1, 1, 2])
+  short = Run(new_tokens=[8], wall_s=[1.0], ttft_s=[1.5], target_calls=[4], round_tokens=8,
+              row_rounds=4, accept_hist=hist)
+  fields = _speculative_fields(short, 2, None, ar, SamplingParams(temperature=1.0))
+  assert fields["round_s"] == pytest.approx(1.0 / 4)
+  timed = Run(new_tokens=[8], wall_s=[1.0], ttft_s=[0.2], target_calls=[4], round_tokens=8,
+              row_rounds=4, accept_hist=hist)
+  fields = _speculative_fields(timed, 2, None, ar, SamplingParams(temperature=1.0))
+  assert fields["round_s"] == pytest.approx(0.8 / 4)
+
+
+def test_a_method_that_does_not_report_its_target_calls_records_none():
+  """transformers' assisted generation reports no calls: 0 would read as 'no forward at all'."""
+  assert Run(new_tokens=[8], wall_s=[1.0], ttft_s=[0.1]).summary()["target_calls"] is None
+  assert Run(new_tokens=[8, 3], wall_s=[1.0, 1.0], ttft_s=[0.1, 0.1],
+             target_calls=[5, 2]).summary()["target_calls"] == 7
+
+
+def test_gamma_auto_is_kept_with_jspecs_chain_records_only():
+  from jspec.cli.bench import attach_gamma_auto
+  choice = SimpleNamespace(rows=(4, 2), accepted_at=(3, 1))
+  records = [{"method": "jspec-autoregressive"},
+             {"method": "jspec-speculative", "gamma": 2},
+             {"method": "jspec-speculative", "gamma": 2, "tree": "chain:2"},
+             {"method": "transformers-assisted", "gamma": 2},
+             {"method": "jspec-speculative", "gamma": 3}]
+  attach_gamma_auto(records, 2, choice)
+  assert ["gamma_auto" in r for r in records] == [False, True, False, False, False]
+  assert records[1]["gamma_auto"] == {"rows": [4, 2], "accepted_at": [3, 1]}

@@ -60,7 +60,9 @@ class Run:
     return {
         "n_prompts": len(self.wall_s),
         "new_tokens": toks,
-        "target_calls": sum(self.target_calls),
+        # None where a method does not report its calls (transformers' assisted generation).
+        "target_calls": (sum(self.target_calls) if len(self.target_calls) == len(self.wall_s)
+                         else None),
         "tokens_per_s": toks / wall,
         # Decode rate excludes each prompt's time to first token (timed in a separate call, so
         # on short answers it can come out longer than the whole run: no rate then).
@@ -103,7 +105,7 @@ class Method:
 
   def warm(self, prompts: Sequence[list[int]]) -> dict:
     """Compile every prompt bucket's programs (timed apart from the runs)."""
-    compile_s, seen = [], set()
+    compile_s, compiles, seen = [], 0, set()
     for p in prompts:
       if prompt_bucket(len(p)) in seen:
         continue
@@ -113,8 +115,12 @@ class Method:
         if self.measure_ttft:
           _timed(lambda: self.generate(p, 1))
       compile_s.append(counter.seconds)
+      compiles += counter.compiles
+    # programs: the generate programs the timed calls run, one per prompt bucket and call length;
+    # compiles: the XLA programs their warm-up requested (built, or loaded from the persistent
+    # cache; none for a program this process already holds).
     return {"compile_s": statistics.mean(compile_s), "compile_s_total": sum(compile_s),
-            "programs": (2 if self.measure_ttft else 1) * len(seen)}
+            "programs": (2 if self.measure_ttft else 1) * len(seen), "compiles": compiles}
 
   def time_prompt(self, run: Run, p: list[int]) -> None:
     """One prompt: a 1-token call gives the time to first token (unless not `measure_ttft`: one
@@ -396,10 +402,17 @@ def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,
       "ar_tokens_per_s": ar["tokens_per_s"],
       "speedup_vs_ar": summary["tokens_per_s"] / ar["tokens_per_s"],
       # Per round: decode time without the first token's prefill where it was timed apart.
-      "round_s": (summary["decode_s"] or summary["wall_s"]) / max(run.row_rounds, 1)}
+      "round_s": _decode_or_wall_s(summary) / max(run.row_rounds, 1)}
   if float(sampling.temperature) == 0:
     fields["identical_to_ar"] = _identical(ar_run, run)
   return fields
+
+
+def _decode_or_wall_s(summary: dict) -> float:
+  """The decode time where the first token was timed apart and left a positive rest (a short
+  answer's separate 1-token call can take longer than the whole run), else the wall time."""
+  decode_s = summary["decode_s"]
+  return decode_s if decode_s is not None and decode_s > 0 else summary["wall_s"]
 
 
 def _tree_record(model: Model, prompts, max_new_tokens: int, sampling: SamplingParams, seed: int,

@@ -66,10 +66,8 @@ def cmd_bench(args) -> int:
   for r in records:
     if r.get("drafter", "none") != "none" and r["method"].startswith("jspec"):
       r["drafter_weights"] = drafter_weights
-  if choice is not None:  # what --gamma auto measured, with the chain records
-    for r in records:
-      if r.get("gamma") == gamma and "tree" not in r:
-        r["gamma_auto"] = {"rows": list(choice.rows), "accepted_at": list(choice.accepted_at)}
+  if choice is not None:
+    attach_gamma_auto(records, gamma, choice)
   stamp = stamp_records(records)
   # File tag per drafter: "self", "early-exit-4", "model-<directory name>".
   tag = "+".join(d.name.split(":")[0] + ("-" + Path(d.name.split(":", 1)[1]).name
@@ -173,6 +171,14 @@ def cmd_bench_tau(args) -> int:
             + (f" (z {r['z']:+.1f})" if r["z"] is not None else ""))
   print(f"wrote {speed.write_records(records, out)}")
   return 0
+
+
+def attach_gamma_auto(records: list[dict], gamma: int, choice) -> None:
+  """What --gamma auto measured, kept with the jspec chain records it chose gamma for (not with
+  transformers' assisted run at the same gamma, which jspec's calibration did not drive)."""
+  for r in records:
+    if r["method"] == "jspec-speculative" and r.get("gamma") == gamma and "tree" not in r:
+      r["gamma_auto"] = {"rows": list(choice.rows), "accepted_at": list(choice.accepted_at)}
 
 
 def cmd_bench_kernel(args) -> int:
