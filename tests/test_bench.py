@@ -104,3 +104,26 @@ def test_gamma_auto_is_kept_with_jspecs_chain_records_only():
   attach_gamma_auto(records, 2, choice)
   assert ["gamma_auto" in r for r in records] == [False, True, False, False, False]
   assert records[1]["gamma_auto"] == {"rows": [4, 2], "accepted_at": [3, 1]}
+
+
+def test_a_program_the_warm_up_missed_is_timed_again_compiled(tmp_path):
+  """Prompts of one bucket near max_position_embeddings can get two cache sizes (two programs);
+  the warm-up compiles one prompt per bucket, so the other would time its compile: retimed."""
+  import ggufutil
+  from jspec.decode import plan_cache, prompt_bucket
+  from jspec.model import load
+  from jspec.sampling.processing import GREEDY
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path, "llama", max_position_embeddings=100)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  model = load(str(d))
+  short, long = [5] * 49, [6] * 60
+  assert prompt_bucket(len(short)) == prompt_bucket(len(long))
+  sizes = [plan_cache(model.cfg, [len(p)], 10)[1] for p in (short, long)]
+  assert sizes[0] != sizes[1], sizes  # the premise: one bucket, two programs
+  method = Method(model, 10, GREEDY, 0, measure_ttft=False)
+  assert method.warm([short, long])["programs"] == 1  # one prompt per bucket warmed
+  run = Run()
+  for p in (short, long, long, short):
+    method.time_prompt(run, p)
+  assert run.retimed == 1 and run.summary()["retimed"] == 1
+  assert len(run.wall_s) == 4
