@@ -485,6 +485,7 @@ def test_bench_tau_paired_records(tiny_model, tmp_path, capsys):
   assert [r["tree"] for r in taus] == ["rsd-c:2-1", "specinfer:2-1", "chain:2"]
   for r in taus:
     assert r["tau"] == 3.0 and r["contexts"] >= 2 and r["rounds_per_context"] == 2
+    assert r["responses"] == 2  # errors clustered by the response a context was cut from
     assert r["dataset"] == "mt-bench" and r["temperature"] == 1.0 and "command" in r
     # What else changes tau: the weights, the responses' length, the contexts' keys (per batch).
     assert (r["weights"], r["drafter_weights"], r["max_new_tokens"], r["batch"]) == (

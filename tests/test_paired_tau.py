@@ -9,7 +9,8 @@ import pytest
 
 from jspec.models.cache import KVCache
 from jspec.models.llama import init_params
-from jspec.bench.paired_tau import PairedResult, contexts_from_responses, paired_tau
+from jspec.bench.paired_tau import (PairedResult, clustered_se, context_groups,
+                                    contexts_from_responses, paired_tau)
 from jspec.kv.policy import KVPolicy
 from jspec.sampling.processing import GREEDY, SamplingParams
 from jspec.drafting.model import ModelDrafter
@@ -172,3 +173,30 @@ def test_contexts_and_bad_input(target):
   with pytest.raises(ValueError, match="stops chains only"):
     paired_tau(target, TARGET, drafter.with_stop(0.5), [[1, 2]], [parse_tree("chain:2")],
                sampling=GREEDY, progress=False)
+
+
+def test_standard_errors_cluster_contexts_by_response():
+  """Contexts cut from one response are correlated: their error is that of the responses' means
+  when a response's contexts agree, and the independent-samples error when each is its own."""
+  v = np.array([1.0, 1.0, 1.0, 3.0, 3.0, 3.0])
+  assert clustered_se(v, np.array([0, 0, 0, 1, 1, 1])) == pytest.approx(1.0)  # 2 means: 1, 3
+  assert clustered_se(v, np.arange(6)) == pytest.approx(v.std(ddof=1) / np.sqrt(6))
+  assert clustered_se(v, np.zeros(6)) == 0.0  # one cluster: no estimate
+  responses = [[5, 6, 7], [], [8, 9]]
+  contexts = contexts_from_responses([[1], [2], [3]], responses, 2)
+  groups = context_groups(responses, 2)
+  assert len(groups) == len(contexts) and groups == [0, 0, 1, 2]
+  assert [c[0] for c in contexts] == [[1], [2], [3]][0] * 2 + [2, 3]
+  shapes = [parse_tree("chain:2"), parse_tree("rsd-c:2-1"), parse_tree("specinfer:2-1")]
+  rng = np.random.default_rng(1)
+  n_acc = np.repeat(rng.integers(0, 3, size=(3, 5, 1)), 4, axis=1)  # 5 responses x 4 alike
+  n_acc = np.repeat(n_acc, 2, axis=2).astype(np.int32)
+  g = np.repeat(np.arange(5), 4)
+  recs = PairedResult(shapes, n_acc, g).records()
+  tau, iid = recs[0], PairedResult(shapes, n_acc).records()[0]
+  means = n_acc[0, ::4, 0] + 1.0
+  assert tau["tau_se"] == pytest.approx(means.std(ddof=1) / np.sqrt(5))
+  assert tau["tau_se"] > 1.5 * iid["tau_se"] and tau["responses"] == 5 and iid["responses"] == 20
+  d = next(r for r in recs if r["kind"] == "paired_difference")
+  dm = (n_acc[1] - n_acc[2])[::4, 0].astype(float)
+  assert d["se"] == pytest.approx(dm.std(ddof=1) / np.sqrt(5))

@@ -92,6 +92,23 @@ def contexts_from_responses(prompts: Sequence[Sequence[int]],
           for t in range(0, max(len(r), 1), stride)]
 
 
+def context_groups(responses: Sequence[Sequence[int]], stride: int) -> list[int]:
+  """The response (prompt) index of each of `contexts_from_responses`' contexts, in its order:
+  contexts cut from one response are correlated, so standard errors cluster by it."""
+  return [i for i, r in enumerate(responses) for _ in range(0, max(len(r), 1), stride)]
+
+
+def clustered_se(v: np.ndarray, groups: np.ndarray) -> float:
+  """Standard error of v's mean with values of one group correlated (the cluster-robust
+  estimator, G / (G - 1) small-sample factor): var(ddof=1) / n when every value is its own group."""
+  labels, index = np.unique(groups, return_inverse=True)
+  G = len(labels)
+  if G < 2:
+    return 0.0
+  sums = np.bincount(index, weights=v - v.mean(), minlength=G)
+  return float(math.sqrt(G / (G - 1) * (sums ** 2).sum()) / len(v))
+
+
 @dataclasses.dataclass
 class PairedResult:
   """Accepted drafts per (shape, context, round): n_acc [S, C, R]; -1 for a context that starts
@@ -99,6 +116,7 @@ class PairedResult:
 
   shapes: list[TreeShape]
   n_acc: np.ndarray  # [S, C, R]
+  groups: np.ndarray | None = None  # [C]: the response each context was cut from (default: its own)
 
   @property
   def scored(self) -> np.ndarray:
@@ -110,13 +128,15 @@ class PairedResult:
     return np.where(self.scored, self.n_acc.mean(axis=2) + 1.0, np.nan)
 
   def records(self) -> list[dict]:
-    """One record per shape (tau with its standard error over contexts), then one per pair of
-    shapes with the same node budget (the paired difference of their tau and its error)."""
+    """One record per shape (tau with its standard error over contexts, clustered by response),
+    then one per pair of shapes with the same node budget (the paired difference of their tau
+    and its error)."""
     full = self.per_context_tau()
     keep = self.scored
     x = full[:, keep]
     C = x.shape[1]
-    se = lambda v: float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else 0.0
+    groups = (np.arange(full.shape[1]) if self.groups is None else np.asarray(self.groups))[keep]
+    se = lambda v: clustered_se(v, groups)
     out = []
     for s, shape in enumerate(self.shapes):
       D = shape.max_depth
@@ -125,6 +145,7 @@ class PairedResult:
                   "tree_nodes": shape.num_nodes + 1, "num_nodes": shape.num_nodes,
                   "tau": float(x[s].mean()) if C else None, "tau_se": se(x[s]),
                   "contexts": C, "contexts_at_stop": int((~keep).sum()),
+                  "responses": int(len(np.unique(groups))),
                   "rounds_per_context": int(self.n_acc.shape[2]),
                   "accept_hist": hist.tolist(),
                   # per context, in order: two runs on the same contexts (another budget, say)
@@ -147,7 +168,8 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
                shapes: Sequence[TreeShape], *, sampling: SamplingParams, seed: int = 0,
                rounds: int = 8, batch: int = 16, progress: bool = True,
                kv: KVPolicy | None = None, draft_kv: KVPolicy | None = None,
-               stop_ids: Sequence[int] = ()) -> PairedResult:
+               stop_ids: Sequence[int] = (),
+               groups: Sequence[int] | None = None) -> PairedResult:
   """Score every shape on the same contexts: n_acc [S, C, R].
 
   All contexts are padded to one prompt bucket (one compiled program per shape); batches of
@@ -157,11 +179,14 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   runs that differ only in the budget are paired too.
   stop_ids: the ids that end decoding (the chat's): a context whose first sampled token is one
   starts no round in the engine, and is left out of every shape's score.
+  groups: the response each context was cut from (`context_groups`), for the standard errors.
   """
   if not shapes:
     raise ValueError("paired_tau needs at least one tree shape")
   if not contexts:
     raise ValueError("paired_tau needs at least one context")
+  if groups is not None and len(groups) != len(contexts):
+    raise ValueError(f"{len(groups)} groups for {len(contexts)} contexts: give one per context")
   if int(rounds) != rounds or rounds < 1 or int(batch) != batch or batch < 1:
     raise ValueError(f"rounds and batch must be positive integers, got {rounds}, {batch}")
   if drafter.window_size:  # its pool starts empty in every context's first round: tau 1 always
@@ -209,7 +234,8 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
       bar.update(1)
     jax.clear_caches()  # one program per shape: drop it (LLVM memory maps, see jspec bench)
   bar.close()
-  return PairedResult(list(shapes), n_acc[:, :C])
+  return PairedResult(list(shapes), n_acc[:, :C],
+                      None if groups is None else np.asarray(groups, np.int64))
 
 
 def target_responses(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

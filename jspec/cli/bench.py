@@ -141,7 +141,8 @@ def cmd_bench_tau(args) -> int:
   result = paired_tau.paired_tau(model.params, model.cfg, drafter, contexts, trees,
                                  sampling=sampling, seed=args.seed, rounds=args.rounds,
                                  batch=args.batch, kv=kv, draft_kv=draft_kv,
-                                 stop_ids=model.tokenizer.stop_token_ids)
+                                 stop_ids=model.tokenizer.stop_token_ids,
+                                 groups=paired_tau.context_groups(responses, args.stride))
   records = result.records()
   for r in records:
     r.update(kv=None if kv is None else dataclasses.asdict(kv),
@@ -163,10 +164,12 @@ def cmd_bench_tau(args) -> int:
                                            f"{penalty_tag(args)}"
                                            f"{tag}_{stamp}.json")
   for r in records:
-    if r["kind"] == "paired_tau":
+    if r["kind"] == "paired_tau" and r["tau"] is None:
+      print(f"{r['tree']:<28} no context starts a round (every first token a stop)")
+    elif r["kind"] == "paired_tau":
       print(f"{r['tree']:<28} N={r['num_nodes']:<3} tau {r['tau']:.3f} +- {r['tau_se']:.3f} "
             f"({r['contexts']} contexts x {r['rounds_per_context']} rounds)")
-    else:
+    elif r["tau_a_minus_b"] is not None:
       print(f"  {r['tree_a']} - {r['tree_b']}: {r['tau_a_minus_b']:+.3f} +- {r['se']:.3f} "
             + (f" (z {r['z']:+.1f})" if r["z"] is not None else ""))
   print(f"wrote {speed.write_records(records, out)}")
