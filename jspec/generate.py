@@ -40,7 +40,8 @@ class GenerateOutput:
   target_calls: Array  # [] int32, forwards of the model (prefill counts one)
   steps: Array  # [] int32, decode-loop iterations
   # With record_top_k=K: the model's K most likely tokens and their log-probabilities (temperature
-  # 1, before any filter) at every generated position: distillation targets for drafters.
+  # 1, before any filter) at every generated position: distillation targets for drafters. Past
+  # each row's length, PAD ids with log-probability -inf (as the tokens: PAD).
   top_ids: Array | None = None  # [B, N, K] int32
   top_logprobs: Array | None = None  # [B, N, K] float32
   # With logprobs="model" or "sampled": each generated token's log-probability (jspec.sampling.
@@ -108,7 +109,7 @@ def decode_start(params: Params, cfg: Config, prompt: Array, prompt_lengths: Arr
   if record_top_k:
     ids, lps = _top_k_logprobs(logits, record_top_k)
     shape = (B, max_new_tokens, record_top_k)
-    top_ids = jnp.zeros(shape, jnp.int32).at[:, 0].set(ids)
+    top_ids = jnp.full(shape, PAD, jnp.int32).at[:, 0].set(ids)
     top_logprobs = jnp.full(shape, -jnp.inf, jnp.float32).at[:, 0].set(lps)
   token_lps = None
   if logprobs:
@@ -157,6 +158,8 @@ def decode_loop(params: Params, cfg: Config, state: DecodeState, until: Array | 
     top_ids, top_logprobs = s.top_ids, s.top_logprobs
     if record_top_k:
       ids, lps = _top_k_logprobs(logits[:, 0], record_top_k)
+      ids = jnp.where(s.done[:, None], PAD, ids)  # a finished row's model still runs: not its text
+      lps = jnp.where(s.done[:, None], -jnp.inf, lps)
       top_ids = jax.lax.dynamic_update_slice(top_ids, ids[:, None], (0, s.step, 0))
       top_logprobs = jax.lax.dynamic_update_slice(top_logprobs, lps[:, None], (0, s.step, 0))
     token_lps = s.logprobs

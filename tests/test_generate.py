@@ -69,6 +69,21 @@ def test_stop_ids_end_rows(params):
     assert np.all(np.asarray(out.tokens[b, cut:]) == PAD)
 
 
+def test_recorded_top_k_past_a_rows_length_is_padding(params):
+  """A finished row's model keeps running beside the others: its top-k there is no distribution
+  of its text and must read as padding (PAD, -inf), like its tokens."""
+  free = generate(params, CFG, PROMPTS, max_new_tokens=10, record_top_k=3)
+  stop = free.sequences()[0][3]
+  out = generate(params, CFG, PROMPTS, max_new_tokens=10, stop_ids=[stop], record_top_k=3)
+  lengths = np.asarray(out.lengths)
+  assert lengths.min() < 10 and lengths.max() > lengths.min()  # a row ended while others ran
+  for b, n in enumerate(lengths):
+    np.testing.assert_array_equal(out.top_ids[b, :n], free.top_ids[b, :n])
+    np.testing.assert_allclose(out.top_logprobs[b, :n], free.top_logprobs[b, :n], rtol=1e-6)
+    assert (np.asarray(out.top_ids[b, n:]) == PAD).all()
+    assert np.isneginf(np.asarray(out.top_logprobs[b, n:])).all()
+
+
 def test_sampling_is_deterministic_per_key(params):
   sp = SamplingParams(temperature=1.0)
   a = generate(params, CFG, PROMPTS, max_new_tokens=8, sampling=sp, key=3).sequences()
