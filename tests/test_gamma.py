@@ -66,6 +66,12 @@ def test_needs_a_model_drafter(tiny):
     choose_gamma(tiny, NgramDrafter(vocab=CFG.vocab_size), [1, 2, 3])
 
 
+def test_a_calibration_run_needs_a_round(tiny):
+  drafter = ModelDrafter(tiny.params, tiny.cfg)
+  with pytest.raises(ValueError, match="calibration_tokens must be an integer >= 2"):
+    choose_gamma(tiny, drafter, [1, 2, 3], calibration_tokens=1)
+
+
 def test_calibration_runs_under_the_budget_the_run_will_have(tiny, monkeypatch):
   """Under a KV budget the calibration run evicts as the run will (the target evicts, the self
   drafter keeps a full cache: acceptance below 1, equal to that budgeted run's) and the pieces

@@ -111,6 +111,23 @@ def test_small_independent_draft_model_is_lossless_greedy(target):
   assert out.sequences() == want
 
 
+def test_block_efficiency_is_undefined_when_no_round_ran(target):
+  """tau >= 1 whenever a round ran; with none (one token, or a stop first) it has no value, and 0
+  would read as a drafter worse than none."""
+  drafter = self_drafter(target, TARGET)
+  one = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=2, max_new_tokens=1))
+  assert int(one.row_rounds) == 0 and np.isnan(one.block_efficiency)
+  assert np.isnan(one.acceptance_rate).all() and one.acceptance_rate.shape == (2,)
+  firsts = sorted({s[0] for s in one.sequences()})
+  stopped = speculative_generate(target, TARGET, drafter, PROMPTS,
+                                 spec=SpecConfig(gamma=2, max_new_tokens=8, stop_ids=firsts))
+  assert all(len(s) == 1 for s in stopped.sequences()) and np.isnan(stopped.block_efficiency)
+  ran = speculative_generate(target, TARGET, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=2, max_new_tokens=7))
+  assert ran.block_efficiency == 3.0
+
+
 @pytest.mark.parametrize("gamma", [1, 5])
 def test_self_drafter_accepts_everything(target, gamma):
   rounds = 4

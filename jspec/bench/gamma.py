@@ -74,6 +74,9 @@ def choose_gamma(model: Model, drafter: ModelDrafter, prompt: Sequence[int], *,
                      f"pass a number, e.g. --gamma 4")
   if int(max_gamma) != max_gamma or max_gamma < 1:
     raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
+  if int(calibration_tokens) != calibration_tokens or calibration_tokens < 2:
+    raise ValueError(f"calibration_tokens must be an integer >= 2 (the first token is sampled "
+                     f"before any verification round), got {calibration_tokens}")
   out = model.off_mesh_for(1).generate_ids([prompt], max_new_tokens=calibration_tokens,
                                            sampling=sampling, key=key, stop=False,
                                            drafter=drafter, gamma=max_gamma, kv=kv,

@@ -72,7 +72,8 @@ def cmd_generate(args) -> int:
         f"({compiled.built} XLA programs built, {compiled.cache_hits} loaded from cache), "
         f"{n} tokens in {run_s:.2f}s = {n / run_s:.1f} tokens/s "
         f"({int(out.target_calls)} target calls"
-        + (f", block efficiency {out.block_efficiency:.2f} with drafter {args.drafter}, "
+        + ((f", block efficiency {out.block_efficiency:.2f}" if int(out.row_rounds)
+            else ", no verification round") + f" with drafter {args.drafter}, "
            + (f"tree {args.tree or drafter.own_tree})"
               if args.tree or drafter.own_tree is not None else f"gamma {gamma})")
            if drafter is not None else ")")

@@ -6,6 +6,7 @@ counters, the target cache's rollback by lengths).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -54,15 +55,20 @@ class SpecOutput:
 
   @property
   def block_efficiency(self) -> float:
-    """τ: tokens emitted per target verification call (γ + 1 at most)."""
-    return float(self.round_tokens) / max(int(self.row_rounds), 1)
+    """τ: tokens emitted per target verification call (γ + 1 at most); NaN when no round ran
+    (max_new_tokens 1, or every row's first token a stop id): τ is at least 1 when defined."""
+    rounds = int(self.row_rounds)
+    return float(self.round_tokens) / rounds if rounds else math.nan
 
   @property
   def acceptance_rate(self) -> np.ndarray:
     """Per draft position i, the fraction of rounds (of active rows) whose accepted prefix covers
     position i: P(more than i drafts accepted). A position a round did not draft or verify (past
-    an adaptive drafter's stop or a KV budget's eviction cut) counts as not accepted."""
-    return np.asarray(self.accepted_at) / max(int(self.row_rounds), 1)
+    an adaptive drafter's stop or a KV budget's eviction cut) counts as not accepted. NaN when
+    no round ran."""
+    rounds = int(self.row_rounds)
+    accepted = np.asarray(self.accepted_at)
+    return accepted / rounds if rounds else np.full(accepted.shape, np.nan)
 
   def sequences(self) -> list[list[int]]:
     """Generated ids per row, trimmed to each row's length (host-side)."""
