@@ -131,6 +131,22 @@ def test_the_router_mixes_top_k_experts(drafter):
   assert len({tuple(np.argsort(-s)[:cp.top_k]) for s in scores}) > 1  # routes differ
 
 
+def test_tied_router_scores_still_mix_exactly_top_k_experts(drafter):
+  """Two experts with the same router column tie on every token: top_k=1 must take one of them
+  (the lower index), not average both."""
+  cp = drafter.contemplate
+  router = cp.router.at[:, 1].set(cp.router[:, 0])
+  experts = cp.experts.at[1].set(cp.experts[0] + 1.0)
+  tied = dataclasses.replace(cp, router=router, experts=experts, top_k=1)
+  tokens = jnp.arange(TARGET.vocab_size)
+  got = np.asarray(contemplate_embeddings(tied, TARGET, drafter.embed, tokens))  # [V, E]
+  e = drafter.embed[tokens]
+  e = e / jnp.sqrt(jnp.mean(e * e, -1, keepdims=True) + TARGET.rms_norm_eps)
+  best = np.argmax(np.asarray(e @ router), axis=-1)  # numpy's argmax: the first of ties
+  assert (best == 0).any()  # tokens routed to the tied pair
+  np.testing.assert_allclose(got, np.asarray(experts)[best], rtol=1e-5, atol=1e-5)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def prefilled(drafter, target, P):
   """The drafter's state after the prompt SEQ[:P], from the engines' prefill layout."""

@@ -76,8 +76,11 @@ def contemplate_embeddings(cp: ContemplateParams, cfg: Config, embed: Array,
   e = embed[tokens].astype(jnp.float32)
   e = rms_norm(e, jnp.ones(e.shape[-1:], jnp.float32), cfg.rms_norm_eps)  # [..., E] unit RMS
   scores = jnp.einsum("...e,en->...n", e, cp.router.astype(jnp.float32))
-  kth = jax.lax.top_k(scores, cp.top_k)[0][..., -1:]  # [..., 1]: the k-th largest score
-  weights = jax.nn.softmax(jnp.where(scores >= kth, scores, -jnp.inf), axis=-1)
+  # Exactly top_k experts, ties going to the lower index (a threshold at the k-th score would
+  # mix every expert tied with it).
+  top = jax.lax.top_k(scores, cp.top_k)[1]  # [..., k]
+  chosen = jnp.any(top[..., None] == jnp.arange(scores.shape[-1]), axis=-2)  # [..., N]
+  weights = jax.nn.softmax(jnp.where(chosen, scores, -jnp.inf), axis=-1)
   return jnp.einsum("...n,ne->...e", weights, cp.experts.astype(jnp.float32))
 
 
