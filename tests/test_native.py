@@ -2,6 +2,11 @@
 and tail, bit-identical to XLA's int8 dot inside `quant.einsum` and a whole forward, greedy chains
 token-identical through it, the custom call really in the program, and clear errors."""
 
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -600,3 +605,36 @@ def test_kernel_einsum_takes_zero_rows():
   stacked = jax.tree.map(lambda a: jnp.stack([a, a]), q4)  # two layers
   assert quant.einsum("...e,ev->...v", jnp.zeros((1, 0, 64)),
                       quant.LayerOf(stacked, jnp.int32(1))).shape == (1, 0, 24)
+
+
+# A few cases of each kernel test: every kernel, row passes, tails, the fixed summation order.
+PORTABLE_CASES = (
+    [f"test_int8_matmul_is_exact[{n}-{k}-{m}]" for n, k in ((37, 200), (130, 1536)) for m in (1, 5, 9)]
+    + [f"test_q4_matmul_matches_the_reference[{n}-{k}-{m}-{o}]" for n, k in ((130, 1536), (3, 544))
+       for m in (1, 9) for o in ("symmetric", "offsets")]
+    + [f"test_f32_linear_matches_the_reference_and_a_row_alone[{n}-{k}-{m}]"
+       for n, k in ((37, 200), (66, 1536)) for m in (1, 9)]
+    + [f"test_int8_linear_quantizes_like_xla[{k}-5]" for k in (16, 37, 200)]
+    + ["test_native_attention_matches_the_reference",  # its 4 shapes
+       "test_native_float_token_bit_identical_alone_or_in_a_block"])  # narrow and wide
+PORTABLE_TESTS = len(PORTABLE_CASES) - 2 + 4 + 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64" or sys.platform != "linux",
+                    reason="builds for the x86-64 baseline")
+def test_the_portable_code_passes_the_kernel_tests():
+  """A CPU without AVX-512 (most AMD and laptop CPUs) compiles the kernels' portable code, which
+  this machine's -march=native build never runs: built for the x86-64 baseline, in a process of
+  its own (the kernels register under fixed names), the kernel tests must pass there too."""
+  script = (
+      "import sys, pytest, jspec.native as n\n"
+      "n.FLAGS = tuple('-march=x86-64' if f == '-march=native' else f for f in n.FLAGS)\n"
+      "assert n.kernel_path() == 'portable', n.kernel_path()\n"
+      "sys.exit(pytest.main(['-q', '-n', '0', '-p', 'no:cacheprovider', *sys.argv[1:]]))\n")
+  root = Path(__file__).resolve().parent.parent
+  proc = subprocess.run([sys.executable, "-c", script,
+                         *(f"tests/test_native.py::{c}" for c in PORTABLE_CASES)],
+                        cwd=root, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-2000:])
+  assert f"{PORTABLE_TESTS} passed" in proc.stdout, proc.stdout[-2000:]
