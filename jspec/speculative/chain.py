@@ -251,6 +251,9 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   cache (model drafters, `Drafter.with_kv`; it changes acceptance, never the output); None: the
   drafter keeps a full cache. mesh: a ("dp", "tp") mesh (as for `generate`): the target sharded,
   a draft model replicated, the batch split over dp.
+  cache_size: the cache's slots (default: sized for the prompts, max_new_tokens and a round's
+  reserve); under kv the target holds kv.slots instead, and cache_size sizes only a drafter's own
+  full cache (`generate`, which has no drafter, refuses cache_size with kv).
   """
   if not isinstance(spec, SpecConfig):
     raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}. Fix: "

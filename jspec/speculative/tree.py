@@ -345,6 +345,9 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   `generate(..., kv=kv)`'s. draft_kv: a key-scored KV budget for the drafter's own
   cache (model drafters; `Drafter.with_kv`); None: a full drafter cache. mesh: a ("dp", "tp")
   mesh, as for `speculative_generate`.
+  cache_size: the cache's slots (default: sized for the prompts, max_new_tokens and a round's
+  reserve); under kv the target holds kv.slots instead, and cache_size sizes only a drafter's own
+  full cache (`generate`, which has no drafter, refuses cache_size with kv).
   """
   check_tree_run(cfg, drafter, spec)
   check_kv(cfg, kv)
