@@ -46,7 +46,7 @@ def test_a_context_whose_first_token_is_a_stop_starts_no_round(target):
   """The engine ends a row whose first sampled token is a stop id: bench-tau must not score
   rounds from it (nor pair it), and scores every other context as before."""
   drafter = noised_drafter(target, 0.1)
-  shape = parse_tree("chain:3")
+  shape = parse_tree("chain:2")
   contexts = [p + [11, 12][:i % 3] for i, p in enumerate(PROMPTS * 2)]
   first = [int(np.argmax(np.asarray(jitted_forward(
       target, TARGET, jnp.asarray([c]), jnp.arange(len(c))[None],
@@ -54,10 +54,10 @@ def test_a_context_whose_first_token_is_a_stop_starts_no_round(target):
   stop = first[0]
   ends = np.array([f == stop for f in first])
   assert ends.any() and not ends.all()
-  plain = paired_tau(target, TARGET, drafter, contexts, [shape, parse_tree("chain:2")],
-                     sampling=GREEDY, rounds=2, batch=3, progress=False)
-  res = paired_tau(target, TARGET, drafter, contexts, [shape, parse_tree("chain:2")],
-                   sampling=GREEDY, rounds=2, batch=3, progress=False, stop_ids=[stop])
+  plain = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=2,
+                     batch=len(contexts), progress=False)
+  res = paired_tau(target, TARGET, drafter, contexts, [shape], sampling=GREEDY, rounds=2,
+                   batch=len(contexts), progress=False, stop_ids=[stop])
   np.testing.assert_array_equal(res.scored, ~ends)
   assert (res.n_acc[:, ends] == -1).all()
   np.testing.assert_array_equal(res.n_acc[:, ~ends], plain.n_acc[:, ~ends])
