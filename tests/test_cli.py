@@ -522,7 +522,8 @@ def test_bench_tau_under_a_kv_budget(tiny_model, tmp_path, capsys):
   assert main(base) == 0
   assert [r["tau"] for r in json.loads(out.read_text()) if r["kind"] == "paired_tau"] == [3.0, 3.0]
   assert all(r["kv"] is None for r in json.loads(out.read_text()))
-  lookup = [a if a != "self" else "ngram" for a in base]  # no cache of its own: no draft_kv
+  # A drafter with no cache of its own: no draft_kv (one tree is enough to tell).
+  lookup = [{"self": "ngram", "chain:2,rsd-c:2-1": "chain:2"}.get(a, a) for a in base]
   assert main(lookup + ["--kv-budget", "8"]) == 0
   assert all(r["kv"]["budget"] == 8 and r["draft_kv"] is None
              for r in json.loads(out.read_text()))
