@@ -127,3 +127,16 @@ def test_a_program_the_warm_up_missed_is_timed_again_compiled(tmp_path):
     method.time_prompt(run, p)
   assert run.retimed == 1 and run.summary()["retimed"] == 1
   assert len(run.wall_s) == 4
+
+
+def test_a_run_without_rounds_records_no_block_efficiency(capsys):
+  """One-token answers run no verification round: tau is undefined there, not 0."""
+  import numpy as np
+  from jspec.bench.speed import _speculative_fields, print_table
+  from jspec.sampling.processing import SamplingParams
+  run = Run(new_tokens=[1], wall_s=[0.5], ttft_s=[0.5], target_calls=[1], accept_hist=np.zeros(3,
+                                                                                              int))
+  fields = _speculative_fields(run, 2, None, {"tokens_per_s": 2.0}, SamplingParams(temperature=1.0))
+  assert fields["block_efficiency"] is None and fields["accepted_per_round"] is None
+  print_table([{"method": "jspec-speculative", **fields}])
+  assert "block_efficiency" not in capsys.readouterr().out

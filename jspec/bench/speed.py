@@ -408,10 +408,11 @@ def _speculative_fields(run: Run, depth: int, ar_run: Run, ar: dict,
   summary = run.summary()
   fields = {
       "draft_calls_per_round": depth,
-      "block_efficiency": run.round_tokens / max(run.row_rounds, 1),
+      # None where no round ran (one-token answers): tau is >= 1 where it is defined.
+      "block_efficiency": run.round_tokens / run.row_rounds if run.row_rounds else None,
       # Before cuts at stop tokens or the token budget: mean accepted drafts + 1.
-      "accepted_per_round": float((run.accept_hist * np.arange(1, depth + 2)).sum()
-                                  / max(run.accept_hist.sum(), 1)),
+      "accepted_per_round": (float((run.accept_hist * np.arange(1, depth + 2)).sum()
+                                   / run.accept_hist.sum()) if run.accept_hist.sum() else None),
       "accept_hist": run.accept_hist.tolist(),
       "ar_tokens_per_s": ar["tokens_per_s"],
       "speedup_vs_ar": summary["tokens_per_s"] / ar["tokens_per_s"],
@@ -627,7 +628,7 @@ def print_table(records: list[dict]) -> None:
                      for c in cols))
   for r in records:
     for key in SUMMARY_KEYS:
-      if key in r:
+      if r.get(key) is not None:
         name = r["method"] + (f" {r['tree']}" if "tree" in r else "")
         print(f"{name}: {key} = {r[key]:.3f}")
 
