@@ -248,10 +248,21 @@ def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
   assert parse_drafter(f"rest:{path}+self").fallback.kind.name == "self"
   with pytest.raises(ValueError, match="1 <= n_min <= n_max"):
     D.build_table([np.asarray([1, 2])], n_min=3, n_max=2)
-  with pytest.raises(ValueError, match="token ids >= 0"):
+  with pytest.raises(ValueError, match=r"integer token ids in \[0, 2\*\*31\).*holding -2..1"):
     D.build_table([np.asarray([1, -2])])
+  for ids in ([1.0, 3.9], [True, False]):  # would key 3.9 as token 3, True as token 1
+    with pytest.raises(ValueError, match="integer token ids.*dtype (float64|bool)"):
+      D.build_table([np.asarray(ids)])
+  assert D.build_table([np.asarray([], np.int32), []], min_count=1)[2] == 0  # empty: fine
   with pytest.raises(ValueError, match="NgramTable"):
     NgramDrafter(vocab=8, store=(keys, tokens))
+  empty = D.NgramTable(keys=jnp.zeros((0,), jnp.uint32), tokens=jnp.zeros((0,), jnp.int32),
+                       n_min=1, n_max=3)  # a lookup into it failed in an XLA gather
+  with pytest.raises(ValueError, match="the n-gram store is empty"):
+    NgramDrafter(vocab=8, store=empty)
+  orders = D.NgramTable(keys=jnp.asarray(keys), tokens=jnp.asarray(tokens), n_min=0, n_max=3)
+  with pytest.raises(ValueError, match="holds contexts of 0-3 tokens"):
+    NgramDrafter(vocab=8, store=orders)
 
 
 def test_build_datastore_command_and_rest_drafter(tmp_path, capsys):

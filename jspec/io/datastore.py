@@ -83,8 +83,11 @@ def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int =
   parts = []
   for s in sequences:
     s = np.asarray(s)
-    if s.ndim != 1 or (s.size and (s.min() < 0 or s.max() >= 2**31)):
-      raise ValueError("datastore sequences are 1-D arrays of token ids >= 0")
+    integer = np.issubdtype(s.dtype, np.integer) or (s.size == 0 and s.dtype == np.float64)
+    if s.ndim != 1 or not integer or (s.size and (s.min() < 0 or s.max() >= 2**31)):
+      raise ValueError(f"datastore sequences are 1-D arrays of integer token ids in [0, 2**31), "
+                       f"got one of shape {s.shape} and dtype {s.dtype}"
+                       + (f" holding {s.min()}..{s.max()}" if s.size and integer else ""))
     parts += [s.astype(np.int64), np.array([-1])]  # -1 separates sequences
   corpus = np.concatenate(parts) if parts else np.zeros(0, np.int64)
   n_tokens = int((corpus >= 0).sum())

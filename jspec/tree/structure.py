@@ -11,7 +11,8 @@ distribution is stored per parent (per slot), not per node, because all children
 drawn from the one distribution at that node: it is stored once however many children there are,
 it is exactly what a drafter computes (one distribution per expanded node), and it lines up with
 the target's forward over [root, nodes...] so that p and q at a node's parent share an index.
-Slots of nodes that were never expanded hold zeros.
+Slots of nodes that were never expanded hold zeros, or (fed as padding by a drafter) values no
+valid node reads: only a slot with a valid child is read.
 """
 
 from __future__ import annotations
