@@ -84,18 +84,22 @@ _round_acceptance_jit = jax.jit(round_acceptance, static_argnums=(1,),
 def contexts_from_responses(prompts: Sequence[Sequence[int]],
                             responses: Sequence[Sequence[int]], stride: int) -> list[list[int]]:
   """prompt + response[:t] for t = 0, stride, 2 * stride, ... < len(response), every prompt."""
-  if stride < 1:
-    raise ValueError(f"stride must be a positive integer, got {stride}")
   if len(prompts) != len(responses):
     raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-  return [list(p) + list(r[:t]) for p, r in zip(prompts, responses)
-          for t in range(0, max(len(r), 1), stride)]
+  return [list(prompts[i]) + list(responses[i][:t]) for i, t in _cuts(responses, stride)]
 
 
 def context_groups(responses: Sequence[Sequence[int]], stride: int) -> list[int]:
   """The response (prompt) index of each of `contexts_from_responses`' contexts, in its order:
   contexts cut from one response are correlated, so standard errors cluster by it."""
-  return [i for i, r in enumerate(responses) for _ in range(0, max(len(r), 1), stride)]
+  return [i for i, _ in _cuts(responses, stride)]
+
+
+def _cuts(responses: Sequence[Sequence[int]], stride: int) -> list[tuple[int, int]]:
+  """(response index, tokens of it kept) of every context, in order."""
+  if stride < 1:
+    raise ValueError(f"stride must be a positive integer, got {stride}")
+  return [(i, t) for i, r in enumerate(responses) for t in range(0, max(len(r), 1), stride)]
 
 
 def clustered_se(v: np.ndarray, groups: np.ndarray) -> float:
@@ -220,6 +224,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
   padded = list(contexts) + [contexts[0]] * (-C % batch)
   tokens, lengths = pad_prompts(padded, cfg.vocab_size, bucket)
   sampling_arrays = sampling.as_arrays()
+  stops = stop_id_tuple(stop_ids)
   base = jax.random.key(seed)
   n_acc = np.zeros((len(shapes), len(padded), rounds), np.int32)
   bar = tqdm(total=len(shapes) * len(padded) // batch, desc="paired tau", disable=not progress)
@@ -229,7 +234,7 @@ def paired_tau(params: Params, cfg: Config, drafter, contexts: Sequence[Sequence
       out = _round_acceptance_jit(params, cfg, drafter, jnp.asarray(tokens[i:i + batch]),
                                   jnp.asarray(lengths[i:i + batch]), key, sampling_arrays,
                                   shape=shape, cache_size=cache_size, rounds=rounds, kv=kv,
-                                  stop_ids=stop_id_tuple(stop_ids))
+                                  stop_ids=stops)
       n_acc[s, i:i + batch] = np.asarray(out).T
       bar.update(1)
     jax.clear_caches()  # one program per shape: drop it (LLVM memory maps, see jspec bench)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jspec.drafting.base import (DraftState, Drafter, Features, Pick, check_stop, keep_draw,
                                  penalty_kwargs)
-from jspec.io.datastore import MAX_ORDER, NgramTable, context_hash
+from jspec.io.datastore import NgramTable, check_orders, context_hash
 from jspec.sampling.processing import SamplingParams
 from jspec.sharding import set_rows
 from jspec.tree.structure import Tree, parent_of, set_node_columns, take
@@ -170,13 +170,8 @@ class NgramDrafter(Drafter):
       raise ValueError(f"the n-gram lookup's store is a jspec.io.datastore.NgramTable (load one "
                        f"with load_table), got {type(self.store).__name__}")
     if self.store is not None:
-      store = self.store
-      if not (isinstance(store.n_min, int) and isinstance(store.n_max, int)
-              and 1 <= store.n_min <= store.n_max <= MAX_ORDER):
-        raise ValueError(f"the n-gram store holds contexts of {store.n_min!r}-{store.n_max!r} "
-                         f"tokens; a datastore needs 1 <= n_min <= n_max <= {MAX_ORDER}. Fix: "
-                         f"build it with jspec build-datastore (or build_table) and load_table")
-      if getattr(store.keys, "shape", (1,))[0] == 0:  # (placeholder leaves have no shape)
+      check_orders(self.store.n_min, self.store.n_max, "the n-gram store")
+      if getattr(self.store.keys, "shape", (1,))[0] == 0:  # (placeholder leaves have no shape)
         raise ValueError("the n-gram store is empty (no context occurred min_count times in its "
                          "text). Fix: build it from more text or with a lower min_count, or "
                          "drop the store")

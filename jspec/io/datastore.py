@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 import sys
 import time
@@ -70,14 +71,22 @@ class NgramTable:
     return int(self.keys.shape[0])
 
 
+def check_orders(n_min, n_max, what: str) -> None:
+  """The context lengths a datastore keys on: integers 1 <= n_min <= n_max <= MAX_ORDER."""
+  integers = all(isinstance(n, numbers.Integral) and not isinstance(n, bool)
+                 for n in (n_min, n_max))
+  if not (integers and 1 <= n_min <= n_max <= MAX_ORDER):
+    raise ValueError(f"{what} holds contexts of {n_min!r}-{n_max!r} tokens; a datastore needs "
+                     f"1 <= n_min <= n_max <= {MAX_ORDER}. Fix: build it with jspec "
+                     f"build-datastore (or build_table) and load_table")
+
+
 def build_table(sequences: Iterable[np.ndarray], *, n_min: int = 1, n_max: int = N_MAX,
                 min_count: int = MIN_COUNT) -> tuple[np.ndarray, np.ndarray, int]:
   """(keys [K] uint32 sorted, tokens [K] int32, corpus tokens) from token sequences: each context
   of n_min..n_max tokens inside one sequence that occurs >= min_count times, with the token that
   followed it most often (ties: the smallest id)."""
-  if not (1 <= n_min <= n_max <= MAX_ORDER):
-    raise ValueError(f"datastore orders need 1 <= n_min <= n_max <= {MAX_ORDER}, got "
-                     f"{n_min}-{n_max}")
+  check_orders(n_min, n_max, "the datastore asked for")
   if min_count < 1:
     raise ValueError(f"min_count must be >= 1, got {min_count}")
   parts = []
