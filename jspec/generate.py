@@ -246,7 +246,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   precision: "fast" (the backend's default matmuls) or "exact" (full float32 matmuls; see
   jspec.models.numerics): what greedy identity with speculative decoding on an accelerator needs.
   kv: a KV budget (`jspec.kv.policy.KVPolicy`): prompts of any length run in kv.slots cache slots
-  per row (chunked prefill, eviction by kv.method); exclusive with cache_size.
+  per row (chunked prefill, eviction by kv.method; fewer where the run cannot fill them,
+  `KVPolicy.within`); exclusive with cache_size.
   mesh: a ("dp", "tp") `jax.sharding.Mesh` (jspec.sharding.make_mesh) or its text, "dp=2,tp=4"
   (as `jspec.model.load` takes): the batch split over dp, heads, MLP and vocabulary over tp, one
   program for all devices; the same tokens as one device.
@@ -264,6 +265,8 @@ def generate(params: Params, cfg: Config, prompts: Sequence[Sequence[int]], *,
   b = prepare_batch(cfg, prompts, max_new_tokens=max_new_tokens, sampling=sampling, key=key,
                     stop_ids=stop_ids, cache_size=cache_size)
   params, b, placement = on_mesh(params, cfg, b, mesh)
+  if kv is not None:  # no row commits more than its prompt and max_new_tokens
+    kv = kv.within(b.tokens.shape[1] + int(max_new_tokens))
   loop = dict(max_new_tokens=int(max_new_tokens), stop_ids=b.stop_ids,
               record_top_k=int(record_top_k), logprobs=logprobs, precision=precision, kv=kv,
               placement=placement)

@@ -115,5 +115,6 @@ def score(params: Params, cfg: Config, sequences: Sequence[Sequence[int]], *, ch
   tokens, lengths = pad_prompts(rows, cfg.vocab_size, bucket)
   params, tokens, lengths, placement = rows_on_mesh(params, cfg, jnp.asarray(tokens),
                                                     jnp.asarray(lengths), mesh)
+  kv = None if kv is None else kv.within(bucket)
   return _score_jit(params, cfg, tokens, lengths, chunk=min(int(chunk), bucket), kv=kv,
                     precision=precision, placement=placement)

@@ -560,6 +560,80 @@ def test_greedy_speculative_equals_greedy_autoregressive_under_the_same_budget(
     assert int(out.accept_hist[-1]) > 0  # whole blocks went through between evictions
 
 
+def spy_on(monkeypatch, module, name: str):
+  """(the program module.name, the [(args, kwargs)] of each call the wrappers make of it)."""
+  program, calls = getattr(module, name), []
+
+  def spy(*args, **kwargs):
+    calls.append((args, kwargs))
+    return program(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, spy)
+  return program, calls
+
+
+@pytest.mark.parametrize("engine", ["ar", "chain", "tree"])
+@pytest.mark.parametrize("policy", [
+    KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=5000),  # evicts in prefill only
+    KVPolicy("h2o+caote", budget=4000, sinks=2, chunk=8)], ids=["every-5000", "budget-4000"])
+def test_a_budget_or_cadence_the_run_cannot_reach_holds_only_the_slots_it_can_use(
+    params, drafters, monkeypatch, engine, policy):
+  """The cache held budget + max(chunk, evict_every) slots, each attended every step, whatever
+  the run could fill: `jspec generate --kv-budget 16 --kv-evict-every 100000` decoded at 0.5
+  tokens/s (16.7 now). The wrappers run the smallest policy that evicts exactly alike
+  (KVPolicy.within): the programs get at most the prompt bucket + max_new_tokens + a round's
+  reserve + a chunk slots, and running them on the policy as given (and a drafter budget as
+  given) gives the same tokens and acceptance."""
+  import jspec.generate as ar_module
+  import jspec.speculative.chain as chain_module
+  import jspec.speculative.tree as tree_module
+  from jspec.speculative.chain import SpecConfig, speculative_generate
+  from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate
+  rng = np.random.default_rng(14)
+  prompts = [[int(x) for x in rng.integers(0, 97, 40)], [int(x) for x in rng.integers(0, 97, 9)]]
+  N, gamma, draft_kv = 20, 3, KVPolicy("keydiff", budget=3000, chunk=8)
+  if engine == "ar":
+    program, calls = spy_on(monkeypatch, ar_module, "_generate_jit")
+    out = generate(params, CFG, prompts, max_new_tokens=N, kv=policy)
+    reserve = 0
+  elif engine == "chain":
+    program, calls = spy_on(monkeypatch, chain_module, "_spec_jit")
+    out = speculative_generate(params, CFG, drafters["random"], prompts, kv=policy,
+                               draft_kv=draft_kv, spec=SpecConfig(gamma=gamma, max_new_tokens=N))
+    reserve, room = gamma + 1, gamma + 1
+  else:
+    program, calls = spy_on(monkeypatch, tree_module, "_tree_jit")
+    spec = TreeSpecConfig("fixed:2-2-1", max_new_tokens=N)
+    out = tree_speculative_generate(params, CFG, drafters["random"], prompts, kv=policy,
+                                    draft_kv=draft_kv, spec=spec)
+    reserve, room = spec.reserve, spec.reserve + 1
+  (args, kwargs), = calls
+  tokens = args[2 if engine == "ar" else 3]  # [B, bucket]: the prompts padded to their bucket
+  bound = tokens.shape[1] + N + reserve + policy.chunk
+  assert kwargs["kv"].slots <= bound < policy.slots, kwargs["kv"]
+  args, kwargs = list(args), {**kwargs, "kv": policy}
+  if engine == "ar":
+    kwargs["cache_size"] = policy.slots
+  else:
+    assert args[2].kv_slots <= bound + room, args[2].kv
+    args[2] = drafters["random"].with_kv(draft_kv, room)
+  raw = program(*args, **kwargs)
+  assert raw.sequences() == out.sequences()
+  if engine != "ar":
+    np.testing.assert_array_equal(np.asarray(raw.accept_hist), np.asarray(out.accept_hist))
+
+
+def test_within_keeps_a_policy_that_evicts_and_shrinks_one_that_cannot():
+  policy = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=4)
+  assert policy.within(64) is policy  # it evicts: every setting matters
+  assert KVPolicy("keydiff", budget=16, chunk=8).within(17) == KVPolicy("keydiff", budget=16,
+                                                                        chunk=8, evict_every=2)
+  big = KVPolicy("h2o", budget=8192, chunk=8).within(20)
+  assert (big.budget, big.evict_every, big.recent) == (20, 1, 8)  # the window for budget 20
+  assert KVPolicy("keydiff", budget=8192, chunk=64).within(20).budget == 64  # a chunk must fit
+  assert KVPolicy("streaming", budget=8192, sinks=4, window=30, chunk=8).within(20).budget == 35
+
+
 @pytest.mark.parametrize("method", ["h2o", "tova+caote"])
 @pytest.mark.parametrize("weights", ["float32", "int8", "int8-xla"])
 def test_speculative_and_autoregressive_decoding_leave_the_same_mass_bits(params, method,

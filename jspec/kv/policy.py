@@ -137,6 +137,22 @@ class KVPolicy:
     """Physical cache slots per row: the budget plus a working block for the newest tokens."""
     return self.budget + max(self.chunk, self.evict_every)
 
+  def within(self, entries: int) -> "KVPolicy":
+    """This policy for a run none of whose rows ever commits more than `entries` cache entries
+    (the prompt bucket, max_new_tokens and a round's reserve): a budget it cannot fill, or an
+    evict_every past what it can reach, evicts exactly as the smallest valid one it cannot (no
+    eviction at all), which holds far fewer slots. A budget of 8,192 for a 20-token chat held
+    8,208 slots and an evict_every of 100,000 held 100,016, each attended at every step."""
+    entries = int(entries)
+    budget = self.budget
+    if budget >= entries:  # never over the budget: any budget from `entries` on is the same
+      budget = max(entries, self.chunk, self.sinks + (self.window or 0) + 1, 2)
+    # Due at budget + evict_every entries: past `entries`, every such value never is.
+    evict_every = min(self.evict_every, max(1, entries + 1 - budget))
+    if (budget, evict_every) == (self.budget, self.evict_every):
+      return self
+    return dataclasses.replace(self, budget=budget, evict_every=evict_every)
+
 
 def check_kv(cfg, kv: KVPolicy | None, name: str = "kv") -> None:
   """Host-side, before anything is traced: `kv` is a KVPolicy (or None) whose scores the model's

@@ -252,8 +252,9 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   drafter keeps a full cache. mesh: a ("dp", "tp") mesh (as for `generate`): the target sharded,
   a draft model replicated, the batch split over dp.
   cache_size: the cache's slots (default: sized for the prompts, max_new_tokens and a round's
-  reserve); under kv the target holds kv.slots instead, and cache_size sizes only a drafter's own
-  full cache (`generate`, which has no drafter, refuses cache_size with kv).
+  reserve); under kv the target holds kv.slots instead (fewer where the run cannot fill them,
+  `KVPolicy.within`), and cache_size sizes only a drafter's own full cache (`generate`, which
+  has no drafter, refuses cache_size with kv).
   """
   if not isinstance(spec, SpecConfig):
     raise TypeError(f"spec must be a SpecConfig, got {type(spec).__name__}. Fix: "
@@ -265,9 +266,6 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   check_extra_positions_target(params, drafter)
   check_probe_round(drafter, gamma=spec.gamma)
   check_shared_cache(drafter, tree=False)
-  # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
-  if draft_kv is not None:
-    drafter = drafter.with_kv(draft_kv, spec.gamma + 1)
   # Verification writes up to gamma + 1 entries past the last kept one (and k masks after each).
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
@@ -279,6 +277,12 @@ def speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                                    if drafter.window_size else "") + ")",
                     reserve_fix="lower gamma")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
+  # No row commits more than its prompt, max_new_tokens and a round's reserve.
+  entries = b.tokens.shape[1] + spec.max_new_tokens + chain_reserve(drafter, spec.gamma)
+  kv = None if kv is None else kv.within(entries)
+  if draft_kv is not None:
+    # A round feeds the last two known tokens and gamma - 1 drafts to the drafter.
+    drafter = drafter.with_kv(draft_kv.within(entries), spec.gamma + 1)
   drafter = place_drafter(drafter, placement, params, placed)
   static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
                 placement=placement)

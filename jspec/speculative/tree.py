@@ -346,17 +346,15 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
   cache (model drafters; `Drafter.with_kv`); None: a full drafter cache. mesh: a ("dp", "tp")
   mesh, as for `speculative_generate`.
   cache_size: the cache's slots (default: sized for the prompts, max_new_tokens and a round's
-  reserve); under kv the target holds kv.slots instead, and cache_size sizes only a drafter's own
-  full cache (`generate`, which has no drafter, refuses cache_size with kv).
+  reserve); under kv the target holds kv.slots instead (fewer where the run cannot fill them,
+  `KVPolicy.within`), and cache_size sizes only a drafter's own full cache (`generate`, which
+  has no drafter, refuses cache_size with kv).
   """
   check_tree_run(cfg, drafter, spec)
   check_kv(cfg, kv)
   check_kv(cfg, draft_kv, "draft_kv")
   check_tree_target(params)
   check_shared_cache(drafter, tree=True)
-  # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
-  if draft_kv is not None:
-    drafter = drafter.with_kv(draft_kv, spec.reserve + 1)
   k = drafter.probe_masks  # a probing drafter's masks follow every block token
   b = prepare_batch(cfg, prompts, max_new_tokens=spec.max_new_tokens, sampling=sampling, key=key,
                     stop_ids=spec.stop_ids, cache_size=cache_size,
@@ -368,6 +366,12 @@ def tree_speculative_generate(params: Params, cfg: Config, drafter: Drafter,
                                 + (f", a lookahead window of {drafter.window_size}"
                                    if drafter.window_size else "") + ")")
   placed, b, placement = on_mesh(params, cfg, b, mesh)
+  # No row commits more than its prompt, max_new_tokens and a round's reserve.
+  entries = b.tokens.shape[1] + spec.max_new_tokens + tree_reserve(drafter, spec)
+  kv = None if kv is None else kv.within(entries)
+  if draft_kv is not None:
+    # A round feeds the last two known tokens and every node it feeds (reserve - 1) to the drafter.
+    drafter = drafter.with_kv(draft_kv.within(entries), spec.reserve + 1)
   drafter = place_drafter(drafter, placement, params, placed)
   static = dict(spec=spec, cache_size=b.cache_size, precision=precision, kv=kv,
                 placement=placement)
