@@ -274,6 +274,23 @@ def test_recipe_with_vocab_trim_saves_a_compact_drafter_and_trim_vocab_rebuilds_
                   progress=False)
 
 
+def test_a_head_larger_than_the_vocabulary_is_refused_before_any_data_is_made(target, tmp_path,
+                                                                              monkeypatch):
+  """train-drafter counts the head's ids in the distillation it generates first (hours at real
+  sizes): a head past the target's vocabulary was refused only after it."""
+  from jspec.train.eagle import EagleRecipe, train_eagle
+  from jspec.train.recipe import DrafterRecipe, train_drafter
+  monkeypatch.setattr(distill, "build_dataset", lambda *a, **k: pytest.fail("made data first"))
+  V = target.cfg.vocab_size
+  with pytest.raises(ValueError, match=f"trimmed vocabulary size must be in \\[1, {V}\\]"):
+    train_drafter(target, tmp_path / "d", DrafterRecipe(num_layers=1, vocab_trim=V + 1),
+                  progress=False)
+  with pytest.raises(ValueError, match="trimmed vocabulary size"):
+    train_eagle(target, tmp_path / "e", EagleRecipe(data_dirs=("nowhere",), vocab_trim=V + 1),
+                progress=False)
+  assert not (tmp_path / "d").exists() and not (tmp_path / "e" / "work").exists()
+
+
 def test_trim_vocab_of_an_independent_model_drafter(target, data_dir, tmp_path):
   """Any model drafter (here an HF directory of another width with its own tied table, as a GGUF
   drafter loads) gets a VocabTrim head from the target's own responses."""

@@ -23,18 +23,27 @@ from jspec.models.llama import Params
 Array = jax.Array
 
 
-def most_frequent_ids(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray:
-  """The `size` ids with the highest counts [V] (ties: lower id first), always including
-  `always` (e.g. the stop tokens); returned sorted ascending as int32 [size]."""
-  counts = np.asarray(counts)
-  V = counts.shape[0]
+def check_trim_size(size: int, vocab_size: int, always: Sequence[int] = ()) -> list[int]:
+  """A trimmed head of `size` ids out of `vocab_size` that keeps `always` (returned sorted, once
+  each), or ValueError: run before a recipe spends hours on the data the ids are counted in."""
+  V = vocab_size
   if not 0 < size <= V:
-    raise ValueError(f"trimmed vocabulary size must be in [1, {V}], got {size}")
+    raise ValueError(f"trimmed vocabulary size must be in [1, {V}] (the target's vocabulary), "
+                     f"got {size}")
   always = sorted(set(int(i) for i in always))
   if any(not 0 <= i < V for i in always):
     raise ValueError(f"ids to keep must lie in [0, {V}), got {always}")
   if len(always) > size:
     raise ValueError(f"cannot keep {len(always)} required ids in a vocabulary of {size}")
+  return always
+
+
+def most_frequent_ids(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray:
+  """The `size` ids with the highest counts [V] (ties: lower id first), always including
+  `always` (e.g. the stop tokens); returned sorted ascending as int32 [size]."""
+  counts = np.asarray(counts)
+  V = counts.shape[0]
+  always = check_trim_size(size, V, always)
   score = counts.astype(np.float64)
   score[always] = np.inf
   order = np.lexsort((np.arange(V), -score))  # by count descending, then id ascending

@@ -30,7 +30,8 @@ from jspec.io.drafter import save_eagle
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.eagle import EagleParams, eagle_forward, head_logits, init_eagle
-from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, output_table
+from jspec.models.vocab_trim import (check_trim_size, full_to_trimmed, most_frequent_ids,
+                                     output_table)
 from jspec.train import distill, trainer
 from jspec.train.features import cached_features
 from jspec.train.losses import acceptance_sums, forward_kl
@@ -191,6 +192,8 @@ def feature_data(target, out: Path, network: str, data_dirs: tuple[str, ...], vo
   out/features (final-normed states, or `taps`). A rerun of another `network`'s run, or with
   other data or loss settings (`loss`, the recipe's loss dataclass), into `out` is refused before
   any feature is computed."""
+  if vocab_trim:
+    check_trim_size(vocab_trim, target.cfg.vocab_size, target.tokenizer.stop_token_ids)
   trainer.check_resume(out / "work", {"command": f"train-eagle --network {network}",
                                       "vocab_trim": vocab_trim, "data_dirs": data_dirs,
                                       "seq_len": seq_len,

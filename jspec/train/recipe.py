@@ -25,7 +25,8 @@ from jspec.model import Model
 from jspec.models.confu import ConFuParams
 from jspec.models.drafter import drafter_config
 from jspec.models.eagle3 import Eagle3Params
-from jspec.models.vocab_trim import full_to_trimmed, most_frequent_ids, trim_head
+from jspec.models.vocab_trim import (check_trim_size, full_to_trimmed, most_frequent_ids,
+                                     trim_head)
 from jspec.train import distill, trainer
 from jspec.train.distill import HELD_OUT, load_examples, parse_data_dir
 from jspec.train.drafter import init_drafter
@@ -65,6 +66,8 @@ def train_drafter(target: Model, out: str | Path, recipe: DrafterRecipe, *,
   # after the distillation and the training.
   dcfg = drafter_config(target.cfg, recipe.num_layers, recipe.hidden_size)
   config_to_hf(dcfg)
+  if recipe.vocab_trim:  # the head's size, before the distillation its ids are counted in
+    check_trim_size(recipe.vocab_trim, target.cfg.vocab_size, target.tokenizer.stop_token_ids)
   out.mkdir(parents=True, exist_ok=True)
   trainer.check_resume(out / "work", {"command": "train-drafter", "num_layers": recipe.num_layers,
                                       "hidden_size": recipe.hidden_size, "init": recipe.init,
