@@ -175,3 +175,14 @@ def test_default_drafter_refuses_another_target(target):
   from jspec.drafting.registry import load_drafter
   with pytest.raises(ValueError, match="distilled from the default model"):
     load_drafter("default", target)
+
+
+@pytest.mark.parametrize("text,match", [('{"drafter_format": ', "is not valid JSON"),
+                                        ("[]", "holds a JSON list"),
+                                        ('{"drafter_format": "x"}', "'drafter_format' must be")])
+def test_a_broken_drafter_record_is_named(tmp_path, text, match):
+  from jspec.io.drafter import read_drafter_dir
+  (tmp_path / "jspec.json").write_text(text)
+  with pytest.raises(ValueError, match=match) as err:
+    read_drafter_dir(tmp_path)
+  assert "jspec.json" in str(err.value)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.io.files import read_json
 from jspec.io.save import config_to_hf, params_to_hf, save_hf, save_tokenizer
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config
@@ -119,8 +120,11 @@ def read_drafter_dir(path: str | Path) -> DrafterDir:
   """The one reader of a drafter directory's jspec.json (a directory without one is "hf")."""
   path = Path(path)
   meta = path / "jspec.json"
-  metadata = json.loads(meta.read_text()) if meta.is_file() else {}
+  metadata = read_json(meta, missing_ok=True)
   fmt = metadata.get(FORMAT_KEY)
+  if fmt is not None and not isinstance(fmt, dict):
+    raise ValueError(f"{meta}: {FORMAT_KEY!r} must be an object, got {fmt!r}. Fix: restore the "
+                     f"file jspec saved with the drafter")
   if fmt is not None and fmt.get("kind") == FEATURE_KIND:
     return DrafterDir(path, "feature", fmt, metadata)
   if fmt is None or (not fmt.get("shares_target_embedding") and fmt.get("trimmed_vocab") is None):
