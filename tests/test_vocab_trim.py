@@ -186,3 +186,23 @@ def test_a_broken_drafter_record_is_named(tmp_path, text, match):
   with pytest.raises(ValueError, match=match) as err:
     read_drafter_dir(tmp_path)
   assert "jspec.json" in str(err.value)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "native"])
+def test_a_quantized_untied_head_is_borrowed_dequantized(kernel):
+  """Compact and EAGLE drafters read the target's head as a [V, E] table: an int8 untied head
+  (Llama-3-class targets) was `AttributeError: 'Int8Weight' object has no attribute 'T'`."""
+  from jspec.drafting.feature import eagle_drafter
+  from jspec.models.eagle import init_eagle
+  from jspec.models.llama import init_params, quantize_params
+  from jspec.models.vocab_trim import output_table
+  from tiny_models import SMALL
+  assert not SMALL.tie_embeddings
+  params = init_params(SMALL, jax.random.key(0))
+  quantized = quantize_params(params, kernel)
+  table = output_table(quantized)  # [V, E]
+  assert table.shape == (SMALL.vocab_size, SMALL.hidden_size)
+  np.testing.assert_allclose(np.asarray(table), np.asarray(params.lm_head).T, atol=0.02)
+  eagle, ecfg = init_eagle(params, SMALL, jax.random.key(1))
+  drafter = eagle_drafter(eagle, ecfg, quantized, keep_ids=[0, 5, 9])
+  np.testing.assert_array_equal(np.asarray(drafter.head), np.asarray(table)[[0, 5, 9]])

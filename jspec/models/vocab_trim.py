@@ -70,8 +70,9 @@ def check_keep_ids(keep_ids: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def output_table(params: Params) -> Array:
-  """The head as a [V_head, E] table: the tied embedding, or the untied head transposed."""
-  return params.embed if params.lm_head is None else params.lm_head.T
+  """The head as a [V_head, E] table: the tied embedding, or the untied head transposed (an int8
+  or q4 head dequantized: what the drafters borrowing it read)."""
+  return params.embed if params.lm_head is None else jnp.asarray(params.lm_head).T
 
 
 def trim_head(params: Params, keep_ids: np.ndarray) -> Params:
