@@ -206,3 +206,36 @@ def test_a_quantized_untied_head_is_borrowed_dequantized(kernel):
   eagle, ecfg = init_eagle(params, SMALL, jax.random.key(1))
   drafter = eagle_drafter(eagle, ecfg, quantized, keep_ids=[0, 5, 9])
   np.testing.assert_array_equal(np.asarray(drafter.head), np.asarray(table)[[0, 5, 9]])
+
+
+@pytest.mark.parametrize("draft_vocab, tied", [(264, True), (288, False)])
+def test_a_drafter_padded_to_another_vocab_size_is_fitted(tmp_path, draft_vocab, tied):
+  """One tokenizer, two paddings (Qwen2.5-0.5B 151,936 rows, 7B 152,064): the drafter loaded, then
+  the engine refused it as "needs a drafter with the target's tokenizer". A smaller drafter emits
+  only its own ids; a larger one drops its padding rows; proposals are its own model's."""
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "t", "llama", vocab_size=272,
+                                        max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  target = load(d)
+  dd, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path / "d", "llama", vocab_size=draft_vocab,
+                                         num_hidden_layers=1, tie_word_embeddings=tied, seed=1,
+                                         max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(dd, 256)
+  fitted = load_model_drafter(dd, target)
+  own = load(dd)
+  assert fitted.vocab_size == 272 and own.cfg.vocab_size == draft_vocab
+  reference = ModelDrafter(own.params, own.cfg)
+  sp = SamplingParams(temperature=1.0)
+  _, got, _ = _propose(fitted, sp)
+  _, want, _ = _propose(reference, sp)
+  got, want = np.asarray(got)[:, 0], np.asarray(want)[:, 0]  # [B, V], [B, V_d]: first position
+  V = min(draft_vocab, 272)
+  restricted = want[:, :V] / want[:, :V].sum(-1, keepdims=True)
+  np.testing.assert_allclose(got[:, :V], restricted, rtol=1e-5, atol=1e-7)
+  assert (got[:, V:] == 0).all()
+  _, q8, _ = _propose(load_model_drafter(dd, target, "int8"), sp)  # fitted before quantizing
+  np.testing.assert_allclose(np.asarray(q8)[:, 0], got, atol=0.02)
+  ids = target.tokenizer.encode("token1 layer2")
+  ar = target.generate_ids([ids], max_new_tokens=12).sequences()
+  spec = target.generate_ids([ids], max_new_tokens=12, drafter=fitted, gamma=3).sequences()
+  assert spec == ar

@@ -27,13 +27,14 @@ from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.datastore import default_table, load_table, read_metadata
 from jspec.io.fetch import default_model_path
-from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_checkpoint,
+from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_float_checkpoint,
                            on_xla, resolve_path, source_exists)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import Params, layers_stacked, num_layers, stack_layers
+from jspec.models.vocab_trim import fit_vocab
 from jspec.sharding import model_placement
 
 # Made by the command recorded in its jspec.json (see README, "The default drafter").
@@ -402,13 +403,16 @@ _BORROWING_DIRS = {"compact": _compact_dir, "feature": _feature_dir}
 def load_model_drafter(path: str | Path, target: Target, dtype: str = "float32") -> Drafter:
   """A draft model from a .gguf file, an HF directory, a compact drafter directory (one that
   borrows the target's embedding and/or has a VocabTrim head) or a feature-level drafter
-  directory (see jspec.io.drafter)."""
+  directory (see jspec.io.drafter). A draft model with the target's tokenizer but a vocabulary
+  padded to another size is fitted to the target's (jspec.models.vocab_trim.fit_vocab)."""
   path = resolve_path(path)
   stored = read_drafter_dir(path) if path.is_dir() else None
   if stored is not None and stored.kind in _BORROWING_DIRS:
     dtype_by_name(dtype)
     check_same_tokenizer(target.tokenizer, Tokenizer.from_hf_dir(path), str(path))
     return _BORROWING_DIRS[stored.kind](stored, target, dtype)
-  cfg, params, tokenizer, source = load_checkpoint(path, dtype)
+  cfg, params, tokenizer, source = load_float_checkpoint(path, dtype)
   check_same_tokenizer(target.tokenizer, tokenizer, str(source))
-  return ModelDrafter(params, cfg)
+  params, cfg, keep = fit_vocab(params, cfg, target.cfg.vocab_size)
+  params = in_format(params, dtype)
+  return ModelDrafter(params, cfg) if keep is None else trimmed_drafter(params, cfg, keep)

@@ -92,6 +92,14 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
                     ) -> tuple[Config, Params, Tokenizer, Path]:
   """(cfg, params, tokenizer, path) from "default", a .gguf file or an HF directory; `dtype` names
   the weight format (see DTYPES)."""
+  cfg, params, tokenizer, path = load_float_checkpoint(name_or_path, dtype)
+  return cfg, in_format(params, dtype), tokenizer, path
+
+
+def load_float_checkpoint(name_or_path: str | Path, dtype: str = "float32"
+                          ) -> tuple[Config, Params, Tokenizer, Path]:
+  """load_checkpoint's weights as plain arrays in format `dtype`'s compute dtype, not yet
+  quantized or laid out for a kernel (`in_format` does that)."""
   compute_dtype = dtype_by_name(dtype)
   path = resolve_path(name_or_path)
   if path.suffix == ".gguf":
@@ -101,7 +109,6 @@ def load_checkpoint(name_or_path: str | Path, dtype: str = "float32"
   else:
     cfg, params = load_model(path, compute_dtype)
     tokenizer = Tokenizer.from_hf_dir(path)
-  params = in_format(params, dtype)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise ValueError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
                      f"vocabulary is {cfg.vocab_size}")

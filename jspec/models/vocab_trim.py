@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models.config import Config
 from jspec.models.llama import Params
 
 Array = jax.Array
@@ -80,6 +81,28 @@ def trim_head(params: Params, keep_ids: np.ndarray) -> Params:
   table = output_table(params)
   keep = check_keep_ids(keep_ids, table.shape[0])
   return dataclasses.replace(params, lm_head=jnp.asarray(table)[keep].T)
+
+
+def fit_vocab(params: Params, cfg: Config, vocab_size: int
+              ) -> tuple[Params, Config, np.ndarray | None]:
+  """(params, cfg, keep_ids or None) of a float drafter whose vocabulary is padded to another size
+  than the target's `vocab_size` (one tokenizer, two paddings: Qwen2.5-0.5B has 151,936 rows,
+  Qwen2.5-7B 152,064). A larger one drops its padding rows; a smaller one keeps its head over its
+  own V_d ids (a head of kept ids, as VocabTrim's: it never proposes an id past them) and reads
+  the ids past them as zero embeddings. The rows dropped or added are past every token."""
+  V_d = cfg.vocab_size
+  fitted = dataclasses.replace(cfg, vocab_size=vocab_size)
+  if V_d == vocab_size:
+    return params, cfg, None
+  if V_d > vocab_size:
+    head = None if params.lm_head is None else params.lm_head[:, :vocab_size]
+    return (dataclasses.replace(params, embed=params.embed[:vocab_size], lm_head=head), fitted,
+            None)
+  head = output_table(params).T  # [E, V_d]
+  pad = jnp.zeros((vocab_size - V_d, params.embed.shape[1]), params.embed.dtype)
+  embed = jnp.concatenate([params.embed, pad])  # [V, E]
+  return (dataclasses.replace(params, embed=embed, lm_head=head), fitted,
+          np.arange(V_d, dtype=np.int32))
 
 
 def to_full_vocab(tokens: Array, probs: Array, keep_ids: Array, vocab_size: int
