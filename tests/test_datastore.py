@@ -246,6 +246,18 @@ def test_file_round_trip_and_refusals(tmp_path, monkeypatch):
   with pytest.raises(FileNotFoundError, match="jspec build-datastore"):
     parse_drafter(f"rest:{tmp_path / 'missing.safetensors'}")
   assert parse_drafter(f"rest:{path}+self").fallback.kind.name == "self"
+  plussed = tmp_path / "a+b" / "s.safetensors"  # a path's own '+' is no +DRAFTER
+  plussed.parent.mkdir()
+  plussed.write_bytes(path.read_bytes())
+  assert parse_drafter(f"rest:{plussed}").arg == str(plussed)
+  assert parse_drafter(f"rest:{plussed}+self").arg == str(plussed)
+  # Refused while parsing, before `rest` builds its default store (minutes) or anything loads.
+  for bad, match in (("ngram+rest", "not itself a lookup"), ("rest+ngram", "not itself a lookup"),
+                     ("ngram+lookahead", "not itself a lookup"), ("ngram:1-40", "N2 <= 16"),
+                     ("lookahead@0.5", "no adaptive draft length"),
+                     ("ngram@0.5@0.9", "one stop threshold")):
+    with pytest.raises(ValueError, match=match):
+      parse_drafter(bad)
   with pytest.raises(ValueError, match="1 <= n_min <= n_max"):
     D.build_table([np.asarray([1, 2])], n_min=3, n_max=2)
   with pytest.raises(ValueError, match=r"integer token ids in \[0, 2\*\*31\).*holding -2..1"):

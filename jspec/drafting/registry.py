@@ -78,6 +78,7 @@ class DrafterKind:
   # (--draft-penalties); a lookup's come from a table (its +DRAFTER's from logits).
   draws_logits: bool = True
   own_tree: bool = False  # verifies a tree of its own each round (lookahead's pool): no --gamma
+  adaptive: bool = True  # has an adaptive draft length (NAME@P)
 
 
 KINDS: dict[str, DrafterKind] = {}
@@ -118,6 +119,11 @@ def parse_drafter(name: str) -> DrafterName | None:
     inner = parse_drafter(base)
     if inner is None:
       raise ValueError(f"drafter {name!r}: 'none' drafts nothing to stop")
+    if inner.stop is not None:
+      raise ValueError(f"drafter {name!r}: one stop threshold @P per drafter name")
+    if not inner.kind.adaptive:
+      raise ValueError(f"drafter {name!r}: {inner.kind.name} has no adaptive draft length; "
+                       f"drop the @P")
     try:
       p = float(stop)
     except ValueError:
@@ -130,11 +136,13 @@ def parse_drafter(name: str) -> DrafterName | None:
   if kind is None:
     raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
   rest, fallback = match.group(2), None
-  if kind.takes_fallback and "+" in rest:
-    rest, _, inner = rest.partition("+")
-    if not inner or inner == "none" or KINDS.get(inner.split(":")[0].split("+")[0]) is kind:
-      raise ValueError(f"drafter {name!r}: after '+' name another kind of drafter (default, "
-                       f"self, early-exit:K, model:PATH)")
+  cut = _fallback_cut(rest) if kind.takes_fallback else None
+  if cut is not None:
+    rest, inner = rest[:cut], rest[cut + 1:]
+    behind = KINDS.get(re.match(r"[a-z-]*", inner).group())
+    if behind is None or behind.takes_fallback or behind.own_tree:
+      raise ValueError(f"drafter {name!r}: after '+' name a drafter that is not itself a lookup "
+                       f"(default, self, early-exit:K, model:PATH, mtp, skip:N)")
     fallback = parse_drafter(inner)
   if rest and not rest.startswith(":"):
     raise ValueError(f"unknown drafter {name!r}; expected {drafter_help()}")
@@ -145,6 +153,16 @@ def parse_drafter(name: str) -> DrafterName | None:
     except (ValueError, FileNotFoundError) as e:
       raise _renamed(e, _naming(name, e)) from None
   return DrafterName(name, kind, arg, fallback)
+
+
+def _fallback_cut(rest: str) -> int | None:
+  """Where a lookup's "+DRAFTER" begins in what follows its kind: the first "+" that leads a
+  drafter's kind name or ends the text (a datastore path may hold a "+" of its own)."""
+  for match in re.finditer(r"\+", rest):
+    after = re.match(r"[a-z][a-z-]*", rest[match.end():])
+    if after is None and match.end() == len(rest) or after and after.group() in {*KINDS, "none"}:
+      return match.start()
+  return None
 
 
 def has_draft_model(name: str) -> bool:
@@ -280,8 +298,8 @@ def _ngram_sizes(arg: str | None) -> tuple[int | None, int]:
   if not (lo.isdigit() and dash and hi.isdigit()):
     raise ValueError(f"n-gram drafter 'ngram:{arg}': write ngram:N1-N2 (e.g. ngram:2-4), "
                      f"optionally +DRAFTER")
-  if not 1 <= int(lo) <= int(hi):
-    raise ValueError(f"n-gram drafter 'ngram:{arg}': needs 1 <= N1 <= N2")
+  if not 1 <= int(lo) <= int(hi) <= 16:
+    raise ValueError(f"n-gram drafter 'ngram:{arg}': needs 1 <= N1 <= N2 <= 16")
   return int(lo), int(hi)
 
 
@@ -345,7 +363,7 @@ def _lookahead_sizes(arg: str | None) -> tuple[int, int, int]:
           "lookahead decoding (Jacobi iterations + an n-gram pool): the target's own window of "
           "W columns x N - 1 levels runs in each verification forward, and up to G pooled "
           "n-grams of N - 1 tokens are verified as one tree; no drafter model. Default 5-4-5",
-          check=_lookahead_sizes, draws_logits=False, own_tree=True)
+          check=_lookahead_sizes, draws_logits=False, own_tree=True, adaptive=False)
 def _lookahead(target: Target, arg: str | None, dtype: str, fallback) -> Drafter:
   return lookahead_drafter(target.params, target.cfg, *_lookahead_sizes(arg))
 
