@@ -147,9 +147,10 @@ def engine_jit(fn, keyed_by_class: tuple[int, ...] = (), **kwargs):
   its parent, and jit could run the parent's program for it (seen: 102 of 600 such classes)."""
   traced = fn
   if keyed_by_class:
-    def traced(classes, *args, **kw):
+    def keyed(classes, *args, **kw):
       return fn(*args, **kw)
-    traced.__name__ = traced.__qualname__ = fn.__name__  # the program's name in HLO and profiles
+    keyed.__name__ = keyed.__qualname__ = fn.__name__  # the program's name in HLO and profiles
+    traced = keyed
     kwargs["static_argnums"] = (0, *(i + 1 for i in kwargs.get("static_argnums", ())))
     if "donate_argnums" in kwargs:
       kwargs["donate_argnums"] = tuple(i + 1 for i in kwargs["donate_argnums"])
