@@ -142,6 +142,11 @@ def trim_drafter(target: Model, drafter_dir: str | Path, data_dirs: tuple[str, .
   fmt = metadata.pop(FORMAT_KEY, None) or {}
   params, V = drafter.params, target.cfg.vocab_size
   if drafter.keep_ids is not None:
+    if not fmt:  # a plain checkpoint with a kept-id head: fit_vocab's, padded to fewer rows
+      raise ValueError(f"{drafter_dir} has {len(drafter.keep_ids)} vocabulary rows, the target "
+                       f"{V}: trim-vocab rebuilds drafters of the target's vocabulary size. Fix: "
+                       f"use it as it is (--drafter model:{drafter_dir}), or train one for the "
+                       f"target (`jspec train-drafter`)")
     if not fmt.get("head_is_table"):
       raise ValueError(f"{drafter_dir} already has a trained trimmed head; trim the untrimmed "
                        f"drafter it came from instead")
