@@ -233,9 +233,72 @@ def test_a_drafter_padded_to_another_vocab_size_is_fitted(tmp_path, draft_vocab,
   restricted = want[:, :V] / want[:, :V].sum(-1, keepdims=True)
   np.testing.assert_allclose(got[:, :V], restricted, rtol=1e-5, atol=1e-7)
   assert (got[:, V:] == 0).all()
+  if draft_vocab < 272:  # a kept-id head that trim-vocab cannot rebuild: said, not mistaken
+    from jspec.train.recipe import trim_drafter
+    with pytest.raises(ValueError, match="264 vocabulary rows, the target 272"):
+      trim_drafter(target, dd, (), 100, tmp_path / "trimmed")
   _, q8, _ = _propose(load_model_drafter(dd, target, "int8"), sp)  # fitted before quantizing
   np.testing.assert_allclose(np.asarray(q8)[:, 0], got, atol=0.02)
   ids = target.tokenizer.encode("token1 layer2")
   ar = target.generate_ids([ids], max_new_tokens=12).sequences()
   spec = target.generate_ids([ids], max_new_tokens=12, drafter=fitted, gamma=3).sequences()
+  assert spec == ar
+
+
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory):  # EAGLE-3 fuses three distinct layers: 4 at least
+  d, _, _ = ggufutil.tiny_hf_checkpoint(tmp_path_factory.mktemp("deep"), "llama",
+                                        num_hidden_layers=4, max_position_embeddings=256)
+  ggufutil.make_tiny_tokenizer_dir(d, 256)
+  return load(d)
+
+
+@pytest.mark.parametrize("network", ["eagle", "eagle3", "confu"])
+def test_a_feature_drafter_runs_its_own_matmuls_in_the_weights_asked_for(deep_target, tmp_path,
+                                                                         network):
+  """--drafter-weights int8 / q4 / float32 reached compact and model drafters only: a feature
+  drafter loaded float32-xla whatever was asked (and bench recorded the format asked for)."""
+  from jspec.io.drafter import save_eagle
+  from jspec.models import quant
+  from jspec.models.confu import ConFuParams, init_contemplate
+  from jspec.models.eagle import eagle_forward, init_eagle
+  from jspec.models.eagle3 import eagle3_forward, init_eagle3, logits
+  from jspec.models.cache import KVCache
+  target = deep_target
+  key = jax.random.key(2)
+  if network == "eagle":
+    params, dcfg = init_eagle(target.params, target.cfg, key)
+  else:
+    params, dcfg = init_eagle3(target.params, target.cfg, key)
+  noise = lambda x: x + 0.05 * jax.random.normal(key, x.shape) if x.ndim > 1 else x
+  params = jax.tree.map(noise, params)
+  if network == "confu":
+    params = ConFuParams(params, init_contemplate(target.params, target.cfg, key))
+  out = save_eagle(tmp_path / network, dcfg, params, target.tokenizer, {}, dtype="float32")
+  float_drafter = load_model_drafter(out, target, "float32-xla")
+  own = lambda d: d.params
+  feats = jax.random.normal(jax.random.key(3), (1, 5, target.cfg.hidden_size))
+  tokens = jnp.asarray([[3, 9, 27, 81, 243]], jnp.int32)
+
+  def run(d):
+    forward = eagle_forward if network == "eagle" else eagle3_forward
+    h, _ = forward(own(d), d.cfg, d.embed, tokens, feats, jnp.arange(5)[None],
+                   KVCache.init(d.cfg, 1, 8))
+    return h if network == "eagle" else logits(own(d), d.cfg, h)
+
+  want = np.asarray(run(float_drafter))
+  for fmt, layer_kind, matrix_kind in (("int8", quant.Int8Weight, quant.Int8Weight),
+                                       ("q4", quant.Q4Weight, quant.Int8Weight),
+                                       ("float32", quant.DenseWeight, quant.DenseWeight)):
+    drafter = load_model_drafter(out, target, fmt)
+    assert isinstance(own(drafter).layer.wq, layer_kind) and isinstance(own(drafter).fc,
+                                                                        matrix_kind)
+    if network != "eagle":
+      assert isinstance(own(drafter).head, matrix_kind)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(run(drafter)), want, atol=(
+        1e-5 if fmt == "float32" else 0.05) * scale)
+  ids = target.tokenizer.encode("token1 layer2")
+  ar = target.generate_ids([ids], max_new_tokens=10).sequences()
+  spec = target.generate_ids([ids], max_new_tokens=10, drafter=drafter, gamma=2).sequences()
   assert spec == ar

@@ -57,7 +57,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--drafter-weights", default=None, choices=sorted(DTYPES),
                  help="weight format of model drafters when it differs from --weights (e.g. an "
                       "int8 target with a q4 drafter: the drafter only proposes, so its format "
-                      "changes speed and acceptance, never the output)")
+                      "changes speed and acceptance, never the output); a feature-level "
+                      "drafter's own layer, fc and head take it too (the target tables it "
+                      "borrows are float copies)")
   p.add_argument("--max-new-tokens", type=int, default=128)
   add_scan_arg(p)
   p.add_argument("--mesh", default=None, metavar="MESH",

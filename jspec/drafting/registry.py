@@ -27,8 +27,9 @@ from jspec.drafting.skip import calibrated_layers, layer_influence, skip_drafter
 from jspec.io.drafter import DrafterDir, load_compact, load_feature, read_drafter_dir
 from jspec.io.datastore import default_table, load_table, read_metadata
 from jspec.io.fetch import default_model_path
-from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, load_float_checkpoint,
-                           on_xla, resolve_path, source_exists)
+from jspec.io.load import (check_same_tokenizer, dtype_by_name, in_format, layer_in_format,
+                           load_float_checkpoint, matrix_in_format, on_xla, resolve_path,
+                           source_exists)
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.confu import ConFuParams
 from jspec.models.config import Config
@@ -406,12 +407,24 @@ def _compact_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
 
 def _feature_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
   cfg, params, keep = load_feature(stored, target.cfg, dtype_by_name(dtype))
+  params = _feature_in_format(params, dtype)
   if isinstance(params, ConFuParams):
     return confu_drafter(params.drafter, params.contemplate, cfg, keep,
                          target_params=target.params)
   if isinstance(params, Eagle3Params):
     return eagle3_drafter(params, cfg, keep, target_params=target.params)
   return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype
+
+
+def _feature_in_format(params, dtype: str):
+  """A feature drafter's own matmuls (its layer, fc and EAGLE-3's head) in format `dtype`; the
+  target's tables it borrows stay as eagle_drafter takes them."""
+  own = params.drafter if isinstance(params, ConFuParams) else params
+  own = dataclasses.replace(own, layer=layer_in_format(own.layer, dtype),
+                            fc=matrix_in_format(own.fc, (0,), dtype))
+  if isinstance(own, Eagle3Params):
+    own = dataclasses.replace(own, head=matrix_in_format(own.head, (1,), dtype))
+  return dataclasses.replace(params, drafter=own) if isinstance(params, ConFuParams) else own
 
 
 # Drafter directories that borrow from the target, by read_drafter_dir's kind.

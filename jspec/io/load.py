@@ -12,7 +12,9 @@ from jspec.io.fetch import NAMED_MODELS, default_model_path, fetch
 from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import Params, native_float_params, quantize_params
+from jspec.models.llama import (LayerParams, Params, native_float_layer, native_float_params,
+                                quantize_layer, quantize_params)
+from jspec.models.quant import dense_native, quantize_int8
 
 # Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
 # channel, activations int8 per token inside each matmul, float32 everywhere else; its matmuls run
@@ -48,17 +50,41 @@ def int8_kernel(name: str) -> str:
   return "xla"
 
 
+def _cpu_only(name: str) -> None:
+  if jax.default_backend() != "cpu":
+    raise ValueError(f"--weights {name} runs jspec's CPU kernels only; JAX computes on "
+                     f"{jax.default_backend()}. Fix: int8 or bfloat16 there (--weights, "
+                     f"load(..., dtype=)).")
+
+
 def in_format(params: Params, name: str) -> Params:
   """Float params (already in format `name`'s compute dtype) quantized if `name` says so."""
   if name == "q4":
-    if jax.default_backend() != "cpu":
-      raise ValueError(f"--weights q4 runs jspec's CPU kernels only; JAX computes on "
-                       f"{jax.default_backend()}. Fix: int8 or bfloat16 there (--weights, "
-                       f"load(..., dtype=)).")
+    _cpu_only(name)
     return quantize_params(params, "native", bits=4)
   if name == "float32" and jax.default_backend() == "cpu":
     return native_float_params(params)
   return quantize_params(params, int8_kernel(name)) if name in QUANTIZED else params
+
+
+def layer_in_format(lp: LayerParams, name: str) -> LayerParams:
+  """One float decoder layer in format `name`, as `in_format` stores a model's layers (what a
+  feature-level drafter's own layer runs in)."""
+  if name == "q4":
+    _cpu_only(name)
+    return quantize_layer(lp, "native", bits=4)
+  if name == "float32" and jax.default_backend() == "cpu":
+    return native_float_layer(lp)
+  return quantize_layer(lp, int8_kernel(name)) if name in QUANTIZED else lp
+
+
+def matrix_in_format(w, in_axes: tuple[int, ...], name: str):
+  """A float matrix outside the decoder layers (a head, a feature drafter's fc) in format `name`,
+  as `in_format` stores an LM head: int8 for every quantized format (q4's head is int8 too)."""
+  if name == "float32" and jax.default_backend() == "cpu":
+    return dense_native(w, in_axes)
+  return quantize_int8(w, in_axes, int8_kernel("int8" if name == "q4" else name)) if (
+      name in QUANTIZED) else w
 
 
 def resolve_path(name_or_path: str | Path) -> Path:

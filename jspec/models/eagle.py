@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.models import quant
 from jspec.models.attention import attention_fn, visible_attention
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -44,7 +45,7 @@ def eagle_forward(params: EagleParams, cfg: Config, embed: Array, tokens: Array,
   `visible` [B, T, S], each pair sees exactly those cache slots, as tree drafting needs)."""
   B, T = tokens.shape
   x = jnp.concatenate([embed[tokens].astype(feats.dtype), feats], axis=-1)  # [B, T, 2E]
-  x = jnp.einsum("btf,fe->bte", x, params.fc.astype(feats.dtype))  # [B, T, E]
+  x = quant.einsum("btf,fe->bte", x, params.fc)  # [B, T, E]
   if slots is None:
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
   attend = (attention_fn(cfg, cache.lengths, cache.size, None, T) if visible is None

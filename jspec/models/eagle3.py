@@ -26,6 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.models import quant
 from jspec.models.attention import attention_fn, visible_attention
 from jspec.models.cache import KVCache
 from jspec.models.config import Config
@@ -82,7 +83,7 @@ def check_feature_widths(params, width: int, head_rows: int | None = None,
 
 def fuse(params: Eagle3Params, taps_hidden: Array) -> Array:
   """Target taps [..., 3E] (low, middle, high) -> the feature g [..., E]."""
-  return jnp.einsum("...f,fe->...e", taps_hidden.astype(params.fc.dtype), params.fc)
+  return quant.einsum("...f,fe->...e", taps_hidden.astype(params.fc.dtype), params.fc)
 
 
 def eagle3_forward(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array, feats: Array,
@@ -111,8 +112,8 @@ def attention_input(params: Eagle3Params, cfg: Config, embed: Array, tokens: Arr
 
 def logits(params: Eagle3Params, cfg: Config, h: Array) -> Array:
   """Draft-vocabulary logits [..., M] (float32) from the layer's output h [..., E]."""
-  return jnp.einsum("...e,me->...m", rms_norm(h, params.norm, cfg.rms_norm_eps), params.head,
-                    preferred_element_type=jnp.float32)
+  return quant.einsum("...e,me->...m", rms_norm(h, params.norm, cfg.rms_norm_eps), params.head,
+                      preferred_element_type=jnp.float32)
 
 
 def init_eagle3(target_params: Params, target_cfg: Config, key: Array,

@@ -14,6 +14,7 @@ place either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -571,24 +572,25 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8,
   embedding per row, which is its output channel when it is the tied LM head. bits=4: the
   decoder layers' projections in 4 bits instead (`quant.Q4Weight`, native kernel only; with a
   float16 offset a group unless q4_offsets=False)."""
-  if bits not in (4, 8) or (bits == 4 and kernel != "native"):
-    raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
-                     f"'native'), got {bits} bits with kernel {kernel!r}")
-
-  def q8(w, axes):
-    return quant.quantize_int8(w, axes, kernel)
-
-  def q4(w, axes):
-    return quant.quantize_q4(w, axes, offset=q4_offsets)
-
-  project = q4 if bits == 4 else q8
-
-  def layer(lp: LayerParams) -> LayerParams:
-    return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)
-                                      for name, axes in _INT8_INPUT_AXES.items()})
+  q8 = lambda w, axes: quant.quantize_int8(w, axes, kernel)
+  layer = functools.partial(quantize_layer, kernel=kernel, bits=bits, q4_offsets=q4_offsets)
   return dataclasses.replace(
       map_layers(params, layer), embed=q8(params.embed, (1,)),
       lm_head=None if params.lm_head is None else q8(params.lm_head, (0,)))
+
+
+def quantize_layer(lp: LayerParams, kernel: str = "xla", bits: int = 8,
+                   q4_offsets: bool = True) -> LayerParams:
+  """One decoder layer's projections as `quantize_params` stores them."""
+  if bits not in (4, 8) or (bits == 4 and kernel != "native"):
+    raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
+                     f"'native'), got {bits} bits with kernel {kernel!r}")
+  if bits == 4:
+    project = lambda w, axes: quant.quantize_q4(w, axes, offset=q4_offsets)
+  else:
+    project = lambda w, axes: quant.quantize_int8(w, axes, kernel)
+  return dataclasses.replace(lp, **{name: project(getattr(lp, name), axes)
+                                    for name, axes in _INT8_INPUT_AXES.items()})
 
 
 def place_params(params: Params, cfg: Config, placement: Placement | None) -> Params:
@@ -629,12 +631,15 @@ def native_float_params(params: Params) -> Params:
   """Float32 params with every projection, the LM head and the embedding table in the layout of
   jspec's float32 CPU kernel (`quant.DenseWeight`): the same numbers, matmuls that cost about the
   same at 1 to 8 rows (a verification block) and score a token with the same bits in any block."""
-  def layer(lp: LayerParams) -> LayerParams:
-    return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
-                                      for name, axes in _INT8_INPUT_AXES.items()})
   return dataclasses.replace(
-      map_layers(params, layer), embed=quant.dense_native(params.embed, (1,)),
+      map_layers(params, native_float_layer), embed=quant.dense_native(params.embed, (1,)),
       lm_head=None if params.lm_head is None else quant.dense_native(params.lm_head, (0,)))
+
+
+def native_float_layer(lp: LayerParams) -> LayerParams:
+  """One decoder layer's projections as `native_float_params` stores them."""
+  return dataclasses.replace(lp, **{name: quant.dense_native(getattr(lp, name), axes)
+                                    for name, axes in _INT8_INPUT_AXES.items()})
 
 
 def param_bytes(params: Params) -> int:
