@@ -572,10 +572,14 @@ def spy_on(monkeypatch, module, name: str):
   return program, calls
 
 
-@pytest.mark.parametrize("engine", ["ar", "chain", "tree"])
-@pytest.mark.parametrize("policy", [
-    KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=5000),  # evicts in prefill only
-    KVPolicy("h2o+caote", budget=4000, sinks=2, chunk=8)], ids=["every-5000", "budget-4000"])
+_PREFILL_ONLY = KVPolicy("keydiff", budget=16, sinks=2, chunk=8, evict_every=5000)
+_NEVER_FULL = KVPolicy("h2o+caote", budget=4000, sinks=2, chunk=8)
+
+
+# Both policies through generate; a speculative engine each (each case compiles two programs).
+@pytest.mark.parametrize("engine, policy", [
+    ("ar", _PREFILL_ONLY), ("ar", _NEVER_FULL), ("chain", _PREFILL_ONLY), ("tree", _NEVER_FULL)],
+    ids=["ar-every-5000", "ar-budget-4000", "chain-every-5000", "tree-budget-4000"])
 def test_a_budget_or_cadence_the_run_cannot_reach_holds_only_the_slots_it_can_use(
     params, drafters, monkeypatch, engine, policy):
   """The cache held budget + max(chunk, evict_every) slots, each attended every step, whatever
