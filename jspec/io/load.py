@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -12,8 +13,7 @@ from jspec.io.fetch import NAMED_MODELS, default_model_path, fetch
 from jspec.io.gguf_file import GGUFFile
 from jspec.io.tokenizer import Tokenizer
 from jspec.models.config import Config
-from jspec.models.llama import (LayerParams, Params, native_float_layer, native_float_params,
-                                quantize_layer, quantize_params)
+from jspec.models.llama import LayerParams, Params, map_layers, native_float_layer, quantize_layer
 from jspec.models.quant import dense_native, quantize_int8
 
 # Weight formats by name -> the dtype activations are computed in. "int8": weights int8 per output
@@ -58,18 +58,18 @@ def _cpu_only(name: str) -> None:
 
 
 def in_format(params: Params, name: str) -> Params:
-  """Float params (already in format `name`'s compute dtype) quantized if `name` says so."""
-  if name == "q4":
-    _cpu_only(name)
-    return quantize_params(params, "native", bits=4)
-  if name == "float32" and jax.default_backend() == "cpu":
-    return native_float_params(params)
-  return quantize_params(params, int8_kernel(name)) if name in QUANTIZED else params
+  """Float params (already in format `name`'s compute dtype) quantized or laid out for jspec's
+  CPU kernels if `name` says so (as `quantize_params` / `native_float_params` store them)."""
+  if name not in QUANTIZED and not (name == "float32" and jax.default_backend() == "cpu"):
+    return params
+  head = None if params.lm_head is None else matrix_in_format(params.lm_head, (0,), name)
+  return dataclasses.replace(map_layers(params, lambda lp: layer_in_format(lp, name)),
+                             embed=matrix_in_format(params.embed, (1,), name), lm_head=head)
 
 
 def layer_in_format(lp: LayerParams, name: str) -> LayerParams:
-  """One float decoder layer in format `name`, as `in_format` stores a model's layers (what a
-  feature-level drafter's own layer runs in)."""
+  """One float decoder layer in format `name`, as `in_format` stores a model's layers (and a
+  feature-level drafter's own layer)."""
   if name == "q4":
     _cpu_only(name)
     return quantize_layer(lp, "native", bits=4)
