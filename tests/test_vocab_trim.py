@@ -276,25 +276,24 @@ def test_a_feature_drafter_runs_its_own_matmuls_in_the_weights_asked_for(deep_ta
     params = ConFuParams(params, init_contemplate(target.params, target.cfg, key))
   out = save_eagle(tmp_path / network, dcfg, params, target.tokenizer, {}, dtype="float32")
   float_drafter = load_model_drafter(out, target, "float32-xla")
-  own = lambda d: d.params
   feats = jax.random.normal(jax.random.key(3), (1, 5, target.cfg.hidden_size))
   tokens = jnp.asarray([[3, 9, 27, 81, 243]], jnp.int32)
 
   def run(d):
     forward = eagle_forward if network == "eagle" else eagle3_forward
-    h, _ = forward(own(d), d.cfg, d.embed, tokens, feats, jnp.arange(5)[None],
+    h, _ = forward(d.params, d.cfg, d.embed, tokens, feats, jnp.arange(5)[None],
                    KVCache.init(d.cfg, 1, 8))
-    return h if network == "eagle" else logits(own(d), d.cfg, h)
+    return h if network == "eagle" else logits(d.params, d.cfg, h)
 
   want = np.asarray(run(float_drafter))
   for fmt, layer_kind, matrix_kind in (("int8", quant.Int8Weight, quant.Int8Weight),
                                        ("q4", quant.Q4Weight, quant.Int8Weight),
                                        ("float32", quant.DenseWeight, quant.DenseWeight)):
     drafter = load_model_drafter(out, target, fmt)
-    assert isinstance(own(drafter).layer.wq, layer_kind) and isinstance(own(drafter).fc,
-                                                                        matrix_kind)
+    assert isinstance(drafter.params.layer.wq, layer_kind)
+    assert isinstance(drafter.params.fc, matrix_kind)
     if network != "eagle":
-      assert isinstance(own(drafter).head, matrix_kind)
+      assert isinstance(drafter.params.head, matrix_kind)
     scale = np.abs(want).max()
     np.testing.assert_allclose(np.asarray(run(drafter)), want, atol=(
         1e-5 if fmt == "float32" else 0.05) * scale)

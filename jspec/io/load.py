@@ -50,6 +50,11 @@ def int8_kernel(name: str) -> str:
   return "xla"
 
 
+def _native_float(name: str) -> bool:
+  """Whether format `name` stores float32 weights in jspec's CPU kernel layout (DenseWeight)."""
+  return name == "float32" and jax.default_backend() == "cpu"
+
+
 def _cpu_only(name: str) -> None:
   if jax.default_backend() != "cpu":
     raise ValueError(f"--weights {name} runs jspec's CPU kernels only; JAX computes on "
@@ -60,7 +65,7 @@ def _cpu_only(name: str) -> None:
 def in_format(params: Params, name: str) -> Params:
   """Float params (already in format `name`'s compute dtype) quantized or laid out for jspec's
   CPU kernels if `name` says so (as `quantize_params` / `native_float_params` store them)."""
-  if name not in QUANTIZED and not (name == "float32" and jax.default_backend() == "cpu"):
+  if name not in QUANTIZED and not _native_float(name):
     return params
   head = None if params.lm_head is None else matrix_in_format(params.lm_head, (0,), name)
   return dataclasses.replace(map_layers(params, lambda lp: layer_in_format(lp, name)),
@@ -73,7 +78,7 @@ def layer_in_format(lp: LayerParams, name: str) -> LayerParams:
   if name == "q4":
     _cpu_only(name)
     return quantize_layer(lp, "native", bits=4)
-  if name == "float32" and jax.default_backend() == "cpu":
+  if _native_float(name):
     return native_float_layer(lp)
   return quantize_layer(lp, int8_kernel(name)) if name in QUANTIZED else lp
 
@@ -81,7 +86,7 @@ def layer_in_format(lp: LayerParams, name: str) -> LayerParams:
 def matrix_in_format(w, in_axes: tuple[int, ...], name: str):
   """A float matrix outside the decoder layers (a head, a feature drafter's fc) in format `name`,
   as `in_format` stores an LM head: int8 for every quantized format (q4's head is int8 too)."""
-  if name == "float32" and jax.default_backend() == "cpu":
+  if _native_float(name):
     return dense_native(w, in_axes)
   return quantize_int8(w, in_axes, int8_kernel("int8" if name == "q4" else name)) if (
       name in QUANTIZED) else w

@@ -572,6 +572,7 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8,
   embedding per row, which is its output channel when it is the tied LM head. bits=4: the
   decoder layers' projections in 4 bits instead (`quant.Q4Weight`, native kernel only; with a
   float16 offset a group unless q4_offsets=False)."""
+  _check_bits(bits, kernel)
   q8 = lambda w, axes: quant.quantize_int8(w, axes, kernel)
   layer = functools.partial(quantize_layer, kernel=kernel, bits=bits, q4_offsets=q4_offsets)
   return dataclasses.replace(
@@ -579,12 +580,16 @@ def quantize_params(params: Params, kernel: str = "xla", bits: int = 8,
       lm_head=None if params.lm_head is None else q8(params.lm_head, (0,)))
 
 
-def quantize_layer(lp: LayerParams, kernel: str = "xla", bits: int = 8,
-                   q4_offsets: bool = True) -> LayerParams:
-  """One decoder layer's projections as `quantize_params` stores them."""
+def _check_bits(bits: int, kernel: str) -> None:
   if bits not in (4, 8) or (bits == 4 and kernel != "native"):
     raise ValueError(f"weights quantize to 8 bits (kernel 'xla' or 'native') or 4 bits (kernel "
                      f"'native'), got {bits} bits with kernel {kernel!r}")
+
+
+def quantize_layer(lp: LayerParams, kernel: str = "xla", bits: int = 8,
+                   q4_offsets: bool = True) -> LayerParams:
+  """One decoder layer's projections as `quantize_params` stores them."""
+  _check_bits(bits, kernel)
   if bits == 4:
     project = lambda w, axes: quant.quantize_q4(w, axes, offset=q4_offsets)
   else:

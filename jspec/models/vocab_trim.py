@@ -91,9 +91,9 @@ def fit_vocab(params: Params, cfg: Config, vocab_size: int
   own V_d ids (a head of kept ids, as VocabTrim's: it never proposes an id past them) and reads
   the ids past them as zero embeddings. The rows dropped or added are past every token."""
   V_d = cfg.vocab_size
-  fitted = dataclasses.replace(cfg, vocab_size=vocab_size)
   if V_d == vocab_size:
     return params, cfg, None
+  fitted = dataclasses.replace(cfg, vocab_size=vocab_size)
   if V_d > vocab_size:
     head = None if params.lm_head is None else params.lm_head[:, :vocab_size]
     return (dataclasses.replace(params, embed=params.embed[:vocab_size], lm_head=head), fitted,
