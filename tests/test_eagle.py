@@ -178,3 +178,34 @@ def test_bench_round_components_time_a_feature_drafter(target, drafter):
   round_s, verify_s = round_components_s(model, drafter, gamma=3, prompt_len=8, cache_size=64,
                                          repeats=2)
   assert round_s > 0 and verify_s > 0
+
+
+@pytest.mark.parametrize("form, tied", [("int8", False), ("int8-native", True), ("q4", False),
+                                        ("native-float", True)])
+def test_the_targets_tables_are_read_as_it_stores_them(form, tied):
+  """An EAGLE drafter over a quantized target borrows the target's embedding and head as stored:
+  no dense float copy (an 8B target's is 2 GB each) and the head's matmul is the target's own,
+  so its logits are the target's head applied to the drafter's features; greedy output stays
+  the target's."""
+  from jspec.models.llama import lm_head, native_float_params, quantize_params
+  cfg = dataclasses.replace(TARGET, tie_embeddings=tied)
+  dense = init_params(cfg, jax.random.key(0), scale=0.3)
+  stored = {"int8": lambda p: quantize_params(p),
+            "int8-native": lambda p: quantize_params(p, kernel="native"),
+            "q4": lambda p: quantize_params(p, kernel="native", bits=4),
+            "native-float": native_float_params}[form](dense)
+  own = noisy_eagle(dense, cfg)  # the drafter's own weights float: only the tables vary
+  drafter = eagle_drafter(own.params, own.cfg, stored)
+  table = stored.embed if tied else stored.lm_head
+  assert drafter.embed is stored.embed and (drafter.head.lm_head or drafter.head.embed) is table
+  assert not isinstance(table, jax.Array)  # (the forms under test all store a weight object)
+  feats = jax.random.normal(jax.random.key(4), (2, 3, cfg.hidden_size))
+  np.testing.assert_array_equal(drafter._logits(feats), lm_head(stored, feats))
+  # The drafter's proposals read the same rows the dense tables give (to the target's rounding).
+  np.testing.assert_allclose(drafter._logits(feats),
+                             head_logits(jnp.asarray(dense.embed if tied else dense.lm_head.T),
+                                         feats), rtol=0.05, atol=0.3)
+  want = generate(stored, cfg, PROMPTS, max_new_tokens=12).sequences()
+  out = speculative_generate(stored, cfg, drafter, PROMPTS,
+                             spec=SpecConfig(gamma=3, max_new_tokens=12))
+  assert out.sequences() == want

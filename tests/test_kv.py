@@ -707,7 +707,7 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   the sampled tokens must follow the distribution of autoregressive decoding under the same policy,
   computed exactly by enumerating every continuation and teacher-forcing it through the evicting
   cache. The probing drafter's masks ride in every verification forward, unscored by H2O."""
-  from test_speculative import TINY, chi_square
+  from test_speculative import N_SAMPLES, TINY, chi_square
   import itertools
   from jspec.bench.kv import continuation_logprobs
   from jspec.drafting.model import ModelDrafter
@@ -736,7 +736,7 @@ def test_sampled_speculative_follows_the_budgeted_targets_distribution(drafter_k
   run = jax.jit(jax.vmap(lambda key: speculative_generate_tokens(
       params, TINY, drafter, padded, lengths, key, sp, spec=SpecConfig(gamma=2, max_new_tokens=3),
       cache_size=32, kv=policy).tokens[0]))
-  tokens = np.asarray(run(jax.random.split(jax.random.key(7), 20000)))
+  tokens = np.asarray(run(jax.random.split(jax.random.key(7), N_SAMPLES)))
   codes = tokens[:, 0] * V * V + tokens[:, 1] * V + tokens[:, 2]
   stat, dof, ok = chi_square(codes, (joint / joint.sum()).reshape(-1))
   assert ok, (stat, dof)
@@ -760,7 +760,7 @@ def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tr
   drew from as it drops entries.
   """
   import itertools
-  from test_speculative import chi_square
+  from test_speculative import N_SAMPLES, chi_square
   from jspec.bench.kv import continuation_logprobs
   from jspec.drafting.model import ModelDrafter
   from jspec.sampling.processing import processed_logprobs
@@ -794,7 +794,7 @@ def test_sampled_speculation_under_a_budget_is_exact_four_tokens_deep(method, tr
   run = jax.jit(jax.vmap(lambda key: engine(
       params, cfg, drafter, jnp.asarray([prompt + [0] * 6]), jnp.asarray([P]), key, sp,
       spec=spec, cache_size=32, kv=policy).tokens[0]))
-  tokens = np.asarray(run(jax.random.split(jax.random.key(78), 20000)))
+  tokens = np.asarray(run(jax.random.split(jax.random.key(78), N_SAMPLES)))
   codes = ((tokens[:, 0] * V + tokens[:, 1]) * V + tokens[:, 2]) * V + tokens[:, 3]
   stat, dof, ok = chi_square(codes, joint / joint.sum())
   assert ok, (stat, dof)

@@ -22,8 +22,8 @@ from jspec.speculative.chain import SpecConfig, speculative_generate, speculativ
 from jspec.speculative.probing import causal, probe_layout
 from jspec.speculative.tree import TreeSpecConfig, tree_speculative_generate, tree_speculative_loop
 from test_ngram import REPEATING
-from test_speculative import (PROMPTS, TARGET, TINY, chi_square, exact_distribution, own_program,
-                              sample_sequences)
+from test_speculative import (N_SAMPLES, PROMPTS, TARGET, TINY, chi_square, exact_distribution,
+                              own_program, sample_sequences)
 from test_tree_engine import sample_codes
 from tiny_models import jitted_forward
 
@@ -248,7 +248,8 @@ def test_sampled_probing_follows_the_target_distribution(kind):
   if kind == "tree":
     codes = sample_codes(target, drafter, "dynamic:3,2,1,2", sp, 31)
   else:
-    codes = sample_sequences(target, drafter, sp, gamma=2)
+    codes = sample_sequences(target, drafter, sp, gamma=2,
+                             n=2 * N_SAMPLES if kind == "control" else N_SAMPLES)
   stat, dof, ok = chi_square(codes, exact_distribution(target, sp))
   assert ok == (kind != "control"), (kind, stat, dof)
 

@@ -46,13 +46,14 @@ class EagleState(DraftState):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EagleDrafter(HeadDrafter):
-  """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table,
-  `head` [M or V, E] its output table (rows `keep_ids` when VocabTrim'd; None for EAGLE-3, whose
-  head is its own, in `params`)."""
+  """Feature-level drafter; see the module docstring. `embed` [V, E] is the target's input table
+  as the target stores it, `head` its output head: the target's (a layerless Params, read as
+  stored), a float table [M, E] of the rows `keep_ids` when VocabTrim'd, or None for EAGLE-3,
+  whose head is its own, in `params`."""
 
   params: EagleParams | Eagle3Params
-  embed: Array
-  head: Array | None
+  embed: Array  # or the target's int8 / CPU-kernel table (quant.take_rows reads either)
+  head: Array | Params | None
   cfg: Config = dataclasses.field(metadata=dict(static=True))
   keep_ids: Array | None = None
   # Propose under the target's penalties (jspec.sampling.penalties; with_draft_penalties).
@@ -187,14 +188,17 @@ class EagleDrafter(HeadDrafter):
 
 def eagle_drafter(params: EagleParams, cfg: Config, target_params: Params,
                   keep_ids=None) -> EagleDrafter:
-  """The drafter over the target's tables (`keep_ids`: VocabTrim head rows)."""
-  dtype = params.fc.dtype
-  embed = jnp.asarray(target_params.embed, dtype)
-  table = jnp.asarray(output_table(target_params), dtype)  # [V, E]
+  """The drafter over the target's tables (`keep_ids`: VocabTrim head rows). Both are read as
+  the target stores them (int8, 4-bit, a CPU kernel's layout: an 8B target's float32 copy would
+  be 2 GB each, and the head's matmul would leave the target's kernel); a VocabTrim head is its
+  kept rows as a float table [M, E] in the drafter's dtype."""
+  embed = target_params.embed
   if keep_ids is None:
-    return EagleDrafter(params=params, embed=embed, head=table, cfg=cfg)
+    head = dataclasses.replace(target_params, layers=())  # lm_head reads embed / lm_head
+    return EagleDrafter(params=params, embed=embed, head=head, cfg=cfg)
   keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
-  return EagleDrafter(params=params, embed=embed, head=table[jnp.asarray(keep)], cfg=cfg,
+  rows = jnp.asarray(output_table(target_params))[jnp.asarray(keep)]  # [M, E]
+  return EagleDrafter(params=params, embed=embed, head=rows.astype(params.fc.dtype), cfg=cfg,
                       keep_ids=jnp.asarray(keep))
 
 
@@ -208,15 +212,14 @@ def eagle3_drafter(params: Eagle3Params, cfg: Config, keep_ids=None,
       raise ValueError("an EAGLE-3 drafter reads the target's input table: pass embed= (the "
                        "target's embedding) or target_params=")
     embed = target_params.embed
-  dtype = params.fc.dtype
   M = params.head.shape[0]
   if keep_ids is None:
     if M != cfg.vocab_size:
       raise ValueError(f"an EAGLE-3 head of {M} rows needs its keep_ids (the target ids of its "
                        f"draft vocabulary); the target has {cfg.vocab_size}")
-    return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=None, cfg=cfg)
+    return EagleDrafter(params=params, embed=embed, head=None, cfg=cfg)
   keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
   if len(keep) != M:
     raise ValueError(f"keep_ids name {len(keep)} ids but the EAGLE-3 head has {M} rows")
-  return EagleDrafter(params=params, embed=jnp.asarray(embed, dtype), head=None, cfg=cfg,
+  return EagleDrafter(params=params, embed=embed, head=None, cfg=cfg,
                       keep_ids=jnp.asarray(keep))

@@ -413,12 +413,12 @@ def _feature_dir(stored: DrafterDir, target: Target, dtype: str) -> Drafter:
                          target_params=target.params)
   if isinstance(params, Eagle3Params):
     return eagle3_drafter(params, cfg, keep, target_params=target.params)
-  return eagle_drafter(params, cfg, target.params, keep)  # casts the tables it takes to dtype
+  return eagle_drafter(params, cfg, target.params, keep)  # the target's tables as stored
 
 
 def _feature_in_format(params, dtype: str):
   """A feature drafter's own matmuls (its layer, fc and EAGLE-3's head) in format `dtype`; the
-  target's tables it borrows stay as eagle_drafter takes them."""
+  target's tables it borrows stay as the target stores them."""
   own = params.drafter if isinstance(params, ConFuParams) else params
   own = dataclasses.replace(own, layer=layer_in_format(own.layer, dtype),
                             fc=matrix_in_format(own.fc, (0,), dtype))

@@ -35,6 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.models import quant
 from jspec.models.config import Config
 from jspec.models.eagle3 import Eagle3Params, fuse
 from jspec.models.llama import Params, rms_norm
@@ -73,7 +74,7 @@ def contemplate_embeddings(cp: ContemplateParams, cfg: Config, embed: Array,
                            tokens: Array) -> Array:
   """[..., E]: the input embedding of the contemplate token after each of `tokens` [...]: its
   router's top_k experts, mixed by their renormalised softmax weights."""
-  e = embed[tokens].astype(jnp.float32)
+  e = quant.take_rows(embed, tokens).astype(jnp.float32)
   e = rms_norm(e, jnp.ones(e.shape[-1:], jnp.float32), cfg.rms_norm_eps)  # [..., E] unit RMS
   scores = jnp.einsum("...e,en->...n", e, cp.router.astype(jnp.float32))
   # Exactly top_k experts, ties going to the lower index (a threshold at the k-th score would

@@ -22,7 +22,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.drafter import drafter_config, layers_copyable
 from jspec.models.llama import (LayerParams, Params, decoder_layer, init_params, layer_list,
-                                rms_norm, rope_tables)
+                                lm_head, rms_norm, rope_tables)
 
 Array = jax.Array
 
@@ -44,7 +44,8 @@ def eagle_forward(params: EagleParams, cfg: Config, embed: Array, tokens: Array,
   the pairs' K/V written at `slots` (default: lengths + t, causal among the new pairs; with
   `visible` [B, T, S], each pair sees exactly those cache slots, as tree drafting needs)."""
   B, T = tokens.shape
-  x = jnp.concatenate([embed[tokens].astype(feats.dtype), feats], axis=-1)  # [B, T, 2E]
+  x = jnp.concatenate([quant.take_rows(embed, tokens).astype(feats.dtype), feats],
+                      axis=-1)  # [B, T, 2E]
   x = quant.einsum("btf,fe->bte", x, params.fc)  # [B, T, E]
   if slots is None:
     slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -55,8 +56,12 @@ def eagle_forward(params: EagleParams, cfg: Config, embed: Array, tokens: Array,
   return rms_norm(x, params.norm, cfg.rms_norm_eps), dataclasses.replace(cache, k=k, v=v)
 
 
-def head_logits(head: Array, feats: Array) -> Array:
-  """Logits [..., M] of features [..., E] under the output table `head` [M, E]."""
+def head_logits(head: Array | Params, feats: Array) -> Array:
+  """Logits [..., M] of features [..., E] under the output table `head` [M, E], or under the
+  target's own head as it stores it (a layerless Params: int8, 4-bit or a CPU kernel's layout,
+  read by the target's matmul, not copied to a float table)."""
+  if isinstance(head, Params):
+    return lm_head(head, feats)
   return jnp.einsum("...e,me->...m", feats, head, preferred_element_type=jnp.float32)
 
 

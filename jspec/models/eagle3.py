@@ -106,7 +106,8 @@ def eagle3_forward(params: Eagle3Params, cfg: Config, embed: Array, tokens: Arra
 def attention_input(params: Eagle3Params, cfg: Config, embed: Array, tokens: Array,
                     feats: Array) -> Array:
   """What the layer's projections read: [normed embedding; normed feature] [B, T, 2E]."""
-  emb = rms_norm(embed[tokens].astype(feats.dtype), params.layer.attn_norm, cfg.rms_norm_eps)
+  emb = rms_norm(quant.take_rows(embed, tokens).astype(feats.dtype), params.layer.attn_norm,
+                 cfg.rms_norm_eps)
   return jnp.concatenate([emb, rms_norm(feats, params.hidden_norm, cfg.rms_norm_eps)], axis=-1)
 
 

@@ -557,7 +557,7 @@ def take_rows(table, ids: Array) -> Array:
                        f"axes {table.in_axes}")
     return table.stored[ids]
   if not isinstance(table, Int8Weight):
-    return table[ids]
+    return jnp.asarray(table)[ids]
   if table.in_axes != (1,):
     raise ValueError(f"take_rows reads an int8 table quantized per row (input axes (1,)), got "
                      f"input axes {table.in_axes}")
