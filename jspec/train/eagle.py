@@ -215,10 +215,13 @@ def feature_data(target, out: Path, network: str, data_dirs: tuple[str, ...], vo
                           out / "features" / ("taps.npy" if taps else "all.npy"),
                           progress=progress, taps=taps)
   features_s = time.perf_counter() - t0
-  table = jnp.asarray(output_table(target.params), jnp.float32)
-  embed = jnp.asarray(target.params.embed, jnp.float32)
-  # EAGLE-1 scores with the target's table (VocabTrim'd); EAGLE-3 has a head of its own.
-  head = None if taps else table if keep is None else table[jnp.asarray(keep)]
+  embed = target.params.embed  # as stored: training reads its rows and never its gradient
+  # EAGLE-1 scores with the target's table (VocabTrim'd) in float32, the gradient reaching its
+  # features exact (an int8 head rounds them); EAGLE-3 has a head of its own.
+  head = None
+  if not taps:
+    table = jnp.asarray(output_table(target.params), jnp.float32)
+    head = table if keep is None else table[jnp.asarray(keep)]
   n = len(rows)
   sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
                                                rows.top_logprobs[idx]), feats[idx], embed, head)
