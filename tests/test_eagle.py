@@ -197,7 +197,8 @@ def test_the_targets_tables_are_read_as_it_stores_them(form, tied):
   own = noisy_eagle(dense, cfg)  # the drafter's own weights float: only the tables vary
   drafter = eagle_drafter(own.params, own.cfg, stored)
   table = stored.embed if tied else stored.lm_head
-  assert drafter.embed is stored.embed and (drafter.head.lm_head or drafter.head.embed) is table
+  assert drafter.embed is stored.embed
+  assert (drafter.head.embed if tied else drafter.head.lm_head) is table
   assert not isinstance(table, jax.Array)  # (the forms under test all store a weight object)
   feats = jax.random.normal(jax.random.key(4), (2, 3, cfg.hidden_size))
   np.testing.assert_array_equal(drafter._logits(feats), lm_head(stored, feats))

@@ -29,7 +29,7 @@ from jspec.models import eagle3
 from jspec.models.eagle import EagleParams, eagle_forward, head_logits
 from jspec.models.eagle3 import Eagle3Params
 from jspec.models.llama import Params
-from jspec.models.vocab_trim import check_keep_ids, output_table
+from jspec.models.vocab_trim import check_keep_ids, output_rows
 from jspec.sampling.processing import SamplingParams
 from jspec.tree.structure import Tree, parent_of, take
 
@@ -197,8 +197,8 @@ def eagle_drafter(params: EagleParams, cfg: Config, target_params: Params,
     head = dataclasses.replace(target_params, layers=())  # lm_head reads embed / lm_head
     return EagleDrafter(params=params, embed=embed, head=head, cfg=cfg)
   keep = check_keep_ids(np.asarray(keep_ids), cfg.vocab_size)
-  rows = jnp.asarray(output_table(target_params))[jnp.asarray(keep)]  # [M, E]
-  return EagleDrafter(params=params, embed=embed, head=rows.astype(params.fc.dtype), cfg=cfg,
+  rows = output_rows(target_params, keep).astype(params.fc.dtype)  # [M, E]
+  return EagleDrafter(params=params, embed=embed, head=rows, cfg=cfg,
                       keep_ids=jnp.asarray(keep))
 
 

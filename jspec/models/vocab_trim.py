@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.models import quant
 from jspec.models.config import Config
 from jspec.models.llama import Params
 
@@ -76,11 +77,18 @@ def output_table(params: Params) -> Array:
   return params.embed if params.lm_head is None else jnp.asarray(params.lm_head).T
 
 
+def output_rows(params: Params, ids) -> Array:
+  """Rows `ids` of the head's table [M, E], float: a tied int8 table dequantizes those rows
+  alone."""
+  if params.lm_head is None:
+    return quant.take_rows(params.embed, jnp.asarray(ids))
+  return jnp.asarray(params.lm_head).T[jnp.asarray(ids)]
+
+
 def trim_head(params: Params, keep_ids: np.ndarray) -> Params:
   """Params whose LM head [E, M] holds only the kept ids' rows of the current head."""
-  table = output_table(params)
-  keep = check_keep_ids(keep_ids, table.shape[0])
-  return dataclasses.replace(params, lm_head=jnp.asarray(table)[keep].T)
+  keep = check_keep_ids(keep_ids, output_table(params).shape[0])
+  return dataclasses.replace(params, lm_head=output_rows(params, keep).T)
 
 
 def fit_vocab(params: Params, cfg: Config, vocab_size: int

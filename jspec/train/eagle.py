@@ -31,7 +31,7 @@ from jspec.models.cache import KVCache
 from jspec.models.config import Config
 from jspec.models.eagle import EagleParams, eagle_forward, head_logits, init_eagle
 from jspec.models.vocab_trim import (check_trim_size, full_to_trimmed, most_frequent_ids,
-                                     output_table)
+                                     output_rows, output_table)
 from jspec.train import distill, trainer
 from jspec.train.features import cached_features
 from jspec.train.losses import acceptance_sums, forward_kl
@@ -220,8 +220,8 @@ def feature_data(target, out: Path, network: str, data_dirs: tuple[str, ...], vo
   # features exact (an int8 head rounds them); EAGLE-3 has a head of its own.
   head = None
   if not taps:
-    table = jnp.asarray(output_table(target.params), jnp.float32)
-    head = table if keep is None else table[jnp.asarray(keep)]
+    head = jnp.asarray(output_table(target.params) if keep is None
+                       else output_rows(target.params, keep), jnp.float32)
   n = len(rows)
   sub = lambda idx: with_features(trainer.Rows(rows.tokens[idx], rows.mask[idx], rows.top_ids[idx],
                                                rows.top_logprobs[idx]), feats[idx], embed, head)
